@@ -1,0 +1,1 @@
+"""Bundled data: tokenizer corpus for test models, sample requests, default config."""

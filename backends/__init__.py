@@ -1,0 +1,1 @@
+"""Compute backends behind one small Protocol (DESIGN.md "The Backend protocol")."""

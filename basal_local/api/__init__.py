@@ -1,0 +1,1 @@
+"""The two wire dialects: validation into DecisionRequest, exact error bodies, answer shapes."""

@@ -1,0 +1,76 @@
+"""Error bodies of both dialects (PROTOCOL.md §1.2, §2.1, §8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+UNION_MEMBERS = (
+    ("string_type", "str", "Input should be a valid string"),
+    ("dict_type", "dict[any,any]", "Input should be a valid dictionary"),
+    ("list_type", "list[any]", "Input should be a valid list"),
+)
+MSG_NOT_OBJECT = "Input should be a valid dictionary or object to extract fields from"
+
+
+@dataclass
+class ApiError(Exception):
+    """An HTTP error answer: status, JSON body, extra headers."""
+
+    status: int
+    body: Any
+    headers: dict[str, str] | None = None
+
+
+def field_error(kind: str, loc: list[Any], msg: str, value: Any = ..., ctx: dict[str, Any] | None = None) -> dict:
+    """A pydantic-style item, keys in the order type, loc, msg, input, ctx."""
+    item: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg}
+    if value is not ...:
+        item["input"] = value
+    if ctx is not None:
+        item["ctx"] = ctx
+    return item
+
+
+def union_errors(loc: list[Any], value: Any) -> list[dict]:
+    """A value that is none of string/object/array: three errors, one per union member."""
+    return [field_error(kind, [*loc, suffix], msg, value) for kind, suffix, msg in UNION_MEMBERS]
+
+
+def missing(loc: list[Any], parent: Any) -> dict:
+    return field_error("missing", loc, "Field required", parent)
+
+
+def validation_error(items: list[dict]) -> ApiError:
+    return ApiError(422, {"detail": items})
+
+
+def usage_error(message: str) -> ApiError:
+    return ApiError(400, {"detail": {"error_type": "api_usage_error", "message": message}})
+
+
+def unsupported(kind: str, loc: list[Any], msg: str) -> ApiError:
+    return ApiError(422, {"error": "unsupported", "detail": [{"type": kind, "loc": loc, "msg": msg}]})
+
+
+def json_invalid(msg: str, pos: int) -> ApiError:
+    ctx_msg = msg[:1].upper() + msg[1:]
+    return ApiError(422, {"detail": [field_error("json_invalid", ["body", pos], "JSON decode error", {},
+                                                 {"error": ctx_msg})]})
+
+
+def overloaded(dialect: str) -> ApiError:
+    if dialect == "systemone":
+        body: Any = {"detail": {"error_type": "overloaded_error",
+                                "message": "Too many requests in flight. Retry after a short delay."}}
+    else:
+        body = {"error": "overloaded: too many requests in flight"}
+    return ApiError(529, body, {"retry-after": "1", "retry-after-ms": "1000"})
+
+
+def basal_error(message: str) -> ApiError:
+    return ApiError(422, {"error": message})
+
+
+def internal(detail: str) -> ApiError:
+    return ApiError(500, {"error": "internal", "detail": detail})

@@ -1,0 +1,1 @@
+"""The engine: planning, prefix-tree packing and scheduling. Backend-neutral; no HTTP, no frameworks."""

@@ -1,0 +1,238 @@
+"""Prefix-tree packing (ENGINE.md §1): prompts -> compressed tries -> rows -> forwards (PackedBatch).
+
+Pure Python/NumPy. Each row is one compressed trie over token ids, laid out depth-first (parent before
+children, children in order of first appearance). A prompt reads out at the last token of its block, so
+identical prompts share one readout. Positions are the token's index in its own prompt, which makes the
+packed forward exactly equal to one causal forward per prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from basal_local.backends.base import PackedBatch
+
+MAX_TREE_DEPTH = 8
+TREE_MAX_TOKENS = 32768
+FORWARD_MAX_TOKENS = 8192
+
+
+@dataclass
+class PromptSpec:
+    """One prompt to read out: its full token ids, its language (row key) and its letter ids."""
+
+    token_ids: Sequence[int]
+    lang: str
+    letter_ids: Sequence[int]
+
+
+@dataclass
+class _Block:
+    tokens: list[int]
+    depth: int
+    start: int  # position of the first token within its prompts
+    children: list[_Block] = field(default_factory=list)
+    index: dict[int, _Block] = field(default_factory=dict)  # shareable children by first token
+    readouts: list[int] = field(default_factory=list)  # prompt numbers that end at this block
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixTrie:
+    """A compressed trie of prompts (after an optional cached prefix of `offset` tokens)."""
+
+    def __init__(self, offset: int = 0, max_depth: int = MAX_TREE_DEPTH) -> None:
+        self.root = _Block([], 0, offset)
+        self.max_depth = max_depth
+        self.num_tokens = 0
+        self.num_prompts = 0
+
+    def growth(self, tokens: Sequence[int]) -> int:
+        """Tokens that inserting this prompt would add (exact unless the depth limit splits it off)."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.index.get(tokens[i])
+            if child is None:
+                return len(tokens) - i
+            k = _common_length(child.tokens, tokens[i:i + len(child.tokens)])
+            if k < len(child.tokens):
+                return len(tokens) - i - k
+            node, i = child, i + k
+        return 0
+
+    def insert(self, tokens: Sequence[int], prompt: int) -> int:
+        """Insert a prompt; returns the number of tokens it added."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("empty prompt after the cached prefix")
+        node, i = self.root, 0
+        self.num_prompts += 1
+        while True:
+            if i == len(tokens):
+                node.readouts.append(prompt)
+                return 0
+            child = node.index.get(tokens[i])
+            if child is None or child.depth >= self.max_depth:
+                return self._add_leaf(node, tokens[i:], prompt, shareable=node.depth + 1 < self.max_depth)
+            k = _common_length(child.tokens, tokens[i:i + len(child.tokens)])
+            if k == len(child.tokens):
+                node, i = child, i + k
+                continue
+            if _subtree_depth(child) + 1 > self.max_depth:
+                # splitting would push this subtree past the depth limit: the prompt goes unshared
+                return self._add_leaf(node, tokens[i:], prompt, shareable=False)
+            # split the child at k: a shared middle block, the old tail under it
+            mid = _Block(child.tokens[:k], child.depth, child.start)
+            child.tokens = child.tokens[k:]
+            child.start = mid.start + k
+            _deepen(child)
+            mid.children.append(child)
+            if child.depth < self.max_depth:
+                mid.index[child.tokens[0]] = child
+            node.children[node.children.index(child)] = mid
+            node.index[mid.tokens[0]] = mid
+            if i + k == len(tokens):
+                mid.readouts.append(prompt)
+                return 0
+            return self._add_leaf(mid, tokens[i + k:], prompt, shareable=mid.depth + 1 < self.max_depth)
+
+    def _add_leaf(self, parent: _Block, tokens: list[int], prompt: int, shareable: bool) -> int:
+        leaf = _Block(tokens, parent.depth + 1, parent.start + len(parent.tokens), readouts=[prompt])
+        parent.children.append(leaf)
+        if shareable:
+            parent.index[tokens[0]] = leaf
+        self.num_tokens += len(tokens)
+        return len(tokens)
+
+    def blocks(self) -> list[tuple[_Block, int]]:
+        """(block, parent number) in DFS pre-order; parent -1 for top-level blocks."""
+        out: list[tuple[_Block, int]] = []
+        stack: list[tuple[_Block, int]] = [(c, -1) for c in reversed(self.root.children)]
+        while stack:
+            block, parent = stack.pop()
+            out.append((block, parent))
+            me = len(out) - 1
+            stack.extend((c, me) for c in reversed(block.children))
+        return out
+
+
+def _subtree_depth(block: _Block) -> int:
+    return max([block.depth] + [_subtree_depth(c) for c in block.children])
+
+
+def _deepen(block: _Block) -> None:
+    block.depth += 1
+    for child in block.children:
+        _deepen(child)
+
+
+@dataclass
+class _Row:
+    lang: str
+    prefix: str | None
+    trie: PrefixTrie
+
+
+@dataclass
+class PackPlan:
+    """The forwards of a set of prompts and where each prompt's letters land."""
+
+    batches: list[PackedBatch]
+    # per input prompt: (batch number, readout row, letter columns)
+    readouts: list[tuple[int, int, list[int]]]
+    packed_tokens: int  # tokens computed (cached prefixes excluded)
+    unpacked_tokens: int  # sum of full prompt lengths
+    rows: list[_Row]
+
+
+def pack_prompts(prompts: Sequence[PromptSpec], prefixes: dict[str, Sequence[int]] | None = None,
+                 max_row_tokens: int = TREE_MAX_TOKENS, max_forward_tokens: int = FORWARD_MAX_TOKENS,
+                 max_depth: int = MAX_TREE_DEPTH) -> PackPlan:
+    """Pack prompts into language rows and forwards. `prefixes` maps a language to its cached template ids."""
+    prefixes = prefixes or {}
+    rows: list[_Row] = []
+    open_rows: dict[tuple[str, str | None], _Row] = {}
+    # questions about the same state next to each other: stable order by token ids within a language
+    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].lang, tuple(prompts[i].token_ids)))
+    for i in order:
+        spec = prompts[i]
+        cached = prefixes.get(spec.lang)
+        ids = list(spec.token_ids)
+        if cached is not None and len(ids) > len(cached) and ids[: len(cached)] == list(cached):
+            key: tuple[str, str | None] = (spec.lang, spec.lang)
+            ids = ids[len(cached):]
+            offset = len(cached)
+        else:
+            key, offset = (spec.lang, None), 0
+        row = open_rows.get(key)
+        if row is None or (row.trie.num_tokens and row.trie.num_tokens + row.trie.growth(ids) > max_row_tokens):
+            row = _Row(spec.lang, key[1], PrefixTrie(offset, max_depth))
+            rows.append(row)
+            open_rows[key] = row
+        row.trie.insert(ids, i)
+    # consecutive rows share a forward while the token sum fits
+    groups: list[list[_Row]] = []
+    size = 0
+    for row in rows:
+        if groups and size + row.trie.num_tokens <= max_forward_tokens:
+            groups[-1].append(row)
+            size += row.trie.num_tokens
+        else:
+            groups.append([row])
+            size = row.trie.num_tokens
+    batches: list[PackedBatch] = []
+    readouts: list[tuple[int, int, list[int]]] = [(0, 0, [])] * len(prompts)
+    for group in groups:
+        batches.append(_emit(group, prompts, len(batches), readouts))
+    return PackPlan(batches, readouts, sum(r.trie.num_tokens for r in rows),
+                    sum(len(p.token_ids) for p in prompts), rows)
+
+
+def _emit(rows: list[_Row], prompts: Sequence[PromptSpec], batch_no: int,
+          readouts: list[tuple[int, int, list[int]]]) -> PackedBatch:
+    token_ids: list[int] = []
+    positions: list[int] = []
+    token_block: list[int] = []
+    block_parent: list[int] = []
+    block_prefix: list[int] = []
+    readout_index: list[int] = []
+    prefix_names: list[str] = []
+    letters: dict[int, int] = {}
+    prompt_readout: dict[int, int] = {}
+    for row in rows:
+        prefix_no = -1
+        if row.prefix is not None:
+            if row.prefix not in prefix_names:
+                prefix_names.append(row.prefix)
+            prefix_no = prefix_names.index(row.prefix)
+        base = len(block_parent)
+        for block, parent in row.trie.blocks():
+            b = len(block_parent)
+            block_parent.append(-1 if parent < 0 else base + parent)
+            block_prefix.append(prefix_no)
+            token_ids.extend(block.tokens)
+            positions.extend(range(block.start, block.start + len(block.tokens)))
+            token_block.extend([b] * len(block.tokens))
+            if block.readouts:
+                readout_index.append(len(token_ids) - 1)
+                for p in block.readouts:
+                    prompt_readout[p] = len(readout_index) - 1
+    for p, r in prompt_readout.items():
+        columns = []
+        for lid in prompts[p].letter_ids:
+            columns.append(letters.setdefault(int(lid), len(letters)))
+        readouts[p] = (batch_no, r, columns)
+    return PackedBatch(
+        token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
+        token_block=np.asarray(token_block, dtype=np.int32), block_parent=np.asarray(block_parent, dtype=np.int32),
+        block_prefix=np.asarray(block_prefix, dtype=np.int32), readout_index=np.asarray(readout_index, dtype=np.int64),
+        letter_ids=np.asarray(list(letters), dtype=np.int64), prefixes=prefix_names)

@@ -1,0 +1,5 @@
+"""A Basal model directory: load checks (PROTOCOL.md §4.7), config, tokenizer, calibration, weights."""
+
+from .directory import ModelDir, ModelLoadError, load_model_dir
+
+__all__ = ["ModelDir", "ModelLoadError", "load_model_dir"]

@@ -1,0 +1,156 @@
+"""Open a model directory and refuse anything with a different prompt contract (PROTOCOL.md §4.7)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..protocol.constants import (
+    CHAT_TEMPLATE,
+    LETTERS,
+    PREFILL,
+    READOUT_KIND,
+    SYSTEM,
+    TEMPLATES_1_5,
+    USER_FORMAT,
+)
+from .config import ConfigError, LlamaConfig
+from .tokenizer import BasalTokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+REQUIRED_FILES = ("config.json", "basal.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json",
+                  "model.safetensors")
+CALIBRATION_KEYS = {"choice", "noul", "score", "multi", "act"}
+
+
+class ModelLoadError(ValueError):
+    """A model directory that basal-local will not load; the message names the file and the field."""
+
+
+@dataclass
+class Calibration:
+    temperatures: dict[str, float] = field(default_factory=dict)
+    thresholds: dict[str, float] = field(default_factory=dict)
+    present: bool = False
+
+    def temperature(self, key: str | None) -> float:
+        if key is None:
+            return 1.0
+        return self.temperatures.get(key, 1.0)
+
+
+@dataclass
+class ModelDir:
+    path: Path
+    name: str
+    version: str | None
+    config: LlamaConfig
+    tokenizer: BasalTokenizer
+    calibration: Calibration
+    weights_path: Path
+    basal_json: dict[str, Any]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path.name}: cannot be read as JSON ({exc})") from None
+
+
+def _check_basal_json(raw: Any) -> tuple[str, str | None]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not raw["name"]:
+        raise ModelLoadError('basal.json: field "name" must be a non-empty string (the served model name)')
+    readout = raw.get("readout")
+    if not isinstance(readout, dict):
+        raise ModelLoadError('basal.json: field "readout" must be an object')
+    if readout.get("kind") != READOUT_KIND:
+        raise ModelLoadError(f'basal.json: field "readout.kind" must be "{READOUT_KIND}" (got {readout.get("kind")!r})')
+    if readout.get("letters") != LETTERS:
+        raise ModelLoadError(f'basal.json: field "readout.letters" must be "{LETTERS}" (got {readout.get("letters")!r})')
+    if readout.get("prefill") != PREFILL:
+        raise ModelLoadError(f'basal.json: field "readout.prefill" must be {PREFILL!r} (got {readout.get("prefill")!r})')
+    templates = readout.get("templates")
+    expected = {lang: {"system": SYSTEM[lang], "user": USER_FORMAT[lang]} for lang in ("pl", "en")}
+    if templates != TEMPLATES_1_5 and templates != expected:
+        raise ModelLoadError('basal.json: field "readout.templates" is not the Basal prompt contract '
+                             f'(expected "{TEMPLATES_1_5}" or the exact pl/en templates)')
+    version = raw.get("version")
+    return raw["name"], version if isinstance(version, str) else None
+
+
+def load_calibration(path: Path) -> Calibration:
+    calibration_path = path / "CALIBRATION.json"
+    if not calibration_path.exists():
+        log.warning("%s: no CALIBRATION.json, probabilities are not calibrated (T = 1)", path)
+        return Calibration()
+    raw = _read_json(calibration_path)
+    temps = raw.get("temperature_per_prim", {}) if isinstance(raw, dict) else None
+    if not isinstance(temps, dict):
+        raise ModelLoadError('CALIBRATION.json: field "temperature_per_prim" must be an object')
+    for key, value in temps.items():
+        if key not in CALIBRATION_KEYS:
+            raise ModelLoadError(f'CALIBRATION.json: field "temperature_per_prim.{key}" is not a question type '
+                                 f"(allowed: {', '.join(sorted(CALIBRATION_KEYS))})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ModelLoadError(f'CALIBRATION.json: field "temperature_per_prim.{key}" must be a positive number')
+    thresholds = {}
+    for key, value in (raw.get("thresholds") or {}).items():
+        if isinstance(value, dict) and isinstance(value.get("confidence"), (int, float)):
+            thresholds[key] = float(value["confidence"])
+    return Calibration({k: float(v) for k, v in temps.items()}, thresholds, True)
+
+
+def check_weight_names(config: LlamaConfig, names_shapes: dict[str, tuple[int, ...]]) -> None:
+    expected = config.weight_shapes()
+    unknown = sorted(set(names_shapes) - set(expected))
+    missing = sorted(set(expected) - set(names_shapes))
+    if unknown:
+        raise ModelLoadError(f"model.safetensors: unknown tensor {unknown[0]!r} ({len(unknown)} unknown in all)")
+    if missing:
+        raise ModelLoadError(f"model.safetensors: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    for name, shape in expected.items():
+        if tuple(names_shapes[name]) != shape:
+            raise ModelLoadError(f"model.safetensors: tensor {name!r} has shape {tuple(names_shapes[name])}, "
+                                 f"config.json implies {shape}")
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from the safetensors header, without touching the data."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a model directory")
+    for name in REQUIRED_FILES:
+        if not (path / name).exists():
+            raise ModelLoadError(f"{name}: missing from {path}")
+    name, version = _check_basal_json(_read_json(path / "basal.json"))
+    if (path / "chat_template.jinja").read_text(encoding="utf-8") != CHAT_TEMPLATE:
+        raise ModelLoadError("chat_template.jinja: differs from the Basal chat template (byte comparison)")
+    try:
+        config = LlamaConfig.from_dict(_read_json(path / "config.json"))
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+    tok_config = _read_json(path / "tokenizer_config.json")
+    bos = tok_config.get("bos_token") if isinstance(tok_config, dict) else None
+    if isinstance(bos, dict):  # older files store AddedToken objects
+        bos = bos.get("content")
+    if not isinstance(bos, str):
+        raise ModelLoadError('tokenizer_config.json: field "bos_token" must be a string')
+    try:
+        tokenizer = BasalTokenizer(path / "tokenizer.json", bos)
+    except TokenizerError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if check_weights:
+        check_weight_names(config, read_safetensors_header(path / "model.safetensors"))
+    return ModelDir(path, name, version, config, tokenizer, load_calibration(path), path / "model.safetensors",
+                    _read_json(path / "basal.json"))

@@ -1,0 +1,137 @@
+"""`basal-local make-test-model`: a complete model directory of the contract with random weights.
+
+The tokenizer is a real BPE trained with `tokenizers` on the Polish and English texts in `assets/`
+(Metaspace, `<s>`=1, `<|im_start|>`=3, `<|im_end|>`=4 as in the Basal tokenizer). Presets `mini`, `4.5B`
+and `max` have the real architectures (BENCHMARKS.md), for speed measurements; `tiny` and `small` are for tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+from ..protocol.constants import CHAT_TEMPLATE, LETTERS, PREFILL, TEMPLATES_1_5
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=160, attention_bias=True, max_position_embeddings=4096, rope_theta=10000.0,
+                 rms_norm_eps=1e-6, vocab_size=None),
+    "small": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                  intermediate_size=320, attention_bias=False, max_position_embeddings=8192, rope_theta=500000.0,
+                  rms_norm_eps=1e-5, vocab_size=None),
+    "mini": dict(num_hidden_layers=32, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                 intermediate_size=8960, attention_bias=True, max_position_embeddings=8192, rope_theta=1000000.0,
+                 rms_norm_eps=1e-6, vocab_size=32000),
+    "4.5B": dict(num_hidden_layers=60, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+                 intermediate_size=11008, attention_bias=True, max_position_embeddings=32768, rope_theta=1000000.0,
+                 rms_norm_eps=1e-6, vocab_size=32000),
+    "max": dict(num_hidden_layers=50, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=14336, attention_bias=False, max_position_embeddings=32768, rope_theta=1000000.0,
+                rms_norm_eps=1e-5, vocab_size=32000),
+}
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+TEST_CALIBRATION = {
+    "temperature_per_prim": {"choice": 1.1387886347566916, "noul": 1.3939382634489992, "score": 1.5422108254079405},
+    "thresholds": {"0.01": {"confidence": 0.955}, "0.05": {"confidence": 0.763}},
+}
+
+
+def _corpus() -> list[str]:
+    from ..protocol.constants import SYSTEM, USER_FORMAT
+
+    assets = resources.files("basal_local.assets")
+    lines = []
+    for name in ("corpus_pl.txt", "corpus_en.txt"):
+        lines.extend(assets.joinpath(name).read_text(encoding="utf-8").splitlines())
+    for lang in ("pl", "en"):
+        lines.append(SYSTEM[lang])
+        lines.append(USER_FORMAT[lang])
+    lines.append(PREFILL + " ".join(LETTERS))
+    return lines
+
+
+def train_tokenizer(vocab_size: int = 4000) -> dict:
+    """A BPE tokenizer.json in the Basal layout, trained on the bundled texts. Deterministic."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    alphabet = sorted(set("".join(_corpus())) | set(LETTERS) | set("{}[]\":,.0123456789-+eE\n\t <>|_"))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    raw = json.loads(tok.to_str())
+    # The Basal layout: one Metaspace word per section; letters after the prefill stay single tokens.
+    raw["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    raw["normalizer"] = None
+    merges = raw["model"]["merges"]
+    raw["model"]["merges"] = [m for m in merges if not _joins_quote_and_letter(m)]
+    return raw
+
+
+def _joins_quote_and_letter(merge) -> bool:
+    left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+    return left.endswith('"') and right[:1] in LETTERS
+
+
+def _random_weights(shapes: dict[str, tuple[int, ...]], seed: int, device: str = "cpu"):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+        elif name.endswith(".bias"):
+            t = 0.05 * torch.randn(shape, generator=gen, device=device)
+        elif name.endswith("embed_tokens.weight"):
+            t = torch.randn(shape, generator=gen, device=device)
+        else:
+            fan_in = shape[1]
+            t = torch.randn(shape, generator=gen, device=device) / math.sqrt(fan_in)
+        out[name] = t.to(torch.bfloat16).cpu()
+    return out
+
+
+def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, name: str | None = None,
+                    device: str = "cpu") -> Path:
+    from safetensors.torch import save_file
+
+    from .config import LlamaConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    out = Path(directory).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    arch = dict(PRESETS[preset])
+    tokenizer_json = train_tokenizer()
+    n_tokens = len(tokenizer_json["model"]["vocab"])
+    vocab = arch.pop("vocab_size") or (n_tokens + 63) // 64 * 64
+    rope_theta = arch.pop("rope_theta")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "tie_word_embeddings": False, "mlp_bias": arch["attention_bias"], "vocab_size": vocab,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "bos_token_id": 1,
+        "eos_token_id": 4, "torch_dtype": "bfloat16", "initializer_range": 0.02, "attention_dropout": 0.0,
+        **arch,
+    }
+    parsed = LlamaConfig.from_dict(config)
+    files = {
+        "config.json": config,
+        "basal.json": {"name": name or f"basal-test-{preset}", "version": f"test-{preset}-seed{seed}",
+                       "readout": {"kind": "letter logits", "letters": LETTERS, "prefill": PREFILL,
+                                   "templates": TEMPLATES_1_5}},
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>",
+                                  "model_max_length": config["max_position_embeddings"],
+                                  "tokenizer_class": "PreTrainedTokenizerFast"},
+        "CALIBRATION.json": TEST_CALIBRATION,
+    }
+    for filename, content in files.items():
+        (out / filename).write_text(json.dumps(content, ensure_ascii=False, indent=1), encoding="utf-8")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    save_file(_random_weights(parsed.weight_shapes(), seed, device), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

@@ -1,0 +1,50 @@
+"""The normalized question model both dialects validate into (PROTOCOL.md §2, §4.4, §8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .constants import PL_CHARS
+
+Dialect = Literal["systemone", "basal"]
+QuestionType = Literal["choice", "noul", "score"]
+
+
+def detect_language(state_text: str, instructions_text: str) -> str:
+    """§4.2: Polish iff any Polish diacritic occurs in the state or the instructions."""
+    if any(ch in PL_CHARS for ch in state_text) or any(ch in PL_CHARS for ch in instructions_text):
+        return "pl"
+    return "en"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question ready to render. `options` are the shown option texts in criteria order."""
+
+    qid: str
+    qtype: QuestionType
+    instructions_text: str
+    keys: tuple[str, ...]
+    options: tuple[str, ...]
+    # calibration key of CALIBRATION.json (None = no calibration, upstream unknown type)
+    calibration_key: str | None
+    # score legend values keyed like `keys` (TypeSafe: original JSON values; upstream: shown texts)
+    legend: dict[str, Any] | None = None
+    # noul without given descriptions: default Tak/Nie or Yes/No depending on the language
+    default_yes_no: tuple[bool, bool] = (False, False)
+
+    @property
+    def fixed(self) -> bool:
+        """A single option is answered without the model (p = 1)."""
+        return len(self.keys) == 1
+
+
+@dataclass
+class DecisionRequest:
+    """A validated request: everything the engine needs, nothing of HTTP."""
+
+    dialect: Dialect
+    model: str
+    state_text: str
+    questions: list[Question] = field(default_factory=list)

@@ -1,0 +1,65 @@
+"""Prompt rendering (PROTOCOL.md §4.4-§4.5): option texts, the two orders and the chat template."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from .constants import LETTERS, PREFILL, SYSTEM, USER_FORMAT, YES_NO
+from .questions import Question, detect_language
+from .textrule import to_text
+
+
+def named_option_texts(criteria: dict[str, Any], option_keys: str) -> tuple[list[str], list[str]]:
+    """§4.4 named options: returns (keys, shown texts). `option_keys` is "show" or "hide"."""
+    keys = list(criteria)
+    texts = [key if desc is None else to_text(desc) for key, desc in criteria.items()]
+    counts = Counter(texts)
+    shown = []
+    for key, text, desc in zip(keys, texts, criteria.values()):
+        if desc is None or (option_keys == "hide" and counts[text] == 1):
+            shown.append(text)
+        else:
+            shown.append(f"{key}: {text}")
+    return keys, shown
+
+
+def question_language(state_text: str, question: Question) -> str:
+    return detect_language(state_text, question.instructions_text)
+
+
+def option_texts(question: Question, lang: str) -> list[str]:
+    """Shown texts with the language's defaults filled in for noul options without a description."""
+    texts = list(question.options)
+    for i, use_default in enumerate(question.default_yes_no):
+        if use_default:
+            texts[i] = YES_NO[lang][i]
+    return texts
+
+
+def orders(n: int) -> list[list[int]]:
+    """The two option orders (CONSTANT): original and reversed."""
+    return [list(range(n)), list(range(n - 1, -1, -1))]
+
+
+def render_prompt(state_text: str, question_text: str, texts: Sequence[str], perm: Sequence[int], lang: str,
+                  bos: str = "<s>") -> str:
+    """One prompt string, byte-exact to the chat template + prefill. Values are never re-scanned."""
+    opts = "\n".join(f"{LETTERS[k]}. {texts[perm[k]]}" for k in range(len(perm)))
+    # str.format inserts values verbatim, so braces inside the state are safe.
+    user = USER_FORMAT[lang].format(state=state_text, q=question_text, opts=opts)
+    return (
+        f"{bos}<|im_start|>system\n{SYSTEM[lang]}<|im_end|>\n"
+        f"<|im_start|>user\n{user}<|im_end|>\n"
+        f"<|im_start|>assistant\n{PREFILL}"
+    )
+
+
+def render_question(state_text: str, question: Question, bos: str = "<s>") -> tuple[str, list[list[int]], list[str]]:
+    """Both orders of one question: (language, perms, prompts)."""
+    lang = question_language(state_text, question)
+    texts = option_texts(question, lang)
+    perms = orders(len(texts))
+    prompts = [render_prompt(state_text, question.instructions_text, texts, p, lang, bos) for p in perms]
+    return lang, perms, prompts
