@@ -1,0 +1,213 @@
+"""The `basal-local` command: serve, prompts, make-test-model, pull, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+DEMO_BANNER = """\
+basal-local demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
+  The demo model has RANDOM weights: its answers are random. It shows the API, not a real decision model.
+  Get a real model with `basal-local pull mini` and start it with `basal-local serve --model mini`.
+
+Try it:
+  curl -s http://{host}:{port}/v1/systemone -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
+    "questions": {{"urgent": {{"type": "noul", "instructions": "Is this urgent?"}}}}}}'
+
+  python - <<'PY'
+  import json, urllib.request
+  body = {{"model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
+          "questions": {{"kind": {{"type": "choice", "criteria": {{"damage": "Uszkodzenie", "late": "Opóźnienie"}}}}}}}}
+  req = urllib.request.Request("http://{host}:{port}/v1/systemone", json.dumps(body).encode())
+  print(json.load(urllib.request.urlopen(req)))
+  PY
+Stop with Ctrl-C."""
+
+NO_MODEL = """\
+basal-local: error: no model to serve.
+  Try the demo (random weights, answers are random):  basal-local serve --demo
+  Serve a real model: basal-local pull mini && basal-local serve --model mini
+  or point at a model directory:                      basal-local serve --model /path/to/basal-1.5-mini"""
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch-tokens", type=int, dest="max_batch_tokens")
+    p.add_argument("--schedule", choices=["hrrn", "fifo"])
+    p.add_argument("--long-tokens", type=int, dest="long_tokens", help="long-lane threshold; 0 disables")
+    p.add_argument("--long-slice-ms", type=float, dest="long_slice_ms")
+    p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .model.directory import ModelLoadError, load_model_dir
+    from .model.registry import ModelNotFound, demo_model_dir, resolve_model
+    from .server.daemon import serve
+    from .server.settings import Settings
+
+    overrides = {k: getattr(args, k) for k in ("host", "port", "backend", "device", "dtype", "default_model",
+                                               "max_inflight", "max_batch_tokens", "schedule", "long_tokens",
+                                               "long_slice_ms", "prefix_cache")}
+    overrides["access_log"] = args.access_log or None
+    if args.model:
+        overrides["models"] = args.model
+    try:
+        settings = Settings.load(overrides, Path(args.config) if args.config else None)
+    except (ValueError, OSError) as exc:
+        print(f"basal-local: error: {exc}", file=sys.stderr)
+        return 2
+    dirs: list[Path] = []
+    banner = ""
+    if args.demo:
+        print("basal-local: preparing the demo model (generated once, a few seconds)...", flush=True)
+        dirs.append(demo_model_dir())
+        banner = DEMO_BANNER.format(host=settings.host, port=settings.port)
+    if not settings.models and not args.demo:
+        print(NO_MODEL, file=sys.stderr)
+        return 2
+    try:
+        for ref in settings.models:
+            path = resolve_model(ref)
+            load_model_dir(path, check_weights=True)  # refuse early, with the file and field named
+            dirs.append(path)
+    except (ModelNotFound, ModelLoadError) as exc:
+        print(f"basal-local: error: {exc}", file=sys.stderr)
+        return 2
+    if not banner:
+        banner = f"basal-local: serving on http://{settings.host}:{settings.port} (loading models...)"
+    serve(settings, dirs, banner)
+    return 0
+
+
+def cmd_prompts(args: argparse.Namespace) -> int:
+    from .api.basal import route_basal, validate_basal
+    from .api.errors import ApiError, basal_error, json_invalid
+    from .api.systemone import check_model_field, validate_systemone
+    from .engine.packer import pack_prompts
+    from .engine.plan import plan_request
+    from .model.directory import load_model_dir
+    from .protocol.questions import detect_language
+    from .protocol.textrule import JsonSyntaxError, parse_json
+
+    model = load_model_dir(args.model, check_weights=False)
+    served = {model.name: model}
+    raw = sys.stdin.buffer.read()
+    try:
+        try:
+            body = parse_json(raw)
+        except JsonSyntaxError as exc:
+            if args.dialect == "systemone":
+                raise json_invalid(exc.msg, exc.pos) from None
+            raise basal_error(f"{exc.msg}: line 1 column {exc.pos + 1} (char {exc.pos})") from None
+        if args.dialect == "systemone":
+            name = check_model_field(body, served, model.name)
+            request = validate_systemone(body, name)
+        else:
+            name = route_basal(body, served, model.name)
+            request = validate_basal(body, name)
+        prefixes = {lang: model.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+        plan = plan_request(request, model.tokenizer, model.config.max_position_embeddings, prefixes)
+    except ApiError as err:
+        print(json.dumps({"status": err.status, **({"body": err.body})}, ensure_ascii=False))
+        return 2
+    if args.tree:
+        from .engine.pretty import format_pack
+
+        print(format_pack(pack_prompts(plan.prompt_specs(), prefixes), model.tokenizer))
+        return 0
+    questions = {}
+    planned = {qp.question.qid: qp for qp in plan.questions}
+    for q in request.questions:
+        qp = planned.get(q.qid)
+        orders = [] if qp is None else [
+            {"prompt": text, "input_ids": ids, "letter_ids": qp.letter_ids}
+            for text, ids in zip(qp.prompts, qp.token_ids)]
+        questions[q.qid] = {"type": q.qtype, "language": qp.lang if qp else None, "orders": orders}
+    first = plan.questions[0].lang if plan.questions else detect_language(request.state_text, "")
+    print(json.dumps({"language": first, "questions": questions}, ensure_ascii=False))
+    return 0
+
+
+def cmd_make_test_model(args: argparse.Namespace) -> int:
+    from .model.testmodel import make_test_model
+
+    out = make_test_model(args.directory, preset=args.preset, seed=args.seed, name=args.name, device=args.device)
+    print(f"basal-local: wrote {args.preset} test model to {out}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .model.registry import pull
+
+    print(f"basal-local: downloaded to {pull(args.ref)}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="basal-local", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the daemon")
+    p.add_argument("--model", action="append", help="model directory or name (repeatable)")
+    p.add_argument("--demo", action="store_true", help="serve the bundled demo model (random weights)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--backend", choices=["auto", "torch", "mlx"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32"])
+    p.add_argument("--default-model", dest="default_model")
+    p.add_argument("--max-inflight", type=int, dest="max_inflight")
+    p.add_argument("--config", help="config.toml (default: the user config folder)")
+    p.add_argument("--access-log", action="store_true", dest="access_log")
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("prompts", help="show exactly what the model reads for a request on stdin")
+    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument("--dialect", choices=["systemone", "basal"], default="systemone")
+    p.add_argument("--tree", action="store_true", help="print the packed prefix tree instead")
+    p.set_defaults(func=cmd_prompts)
+
+    p = sub.add_parser("make-test-model", help="write a random-weight model directory of the contract")
+    p.add_argument("directory")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "mini", "4.5B", "max"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name")
+    p.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is faster)")
+    p.set_defaults(func=cmd_make_test_model)
+
+    p = sub.add_parser("pull", help="download a model into the Hugging Face cache")
+    p.add_argument("ref", help="mini, 4.5B, max or owner/name[@revision]")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("bench", help="measure latency and throughput")
+    p.add_argument("--model", help="model directory (default: the demo model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--http", help="URL of a running daemon: measure over HTTP instead")
+    p.add_argument("--clients", type=int, default=1)
+    p.add_argument("--requests", type=int, default=0, help="HTTP requests to send (default: the sample set)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="basal-local: %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

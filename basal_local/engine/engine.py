@@ -1,0 +1,207 @@
+"""One engine per model: a main lane and an optional long lane, each a thread that owns its queue.
+
+Requests arrive planned (validated, rendered, tokenized, sized). A lane drops cancelled requests, orders
+the queue (HRRN or FIFO), forms a batch within `max_batch_tokens`, packs it into prefix-tree forwards and
+runs them through the backend under the device gate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from basal_local.backends.base import Backend
+
+from ..model.directory import ModelDir
+from ..telemetry import BatchRecord, Telemetry
+from .gate import DeviceGate
+from .packer import pack_prompts
+from .plan import RequestPlan, finish, plan_request
+from .scheduler import RATE_START, Cancelled, Job, form_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSettings:
+    max_batch_tokens: int = 8192
+    schedule: str = "hrrn"  # or "fifo"
+    long_tokens: int = 4096  # 0 disables the long lane
+    long_slice_ms: float = 100.0
+    max_row_tokens: int = 32768
+    max_forward_tokens: int = 8192
+    prefix_cache: bool = True
+
+
+@dataclass
+class JobResult:
+    body: dict[str, Any]
+    queue_ms: float
+    compute_ms: float
+    batch_requests: int
+    batch_id: int
+
+
+class Lane:
+    def __init__(self, engine: ModelEngine, name: str, urgent: bool) -> None:
+        self.engine = engine
+        self.name = name
+        self.urgent = urgent
+        self.queue: list[Job] = []
+        self.rate = RATE_START
+        self._cond = threading.Condition()
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name=f"{engine.model.name}-{name}", daemon=True)
+
+    def put(self, job: Job) -> None:
+        with self._cond:
+            self.queue.append(job)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self.queue)
+
+    def _admit(self) -> list[Job]:
+        with self._cond:
+            while not self.queue and not self._stop:
+                self._cond.wait()
+            if self._stop:
+                return []
+            live = []
+            for job in self.queue:
+                if job.is_cancelled():
+                    self.engine.telemetry.count("cancelled")
+                    job.future.set_exception(Cancelled())
+                else:
+                    live.append(job)
+            settings = self.engine.settings
+            budget = settings.max_batch_tokens if self.urgent else 0  # the long lane runs one request at a time
+            batch, rest = form_batch(live, budget, self.engine.prefixes, settings.schedule, self.rate)
+            self.queue = rest
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._admit()
+            if not batch:
+                if self._stop:
+                    return
+                continue
+            try:
+                self.engine.run_batch(batch, self)
+            except Exception as exc:  # never lose the thread; every member gets the error
+                log.exception("batch failed")
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+
+
+class ModelEngine:
+    def __init__(self, model: ModelDir, backend: Backend, gate: DeviceGate, telemetry: Telemetry,
+                 settings: EngineSettings | None = None) -> None:
+        self.model = model
+        self.backend = backend
+        self.gate = gate
+        self.telemetry = telemetry
+        self.settings = settings or EngineSettings()
+        self.prefixes: dict[str, list[int]] = {}
+        if self.settings.prefix_cache:
+            for lang in ("pl", "en"):
+                ids = model.tokenizer.template_prefix(lang)
+                backend.add_prefix(lang, ids)
+                self.prefixes[lang] = ids
+        self.main = Lane(self, "main", urgent=True)
+        self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
+        self.forward_calls = 0
+
+    def start(self) -> None:
+        self.main.thread.start()
+        if self.long:
+            self.long.thread.start()
+
+    def stop(self) -> None:
+        self.main.stop()
+        if self.long:
+            self.long.stop()
+
+    def plan(self, request: Any) -> RequestPlan:
+        return plan_request(request, self.model.tokenizer, self.model.config.max_position_embeddings,
+                            self.prefixes)
+
+    def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
+               request_id: str = "") -> Job:
+        job = Job(plan, plan.packed_tokens, plan.prompt_specs(), is_cancelled=is_cancelled, arrival=plan.arrival,
+                  request_id=request_id)
+        if not plan.questions:  # every question fixed: nothing to compute
+            body = finish(plan, [], self.model.calibration, 0.0)
+            job.future.set_result(JobResult(body, 0.0, 0.0, 1, 0))
+            return job
+        long_lane = self.long is not None and plan.packed_tokens > self.settings.long_tokens
+        (self.long if long_lane else self.main).put(job)
+        return job
+
+    def waiting(self) -> int:
+        return self.main.waiting() + (self.long.waiting() if self.long else 0)
+
+    def _forward(self, batch, lane: Lane) -> np.ndarray:
+        self.forward_calls += 1
+        if lane.urgent:
+            self.gate.acquire(urgent=True)
+            try:
+                return self.backend.forward(batch)
+            finally:
+                self.gate.release()
+        self.gate.acquire(urgent=False)
+        try:
+            for step in self.backend.forward_steps(batch):
+                if step is None:
+                    self.gate.checkpoint()
+                else:
+                    return step
+        finally:
+            self.gate.release()
+        raise RuntimeError("forward_steps ended without logits")
+
+    def run_batch(self, jobs: Sequence[Job], lane: Lane) -> None:
+        started = time.perf_counter()
+        specs = []
+        owners: list[tuple[int, int, int]] = []
+        for j, job in enumerate(jobs):
+            for q, qp in enumerate(job.plan.questions):
+                for o in range(len(qp.token_ids)):
+                    owners.append((j, q, o))
+            specs.extend(job.specs)
+        s = self.settings
+        pack = pack_prompts(specs, self.prefixes, s.max_row_tokens, s.max_forward_tokens)
+        outputs = [self._forward(b, lane) for b in pack.batches]
+        logits: list[list[list[np.ndarray]]] = [[[None] * len(qp.token_ids) for qp in job.plan.questions]
+                                                for job in jobs]  # type: ignore[misc]
+        for (j, q, o), (b, r, cols) in zip(owners, pack.readouts):
+            logits[j][q][o] = outputs[b][r, cols]
+        elapsed = time.perf_counter() - started
+        if elapsed > 0.001:
+            lane.rate = 0.8 * lane.rate + 0.2 * pack.packed_tokens / elapsed
+        batch_id = self.telemetry.next_batch_id()
+        compute_ms = elapsed * 1000.0
+        for j, job in enumerate(jobs):
+            body = finish(job.plan, logits[j], self.model.calibration,
+                          (time.perf_counter() - job.plan.arrival) * 1000.0)
+            queue_ms = (started - job.arrival) * 1000.0
+            job.future.set_result(JobResult(body, queue_ms, compute_ms, len(jobs), batch_id))
+        self.telemetry.record_batch(BatchRecord(
+            batch_id, self.model.name, lane.name, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
+            len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
+            tree=[{"lang": r.lang, "prefix": r.prefix, "tokens": r.trie.num_tokens, "prompts": r.trie.num_prompts}
+                  for r in pack.rows]))

@@ -1,0 +1,105 @@
+"""Planning (on arrival): render, tokenize and size a validated request; turn letter logits into answers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..api.errors import unsupported
+from ..model.directory import Calibration
+from ..model.tokenizer import BasalTokenizer
+from ..protocol.answers import answer, usage
+from ..protocol.decision import average_orders, calibrate
+from ..protocol.questions import DecisionRequest, Question
+from ..protocol.render import render_question
+from .packer import PrefixTrie, PromptSpec
+
+
+@dataclass
+class QuestionPlan:
+    question: Question
+    lang: str
+    perms: list[list[int]]
+    prompts: list[str]
+    token_ids: list[list[int]]
+    letter_ids: list[int]
+
+
+@dataclass
+class RequestPlan:
+    request: DecisionRequest
+    questions: list[QuestionPlan]
+    input_tokens: int
+    packed_tokens: int  # tokens a forward computes for this request alone (cached template excluded)
+    arrival: float = field(default_factory=time.perf_counter)
+    planning_s: float = 0.0
+
+    def prompt_specs(self) -> list[PromptSpec]:
+        return [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
+
+
+def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positions: int,
+                 prefixes: dict[str, Sequence[int]] | None = None) -> RequestPlan:
+    """Render both orders of every question and tokenize them; raises ApiError for too-long prompts."""
+    started = time.perf_counter()
+    rendered = []
+    texts: list[str] = []
+    for q in request.questions:
+        if q.fixed:
+            continue
+        lang, perms, prompts = render_question(request.state_text, q, tokenizer.bos)
+        rendered.append((q, lang, perms, prompts))
+        texts.extend(prompts)
+    ids = tokenizer.encode_batch(texts) if texts else []
+    plans = []
+    for n, (q, lang, perms, prompts) in enumerate(rendered):
+        token_ids = ids[2 * n: 2 * n + len(prompts)]
+        longest = max(len(t) for t in token_ids)
+        if longest > max_positions:
+            raise unsupported("context_length_exceeded", ["body", "questions", q.qid],
+                              f"the prompt has {longest} tokens, more than the maximum context length of "
+                              f"{max_positions} tokens of model {request.model}")
+        plans.append(QuestionPlan(q, lang, perms, prompts, token_ids, tokenizer.letter_ids[: len(q.keys)]))
+    plan = RequestPlan(request, plans, sum(len(t) for t in ids), 0)
+    plan.packed_tokens = packed_size(plan.prompt_specs(), prefixes or {})
+    plan.planning_s = time.perf_counter() - started
+    return plan
+
+
+def packed_size(specs: Sequence[PromptSpec], prefixes: dict[str, Sequence[int]]) -> int:
+    """Tokens the prefix tries of these prompts hold (each language row, cached template excluded)."""
+    tries: dict[str, PrefixTrie] = {}
+    total = 0
+    for spec in specs:
+        ids = list(spec.token_ids)
+        cached = prefixes.get(spec.lang)
+        key = spec.lang
+        if cached is not None and len(ids) > len(cached) and ids[: len(cached)] == list(cached):
+            ids = ids[len(cached):]
+        else:
+            key = spec.lang + "/full"
+        trie = tries.setdefault(key, PrefixTrie())
+        total += trie.insert(ids, 0)
+    return total
+
+
+def finish(plan: RequestPlan, logits: Sequence[Sequence[np.ndarray]], calibration: Calibration,
+           latency_ms: float) -> dict[str, Any]:
+    """The response body from the letter logits of each question's orders."""
+    request = plan.request
+    by_qid = {qp.question.qid: (qp, logits[n]) for n, qp in enumerate(plan.questions)}
+    answers = {}
+    for q in request.questions:
+        if q.fixed:
+            p_cal = [1.0]
+        else:
+            qp, order_logits = by_qid[q.qid]
+            p = average_orders([np.asarray(x, dtype=np.float64).tolist() for x in order_logits], qp.perms)
+            p_cal = calibrate(p, calibration.temperature(q.calibration_key))
+        answers[q.qid] = answer(q, p_cal, request.dialect)
+    return {"model": request.model, "answers": answers,
+            "usage": usage(plan.input_tokens, request.questions, latency_ms, request.dialect)}

@@ -1,0 +1,1 @@
+"""The HTTP daemon: a thin litestar shell around the engines."""

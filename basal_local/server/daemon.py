@@ -1,0 +1,67 @@
+"""Start the daemon: load models in the background (health says "loading"), then serve with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from basal_local.backends.select import make_backend
+
+from ..engine.engine import ModelEngine
+from ..engine.gate import DeviceGate
+from ..model.directory import load_model_dir
+from .app import AppState, create_app
+from .settings import Settings
+
+log = logging.getLogger("basal_local.daemon")
+
+
+def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) -> None:
+    """Load every model (one gate for the device), then mark the state ready. Errors go to /health."""
+    try:
+        gate = DeviceGate(settings.engine.long_slice_ms / 1000.0)
+        for path in model_dirs:
+            model = load_model_dir(path)
+            if model.name in state.engines:
+                raise ValueError(f"two models are named {model.name!r} (basal.json name)")
+            backend = make_backend(settings.backend, settings.device)
+            info = backend.load(model.path, settings.dtype)
+            state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
+            engine = ModelEngine(model, backend, gate, state.telemetry, settings.engine)
+            engine.start()
+            state.engines[model.name] = engine
+            log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
+                     backend.device)
+        default = settings.default_model or next(iter(state.engines))
+        if default not in state.engines:
+            raise ValueError(f"default_model {default!r} is not one of the served models "
+                             f"({', '.join(state.engines)})")
+        state.default_model = default
+        state.ready = True
+        print(f"basal-local: ready: {', '.join(state.engines)} on {state.backend_name}/{state.device} "
+              f"({state.dtype})", flush=True)
+    except Exception as exc:
+        log.exception("loading failed")
+        state.load_error = f"loading failed: {exc}"
+        print(f"basal-local: error: {state.load_error}", flush=True)
+
+
+def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
+    state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
+                     access_log=settings.access_log)
+    app = create_app(state)
+    loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
+    loader.start()
+    if banner:
+        print(banner, flush=True)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            timeout_keep_alive=35, access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        for engine in state.engines.values():
+            engine.stop()

@@ -1,0 +1,71 @@
+"""Daemon settings: CLI flags > environment > config.toml > defaults (STYLE.md habit 2)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from ..engine.engine import EngineSettings
+
+APP = "basal-local"
+
+
+def home_dirs() -> dict[str, Path]:
+    """Config, cache, logs and state folders; BASAL_LOCAL_HOME moves everything."""
+    home = os.environ.get("BASAL_LOCAL_HOME")
+    if home:
+        base = Path(home).expanduser()
+        return {"config": base, "cache": base / "cache", "logs": base / "logs", "state": base / "state"}
+    return {"config": Path(platformdirs.user_config_dir(APP)), "cache": Path(platformdirs.user_cache_dir(APP)),
+            "logs": Path(platformdirs.user_log_dir(APP)), "state": Path(platformdirs.user_state_dir(APP))}
+
+
+@dataclass
+class Settings:
+    models: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    default_model: str | None = None
+    max_inflight: int = 1024
+    release_date: str = "2026-10-05"
+    access_log: bool = False
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+    @classmethod
+    def load(cls, overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
+        """Defaults, then config.toml, then BASAL_LOCAL_* variables, then the given (CLI) overrides."""
+        values: dict[str, Any] = {}
+        path = config_file or home_dirs()["config"] / "config.toml"
+        if path.exists():
+            with open(path, "rb") as fh:
+                values.update(tomllib.load(fh))
+        env_map = {"BASAL_LOCAL_HOST": "host", "BASAL_LOCAL_PORT": "port", "BASAL_LOCAL_DEVICE": "device",
+                   "BASAL_LOCAL_BACKEND": "backend", "BASAL_LOCAL_DTYPE": "dtype"}
+        for var, key in env_map.items():
+            if var in os.environ:
+                values[key] = os.environ[var]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls()
+        engine_fields = {f.name for f in fields(EngineSettings)}
+        for key, value in values.items():
+            if key in engine_fields:
+                kind = type(getattr(settings.engine, key))
+                setattr(settings.engine, key, kind(value))
+            elif key in {f.name for f in fields(cls)} and key != "engine":
+                current = getattr(settings, key)
+                if isinstance(current, int) and not isinstance(current, bool):
+                    value = int(value)
+                setattr(settings, key, value)
+            else:
+                raise ValueError(f"{path}: unknown setting {key!r}")
+        if isinstance(settings.models, str):
+            settings.models = [settings.models]
+        return settings
