@@ -1,0 +1,109 @@
+"""Shared fixtures: generated model directories (cached per session), an in-process app, a live daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".test-cache"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from basal_local.model.testmodel import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> Path:
+    from basal_local.model.testmodel import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("small"), preset="small", seed=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None, timeout: float = 60):
+    """(status, headers, parsed JSON body) for a request; errors are answers too."""
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+class Daemon:
+    def __init__(self, args: list[str], env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--port", str(self.port),
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited: {self.proc.stdout.read()}")
+            try:
+                status, _, _ = http("GET", self.url + "/health", timeout=2)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("daemon did not become ready")
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model):
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu"])
+    d.wait_ready()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def app_client(tiny_model):
+    """The litestar app in-process with the tiny model loaded (no socket)."""
+    from litestar.testing import TestClient
+
+    from basal_local.server.app import AppState, create_app
+    from basal_local.server.daemon import load_engines
+    from basal_local.server.settings import Settings
+
+    settings = Settings.load({"device": "cpu"}, config_file=Path("/nonexistent"))
+    state = AppState(max_inflight=settings.max_inflight)
+    load_engines(state, settings, [tiny_model])
+    assert state.ready, state.load_error
+    with TestClient(create_app(state)) as client:
+        client.basal_state = state
+        yield client
+    for engine in state.engines.values():
+        engine.stop()
