@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from pathlib import Path
 
@@ -49,6 +50,16 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
         print(f"basal-local: error: {state.load_error}", flush=True)
 
 
+class _Server(uvicorn.Server):
+    """SIGINT/SIGTERM stop the daemon gracefully and exit 0 (uvicorn re-raises the signal after shutdown)."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+
 def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
                      access_log=settings.access_log)
@@ -59,9 +70,10 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
         print(banner, flush=True)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_keep_alive=35, access_log=False)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     try:
         server.run()
     finally:
         for engine in state.engines.values():
             engine.stop()
+        print("basal-local: stopped", flush=True)

@@ -1,0 +1,179 @@
+"""End to end over a real socket: the daemon as a subprocess on a free port, checked against transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from .conftest import Daemon, http
+
+M = "basal-test-tiny"
+STATE = {"zgłoszenie": "Paczka dotarła uszkodzona 🙁", "kwota": 129.99, "tagi": ["dostawa", None]}
+QUESTIONS = {
+    "kind": {"type": "choice", "instructions": "Jaki jest rodzaj zgłoszenia?",
+             "criteria": {"damage": "Uszkodzenie", "late": "Opóźnienie", "other": None}},
+    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+    "level": {"type": "score", "instructions": "Priorytet?", "criteria": ["niski", {"p": "średni"}, ["wysoki"]]},
+    "hidden": {"type": "choice", "option_keys": "hide", "criteria": {"0": "Refund", "1": "Repair"}},
+}
+TEMPS = {"choice": 1.1387886347566916, "noul": 1.3939382634489992, "score": 1.5422108254079405}
+
+
+def prompts_of(model_dir, body, dialect):
+    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(model_dir),
+                          "--dialect", dialect], input=json.dumps(body).encode(), capture_output=True, check=True)
+    return json.loads(out.stdout)
+
+
+def reference_probabilities(hf, rendered, qtype, dialect_temperature=True):
+    """transformers logits at the last position + the protocol math written out again in numpy."""
+    orders = rendered["orders"]
+    n = len(orders[0]["letter_ids"])
+    p = np.zeros(n)
+    for k, order in enumerate(orders):
+        with torch.no_grad():
+            logits = hf(torch.tensor([order["input_ids"]])).logits[0, -1, order["letter_ids"]].double().numpy()
+        q = np.exp(logits - logits.max())
+        q /= q.sum()
+        perm = np.arange(n) if k == 0 else np.arange(n)[::-1]
+        p[perm] += q / len(orders)
+    if not dialect_temperature:
+        return p
+    z = np.log(np.maximum(p, 1e-12)) / TEMPS[qtype]
+    z = np.exp(z - z.max())
+    return z / z.sum()
+
+
+@pytest.mark.parametrize("dialect", ["systemone", "basal"])
+def test_every_type_matches_independent_computation(daemon, tiny_model, dialect):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    body = {"model": M, "state": STATE, "questions": QUESTIONS}
+    status, headers, out = http("POST", f"{daemon.url}/v1/{dialect}", body)
+    assert status == 200, out
+    assert out["model"] == M and list(out["answers"]) == list(QUESTIONS)
+    rendered = prompts_of(tiny_model, body, dialect)
+    total_tokens = 0
+    for qid, q in QUESTIONS.items():
+        ref = reference_probabilities(hf, rendered["questions"][qid], q["type"])
+        total_tokens += sum(len(o["input_ids"]) for o in rendered["questions"][qid]["orders"])
+        ans = out["answers"][qid]
+        assert ans["type"] == q["type"]
+        if q["type"] == "noul":
+            assert abs(ans["noul"] - ref[0]) <= 1e-5
+            if dialect == "basal":
+                assert abs(ans["probabilities"]["true"] - ref[0]) <= 1e-5 and ans["confidence"] == max(
+                    ans["probabilities"].values())
+            else:
+                assert set(ans) == {"type", "noul"}
+            continue
+        got = np.array(list(ans["probabilities"].values()))
+        assert np.abs(got - ref).max() <= 1e-5
+        n = len(ref)
+        if q["type"] == "choice":
+            assert ans["choice"] == list(ans["probabilities"])[int(np.argmax(got))]
+            expected_conf = (got.max() - 1 / n) / (1 - 1 / n) if dialect == "systemone" else got.max()
+        else:
+            assert abs(ans["score"] - float(np.dot(np.arange(n), got))) <= 1e-12
+            m = int(np.argmax(got))
+            mad = np.abs(np.arange(n) - (n - 1) / 2).sum() / n
+            expected_conf = max(0.0, 1 - float(np.dot(got, np.abs(np.arange(n) - m))) / mad) \
+                if dialect == "systemone" else got.max()
+            legend = ans["legend"]
+            if dialect == "systemone":
+                assert legend == {"0": "niski", "1": {"p": "średni"}, "2": ["wysoki"]}
+            else:
+                assert legend == {"0": "niski", "1": '{"p": "średni"}', "2": '["wysoki"]'}
+        assert abs(ans["confidence"] - expected_conf) <= 1e-9
+    assert out["usage"]["input_tokens"] == total_tokens
+    assert out["usage"] | {"latency_ms": 0} == {"input_tokens": total_tokens, "output_tokens": 0, "questions": 4,
+                                                "branches": 4, "latency_ms": 0}
+    for name in ("x-basal-queue-ms", "x-basal-compute-ms"):
+        whole, frac = headers[name].split(".")
+        assert len(frac) == 3 and float(headers[name]) >= 0
+    assert headers["x-basal-batch-requests"] == "1" and headers["x-request-id"]
+
+
+def test_models_and_health(daemon):
+    status, _, body = http("GET", daemon.url + "/v1/models")
+    assert status == 200
+    assert body == {"models": [{"name": M, "release_date": "2026-10-05",
+                                "description": "basal typed-decision model (choice / noul / score / act / multi), "
+                                               "Polish and English", "mode": "basal-local-torch-cpu",
+                                "early_exit": []}]}
+    status, _, body = http("GET", daemon.url + "/health")
+    assert status == 200
+    assert body == {"status": "ok", "models": [M], "default_model": M, "backend": "torch", "device": "cpu",
+                    "dtype": "f32"}
+
+
+def test_concurrent_clients_batch_and_answers_do_not_change(daemon):
+    bodies = [{"model": M, "state": f"Ticket {i}: the parcel {'is late' if i % 2 else 'arrived broken'}.",
+               "questions": {"q": {"type": "choice", "criteria": {"a": "Damage", "b": "Delay", "c": None}},
+                             "n": {"type": "noul", "instructions": f"Urgent #{i % 3}?"}}} for i in range(32)]
+    alone = [http("POST", daemon.url + "/v1/systemone", b)[2] for b in bodies]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda b: http("POST", daemon.url + "/v1/systemone", b), bodies * 2))
+    sizes = [int(h["x-basal-batch-requests"]) for _, h, _ in together]
+    assert max(sizes) > 1, sizes
+    for i, (status, _, out) in enumerate(together):
+        assert status == 200
+        ref = alone[i % 32]["answers"]
+        assert abs(out["answers"]["n"]["noul"] - ref["n"]["noul"]) <= 1e-6
+        got = np.array(list(out["answers"]["q"]["probabilities"].values()))
+        assert np.abs(got - np.array(list(ref["q"]["probabilities"].values()))).max() <= 1e-6
+    status, _, stats = http("GET", daemon.url + "/api/stats")
+    batched = [b for b in stats["batches"] if b["requests"] > 1]
+    assert batched and all(b["packed_tokens"] < b["unpacked_tokens"] for b in batched)
+
+
+def test_demo_command_answers_and_stops_cleanly(tmp_path):
+    d = Daemon(["--demo"], env={"BASAL_LOCAL_HOME": str(tmp_path)})
+    try:
+        d.wait_ready(timeout=120)
+        status, _, out = http("POST", d.url + "/v1/systemone", {
+            "model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
+            "questions": {"kind": {"type": "choice", "criteria": {"damage": "Uszkodzenie", "late": "Opóźnienie"}}}})
+        assert status == 200 and out["answers"]["kind"]["choice"] in ("damage", "late")
+    finally:
+        log = d.stop()
+    assert d.proc.returncode == 0
+    assert "RANDOM weights" in log and "curl" in log
+
+
+def test_no_model_names_demo(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "serve"], capture_output=True, text=True,
+                         env={"BASAL_LOCAL_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2
+    assert "--demo" in out.stderr and "pull" in out.stderr
+
+
+def test_prompts_cli_round_trip(tiny_model):
+    body = {"model": M, "state": "Zażółć", "questions": {"n": {"type": "noul", "instructions": "Czy?"},
+                                                         "one": {"type": "choice", "criteria": ["only"]}}}
+    out = prompts_of(tiny_model, body, "systemone")
+    assert out["language"] == "pl"
+    n = out["questions"]["n"]
+    assert n["type"] == "noul" and len(n["orders"]) == 2 and out["questions"]["one"]["orders"] == []
+    from basal_local.model import load_model_dir
+
+    tok = load_model_dir(tiny_model).tokenizer
+    for order in n["orders"]:
+        assert order["prompt"].endswith('{"answer": "') and "A. Tak\nB. Nie" in n["orders"][0]["prompt"]
+        assert order["input_ids"] == tok.encode(order["prompt"]) and order["input_ids"][:2] == [1, 3]
+        assert order["letter_ids"] == tok.letter_ids[:2]
+    bad = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(tiny_model)],
+                         input=b'{"model": "basal-test-tiny", "state": 1}', capture_output=True)
+    assert bad.returncode == 2
+    err = json.loads(bad.stdout)
+    assert err["status"] == 422 and err["body"]["detail"][0]["loc"] == ["body", "state", "str"]
+    tree = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(tiny_model), "--tree"],
+                          input=json.dumps(body), capture_output=True, check=True, text=True).stdout
+    assert "packed tokens" in tree and "prompts [0]" in tree.replace("prompts [1]", "prompts [0]")
