@@ -1,0 +1,179 @@
+"""Scheduling with a fake backend whose forward time grows with tokens (ENGINE.md §3, DESIGN.md "Scheduling")."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import wait
+
+import numpy as np
+import pytest
+
+from basal_local.api.systemone import validate_systemone
+from basal_local.engine.engine import EngineSettings, ModelEngine
+from basal_local.engine.gate import DeviceGate
+from basal_local.engine.scheduler import Cancelled
+from basal_local.model import load_model_dir
+from basal_local.telemetry import Telemetry
+
+US_PER_TOKEN = 100e-6
+LAYERS = 10
+
+
+class FakeBackend:
+    """Sleeps tokens x 100 us per forward, spread over 10 layers; counts forwards."""
+
+    name = "fake"
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def add_prefix(self, key, ids) -> None:
+        pass
+
+    def forward(self, batch):
+        *_, logits = self.forward_steps(batch)
+        return logits
+
+    def forward_steps(self, batch):
+        with self.lock:
+            self.calls += 1
+        per_layer = batch.num_tokens * US_PER_TOKEN / LAYERS
+        for _ in range(LAYERS - 1):
+            time.sleep(per_layer)
+            yield None
+        time.sleep(per_layer)
+        yield np.zeros((len(batch.readout_index), len(batch.letter_ids)), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return load_model_dir(tiny_model)
+
+
+def make_engine(model, **settings):
+    backend = FakeBackend()
+    engine = ModelEngine(model, backend, DeviceGate(settings.get("long_slice_ms", 100) / 1000.0), Telemetry(),
+                         EngineSettings(**settings))
+    engine.start()
+    return engine, backend
+
+
+def plan(engine, model, words: int, tag: str = ""):
+    state = ("słowo " * words) + tag
+    body = {"model": model.name, "state": state, "questions": {"q": {"type": "noul", "instructions": f"Czy {tag}?"}}}
+    return engine.plan(validate_systemone(body, model.name))
+
+
+def submit_timed(engine, p, done_at: dict, key, **kw):
+    job = engine.submit(p, **kw)
+    job.future.add_done_callback(lambda f: done_at.__setitem__(key, time.perf_counter()))
+    return job
+
+
+@pytest.mark.parametrize("schedule", ["hrrn", "fifo"])
+def test_short_requests_overtake_a_long_one_only_with_hrrn(model, schedule):
+    engine, _ = make_engine(model, schedule=schedule, long_tokens=0, max_batch_tokens=600)
+    try:
+        done: dict = {}
+        blocker = submit_timed(engine, plan(engine, model, 1200, "blocker"), done, "blocker")
+        time.sleep(0.02)
+        long_plan = plan(engine, model, 1200, "long")
+        assert long_plan.packed_tokens > 1000
+        jobs = [submit_timed(engine, long_plan, done, "long")]
+        time.sleep(0.01)  # the long one arrived first
+        jobs += [submit_timed(engine, plan(engine, model, 5, f"s{i}"), done, f"s{i}") for i in range(4)]
+        wait([blocker.future] + [j.future for j in jobs], timeout=30)
+        shorts_before_long = all(done[f"s{i}"] < done["long"] for i in range(4))
+        assert shorts_before_long == (schedule == "hrrn")
+    finally:
+        engine.stop()
+
+
+def test_long_request_is_not_starved(model):
+    engine, _ = make_engine(model, schedule="hrrn", long_tokens=0, max_batch_tokens=300)
+    try:
+        done: dict = {}
+        long_job = submit_timed(engine, plan(engine, model, 800, "long"), done, "long")
+        stream_end = time.perf_counter() + 3.0
+        n = 0
+        shorts = []
+        while time.perf_counter() < stream_end and "long" not in done:
+            shorts.append(submit_timed(engine, plan(engine, model, 5, f"s{n}"), done, f"s{n}"))
+            n += 1
+            time.sleep(0.004)
+        long_job.future.result(timeout=30)
+        assert done["long"] < stream_end, "the long request waited for the whole short stream"
+        wait([s.future for s in shorts], timeout=30)
+    finally:
+        engine.stop()
+
+
+def short_p95_under_mixed_load(model, **settings) -> tuple[float, int]:
+    engine, _ = make_engine(model, **settings)
+    try:
+        shorts = [plan(engine, model, 5, f"s{i}") for i in range(40)]
+        longs = [plan(engine, model, 1200, f"L{i}") for i in range(4)]
+        latencies: list[float] = []
+        futures = []
+        start = time.perf_counter()
+        for i, p in enumerate(shorts):
+            if i % 13 == 0:
+                futures.append(engine.submit(longs[i // 13]).future)
+            p.arrival = time.perf_counter()
+            job = engine.submit(p)
+            job.future.add_done_callback(lambda f, t=p.arrival: latencies.append(time.perf_counter() - t))
+            futures.append(job.future)
+            time.sleep(0.02)
+        wait(futures, timeout=60)
+        assert len(latencies) == len(shorts) and time.perf_counter() - start < 60
+        return sorted(latencies)[int(0.95 * len(latencies)) - 1] * 1000.0, engine.gate.handoffs
+    finally:
+        engine.stop()
+
+
+def test_long_lane_keeps_short_p95_far_below_fifo(model):
+    fifo_p95, _ = short_p95_under_mixed_load(model, schedule="fifo", long_tokens=0)
+    lane_p95, handoffs = short_p95_under_mixed_load(model, schedule="hrrn", long_tokens=1000, long_slice_ms=20)
+    print(f"short-request p95: fifo single lane {fifo_p95:.1f} ms, hrrn + long lane {lane_p95:.1f} ms "
+          f"({handoffs} hand-offs)")
+    assert handoffs > 0
+    assert lane_p95 < fifo_p95 / 2
+
+
+def test_cancelled_requests_cost_no_forward(model):
+    engine, backend = make_engine(model, long_tokens=0)
+    try:
+        blocker = engine.submit(plan(engine, model, 1200, "blocker"))
+        time.sleep(0.02)
+        gone = [engine.submit(plan(engine, model, 5, f"g{i}"), is_cancelled=lambda: True) for i in range(5)]
+        kept = engine.submit(plan(engine, model, 5, "kept"))
+        kept.future.result(timeout=30)
+        blocker.future.result(timeout=30)
+        for job in gone:
+            with pytest.raises(Cancelled):
+                job.future.result(timeout=5)
+        assert backend.calls == 2
+        assert engine.telemetry.counters["cancelled"] == 5
+    finally:
+        engine.stop()
+
+
+def test_batches_form_within_the_token_budget(model):
+    engine, backend = make_engine(model, long_tokens=0, max_batch_tokens=8192)
+    try:
+        blocker = engine.submit(plan(engine, model, 600, "blocker"))
+        time.sleep(0.01)
+        jobs = [engine.submit(plan(engine, model, 20, f"s{i}")) for i in range(10)]
+        results = [j.future.result(timeout=30) for j in jobs]
+        blocker.future.result(timeout=30)
+        assert max(r.batch_requests for r in results) == 10  # queued during the blocker, one batch after it
+        assert backend.calls == 2
+        record = engine.telemetry.batches[-1]
+        assert record.requests == 10 and record.packed_tokens < record.unpacked_tokens
+        assert statistics.mean(r.queue_ms for r in results) > 0
+    finally:
+        engine.stop()
