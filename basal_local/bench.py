@@ -105,6 +105,62 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int) -> dict[st
     }
 
 
+def bench_transformers_baseline(model_dir, device: str, dtype: str, repeat: int) -> dict[str, Any]:
+    """The same decisions through Hugging Face transformers (eager, SDPA, padded batches, full lm_head)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from .api.systemone import validate_systemone
+    from .engine.plan import plan_request
+    from .model.directory import load_model_dir
+
+    model = load_model_dir(model_dir)
+    dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    # auto: bf16 on the GPU (how transformers is usually run), the f32 reference on the CPU
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+                   "auto": torch.bfloat16 if dev == "cuda" else torch.float32}[dtype]
+    hf = LlamaForCausalLM.from_pretrained(model.path, dtype=torch_dtype, attn_implementation="sdpa").to(dev).eval()
+    plans = [plan_request(validate_systemone(r, model.name), model.tokenizer, 10**9)
+             for r in single_question_requests(model.name)]
+
+    def run(group) -> None:
+        prompts = [(ids, qp.letter_ids) for p in group for qp in p.questions for ids in qp.token_ids]
+        width = max(len(ids) for ids, _ in prompts)
+        tokens = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(tokens)
+        for i, (ids, _) in enumerate(prompts):
+            tokens[i, : len(ids)] = torch.tensor(ids)
+            mask[i, : len(ids)] = 1
+        with torch.inference_mode():
+            logits = hf(tokens.to(dev), attention_mask=mask.to(dev)).logits
+            rows = torch.tensor([len(ids) - 1 for ids, _ in prompts], device=dev)
+            last = logits[torch.arange(len(prompts), device=dev), rows].float()
+            for i, (_, letters) in enumerate(prompts):
+                last[i, letters].cpu()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    for p in plans[:5]:
+        run([p])
+    latencies = []
+    for _ in range(repeat):
+        for p in plans:
+            t = time.perf_counter()
+            run([p])
+            latencies.append((time.perf_counter() - t) * 1000.0)
+    size = 32
+    t = time.perf_counter()
+    n = 0
+    for _ in range(repeat):
+        for i in range(0, len(plans) - size + 1, size):
+            run(plans[i:i + size])
+            n += size
+    return {"mode": "transformers", "dtype": str(torch_dtype).replace("torch.", ""), "device": dev,
+            "single_ms": {"median": round(statistics.median(latencies), 3),
+                          "p95": round(_percentile(latencies, .95), 3)},
+            "throughput": {"batch32": {"decisions_per_s": round(n / (time.perf_counter() - t), 2)}}}
+
+
 def _torch_version() -> str:
     try:
         import torch
@@ -172,6 +228,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat)
+        if args.baseline == "transformers":
+            base = bench_transformers_baseline(model_dir, args.device, args.dtype, args.repeat)
+            result["baseline"] = base
+            result["speedup_single_median"] = round(base["single_ms"]["median"] / result["single_ms"]["median"], 2)
+            result["speedup_batch32"] = round(result["throughput"]["batch32"]["decisions_per_s"]
+                                              / base["throughput"]["batch32"]["decisions_per_s"], 2)
     if args.json:
         print(json.dumps(result))
     else:
