@@ -205,3 +205,33 @@ def test_overload_529_then_recovery(app_client):
     finally:
         state.max_inflight = saved
     assert post(app_client, q(type="noul", instructions="i"))[0] == 200
+
+
+def test_loading_state_answers_503(app_client):
+    state = app_client.basal_state
+    state.ready = False
+    try:
+        resp = app_client.get("/health")
+        assert (resp.status_code, resp.json()) == (503, {"status": "loading"})
+        resp = app_client.post("/v1/systemone", content=json.dumps(q(type="noul", instructions="i")))
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5"
+    finally:
+        state.ready = True
+    assert app_client.get("/health").status_code == 200
+
+
+def test_settings_flags_over_env_over_config_file(tmp_path, monkeypatch):
+    from basal_local.server.settings import Settings
+
+    config = tmp_path / "config.toml"
+    config.write_text('port = 9001\nhost = "127.0.0.2"\nmax_batch_tokens = 4096\nschedule = "fifo"\n'
+                      'long_tokens = 0\nmodels = ["a"]\n')
+    monkeypatch.setenv("BASAL_LOCAL_PORT", "9002")
+    s = Settings.load({"host": None, "long_slice_ms": 50}, config)
+    assert (s.port, s.host, s.models) == (9002, "127.0.0.2", ["a"])
+    assert (s.engine.max_batch_tokens, s.engine.schedule, s.engine.long_tokens, s.engine.long_slice_ms) == \
+        (4096, "fifo", 0, 50.0)
+    assert Settings.load({"port": 9003}, config).port == 9003
+    config.write_text("typo_setting = 1\n")
+    with pytest.raises(ValueError, match="unknown setting 'typo_setting'"):
+        Settings.load({}, config)

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from basal_local.backends.torch import TorchBackend
 
+from basal_local.backends.torch import TorchBackend
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
 

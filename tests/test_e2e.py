@@ -177,3 +177,56 @@ def test_prompts_cli_round_trip(tiny_model):
     tree = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(tiny_model), "--tree"],
                           input=json.dumps(body), capture_output=True, check=True, text=True).stdout
     assert "packed tokens" in tree and "prompts [0]" in tree.replace("prompts [1]", "prompts [0]")
+
+
+def test_headers_match_the_stats_endpoint(daemon):
+    ids = []
+    for i in range(3):
+        status, headers, _ = http("POST", daemon.url + "/v1/basal",
+                                  {"state": f"s{i}", "questions": {"n": {"type": "noul", "instructions": "i"}}},
+                                  headers={"x-request-id": f"hdr-{i}"})
+        assert status == 200 and headers["x-request-id"] == f"hdr-{i}"
+        ids.append(headers)
+    _, _, stats = http("GET", daemon.url + "/api/stats")
+    by_id = {r["id"]: r for r in stats["requests"]}
+    for i, headers in enumerate(ids):
+        record = by_id[f"hdr-{i}"]
+        assert f"{record['queue_ms']:.3f}" == headers["x-basal-queue-ms"]
+        assert f"{record['compute_ms']:.3f}" == headers["x-basal-compute-ms"]
+        assert str(record["batch_requests"]) == headers["x-basal-batch-requests"]
+        batch = next(b for b in stats["batches"] if b["batch_id"] == record["batch_id"])
+        assert batch["requests"] == record["batch_requests"] and batch["compute_ms"] == record["compute_ms"]
+
+
+def test_two_models_in_one_process(tiny_model, tmp_path):
+    from basal_local.model.testmodel import make_test_model
+
+    other = make_test_model(tmp_path / "other", preset="tiny", seed=5, name="other-model")
+    d = Daemon(["--model", str(tiny_model), "--model", str(other), "--default-model", "other-model",
+                "--device", "cpu"])
+    try:
+        d.wait_ready()
+        _, _, health = http("GET", d.url + "/health")
+        assert health["models"] == [M, "other-model"] and health["default_model"] == "other-model"
+        body = {"state": "s", "questions": {"n": {"type": "noul", "instructions": "Is it?"}}}
+        a = http("POST", d.url + "/v1/systemone", {**body, "model": M})[2]
+        b = http("POST", d.url + "/v1/systemone", {**body, "model": "other-model"})[2]
+        default = http("POST", d.url + "/v1/basal", body)[2]
+        assert (a["model"], b["model"], default["model"]) == (M, "other-model", "other-model")
+        assert a["answers"]["n"]["noul"] != b["answers"]["n"]["noul"]  # different weights, different answers
+        assert default["answers"]["n"]["noul"] == b["answers"]["n"]["noul"]
+    finally:
+        d.stop()
+
+
+def test_bench_command_in_process_and_http(daemon, tiny_model):
+    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "bench", "--model", str(tiny_model), "--device",
+                          "cpu", "--json"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    assert result["decisions"] == 67 and result["single_ms"]["median"] > 0
+    assert result["throughput"]["batch32"]["packed_tokens"] < result["throughput"]["batch32"]["unpacked_tokens"]
+    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "bench", "--http", daemon.url, "--clients", "8",
+                          "--requests", "40", "--json"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    assert result["requests"] == 40 and result["errors"] == 0 and result["req_per_s"] > 0
+    assert result["latency_ms"]["p50"] <= result["latency_ms"]["p99"]

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from basal_local.backends.torch import TorchBackend
 
 from basal_local.api.systemone import validate_systemone
+from basal_local.backends.torch import TorchBackend
 from basal_local.bench import sample_requests
 from basal_local.engine.packer import PromptSpec, pack_prompts
 from basal_local.model import load_model_dir

@@ -177,3 +177,77 @@ def test_batches_form_within_the_token_budget(model):
         assert statistics.mean(r.queue_ms for r in results) > 0
     finally:
         engine.stop()
+
+
+def test_client_disconnect_over_http_drops_the_request_before_compute(model):
+    """A real socket closed while its request waits: the engine drops it and never computes it."""
+    import asyncio
+    import json
+    import socket
+
+    import uvicorn
+
+    from basal_local.server.app import AppState, create_app
+
+    from .conftest import free_port
+
+    engine, backend = make_engine(model, long_tokens=0)
+    state = AppState(engines={model.name: engine}, default_model=model.name, ready=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        blocker = engine.submit(plan(engine, model, 1200, "blocker"))  # keeps the lane busy a while
+        time.sleep(0.02)
+        body = json.dumps({"model": model.name, "state": "x",
+                           "questions": {"n": {"type": "noul", "instructions": "i"}}}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            deadline = time.time() + 5
+            while state.inflight == 0 and time.time() < deadline:
+                time.sleep(0.005)
+            assert engine.waiting() == 1
+        blocker.future.result(timeout=30)
+        deadline = time.time() + 5
+        while engine.telemetry.counters["cancelled"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.telemetry.counters["cancelled"] == 1
+        assert backend.calls == 1  # only the blocker was computed
+        time.sleep(0.05)
+        assert state.inflight == 0  # the slot was released
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()
+
+
+def test_answers_alone_equal_answers_in_a_batch_of_32(tiny_model):
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.bench import single_question_requests
+
+    md = load_model_dir(tiny_model)
+    backend = TorchBackend("cpu")
+    backend.load(tiny_model, "f32")
+    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    engine.start()
+    try:
+        plans = [engine.plan(validate_systemone(r, md.name)) for r in single_question_requests(md.name)[:32]]
+        alone = [engine.submit(p).future.result(timeout=60) for p in plans]
+        blocker = engine.submit(plans[0])
+        batched_jobs = [engine.submit(p) for p in plans]
+        blocker.future.result(timeout=60)
+        batched = [j.future.result(timeout=60) for j in batched_jobs]
+        assert max(r.batch_requests for r in batched) >= 16
+        worst = 0.0
+        for a, b in zip(alone, batched):
+            for qid, ans in a.body["answers"].items():
+                pa = ans.get("probabilities", {"p": ans.get("noul")})
+                pb = b.body["answers"][qid].get("probabilities", {"p": b.body["answers"][qid].get("noul")})
+                worst = max(worst, max(abs(pa[k] - pb[k]) for k in pa))
+        assert worst <= 1e-6, worst
+    finally:
+        engine.stop()
