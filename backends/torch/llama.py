@@ -130,17 +130,21 @@ class TorchBackend:
         return F.linear(x, weight, bias)
 
     def _mask(self, batch: PackedBatch, prefix_lengths: list[int]) -> torch.Tensor:
-        """mask[t, s]: query t sees cached prefix keys of its row, ancestor blocks, and its own block causally."""
-        anc = ancestor_matrix(batch.block_parent)
-        blocks = batch.token_block
+        """mask[t, s]: query t sees cached prefix keys of its row, ancestor blocks, and its own block causally.
+
+        Built on the device from the small block-ancestor matrix, so nothing of size T x T crosses the bus.
+        """
+        dev = self.device
+        anc = torch.from_numpy(ancestor_matrix(batch.block_parent)).to(dev)
+        blocks = torch.from_numpy(batch.token_block.astype(np.int64)).to(dev)
+        n = blocks.shape[0]
         tree = anc[blocks[:, None], blocks[None, :]]
-        tree &= np.tril(np.ones((len(blocks), len(blocks)), dtype=bool))
-        parts = []
-        for j, length in enumerate(prefix_lengths):
-            sees = (batch.block_prefix[blocks] == j)[:, None]
-            parts.append(np.broadcast_to(sees, (len(blocks), length)))
-        parts.append(tree)
-        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=1))).to(self.device)
+        tree &= torch.ones((n, n), dtype=torch.bool, device=dev).tril_()
+        if not prefix_lengths:
+            return tree
+        block_prefix = torch.from_numpy(batch.block_prefix.astype(np.int64)).to(dev)[blocks]
+        parts = [(block_prefix == j)[:, None].expand(n, length) for j, length in enumerate(prefix_lengths)]
+        return torch.cat(parts + [tree], dim=1)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, batch: PackedBatch) -> np.ndarray:
@@ -177,8 +181,13 @@ class TorchBackend:
             if i == last:
                 # only the readout rows go on
                 queries, rows_mask, x = queries[:, readout], mask[readout], x[readout]
+            if n_heads != n_kv:
+                # GQA: heads of a KV group side by side; explicit expansion keeps SDPA on its fused
+                # (memory-efficient) kernel, which takes an arbitrary mask
+                keys = keys.repeat_interleave(n_heads // n_kv, dim=0)
+                values = values.repeat_interleave(n_heads // n_kv, dim=0)
             attn = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                                  attn_mask=rows_mask, enable_gqa=True)[0]
+                                                  attn_mask=rows_mask)[0]
             attn = attn.transpose(0, 1).reshape(-1, q_dim).to(x.dtype)
             x = x + self._linear(attn, layer.o_proj_weight, layer.o_proj_bias)
             h = self._rms_norm(x, layer.post_attention_layernorm)
