@@ -19,7 +19,7 @@ def mlx_available() -> bool:
         return False
 
 
-def make_backend(backend: str = "auto", device: str = "auto") -> Backend:
+def make_backend(backend: str = "auto", device: str = "auto", attention: str = "auto") -> Backend:
     if backend == "mlx" or (backend == "auto" and device in ("auto", "mps") and mlx_available()):
         raise ValueError("the MLX backend is not implemented yet in this version of basal-local; "
                          "use --backend torch")
@@ -27,4 +27,4 @@ def make_backend(backend: str = "auto", device: str = "auto") -> Backend:
         raise ValueError(f"unknown backend {backend!r} (choose auto, torch or mlx)")
     from .torch import TorchBackend
 
-    return TorchBackend(device)
+    return TorchBackend(device, attention)

@@ -37,7 +37,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
-def bench_in_process(model_dir, device: str, dtype: str, repeat: int) -> dict[str, Any]:
+def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention: str = "auto") -> dict[str, Any]:
     from basal_local.backends.select import make_backend
 
     from .api.systemone import validate_systemone
@@ -48,7 +48,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int) -> dict[st
     from .telemetry import Telemetry
 
     model = load_model_dir(model_dir)
-    backend = make_backend("torch", device)
+    backend = make_backend("torch", device, attention)
     t0 = time.perf_counter()
     info = backend.load(model.path, dtype)
     load_s = time.perf_counter() - t0
@@ -97,6 +97,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int) -> dict[st
                                       "unpacked_tokens": sum(p.unpacked_tokens for p in packs) // len(packs)}
     return {
         "mode": "in-process", "model": model.name, "backend": backend.name, "device": backend.device,
+        "attention": getattr(backend, "attention", ""),
         "dtype": info.dtype, "layers": info.layers, "hidden": info.hidden_size, "load_s": round(load_s, 2),
         "decisions": len(latencies),
         "single_ms": {"median": round(statistics.median(latencies), 3), "p95": round(_percentile(latencies, .95), 3)},
@@ -227,7 +228,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from .model.registry import demo_model_dir, resolve_model
 
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
-        result = bench_in_process(model_dir, args.device, args.dtype, args.repeat)
+        result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention)
         if args.baseline == "transformers":
             base = bench_transformers_baseline(model_dir, args.device, args.dtype, args.repeat)
             result["baseline"] = base

@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=1)
     p.add_argument("--requests", type=int, default=0, help="HTTP requests to send (default: the sample set)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
+                   help="tree attention: the dense-mask SDPA twin (default) or the FlexAttention kernel")
     p.add_argument("--baseline", choices=["none", "transformers"], default="none",
                    help="also time Hugging Face transformers on the same decisions (side by side)")
     p.set_defaults(func=cmd_bench)

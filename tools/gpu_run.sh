@@ -11,15 +11,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   rm -rf /tmp/t && cp -r tests /tmp/t
-  (cd /tmp && python3 -m pytest -q -s -p no:cacheprovider t/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | grep -v "it/s")
+  (cd /tmp && python3 -m pytest -q -s -p no:cacheprovider -p no:logging t/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.txt" | grep -v "it/s")
 fi
 PRESETS=${PRESETS:-4.5B}
 for preset in $PRESETS; do
   t0=$(date +%s)
   (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-$preset --preset $preset --device cuda) || exit 1
   echo "make-test-model $preset: $(( $(date +%s) - t0 )) s"
-  (cd /tmp && python3 -m basal_local.cli bench --model /tmp/m-$preset --device cuda --repeat 2 --baseline transformers --json \
-    > "$OUT/bench-$preset.json" 2> "$OUT/bench-$preset.err")
+  if [ -z "${SKIP_SDPA:-}" ]; then
+    (cd /tmp && python3 -m basal_local.cli bench --model /tmp/m-$preset --device cuda --repeat 2 --attention sdpa \
+      --json > "$OUT/bench-$preset-sdpa.json" 2> "$OUT/bench-$preset-sdpa.err")
+    tail -3 "$OUT/bench-$preset-sdpa.err"; cat "$OUT/bench-$preset-sdpa.json"; echo
+  fi
+  (cd /tmp && python3 -m basal_local.cli bench --model /tmp/m-$preset --device cuda --repeat 2 --attention flex \
+    --baseline transformers --json > "$OUT/bench-$preset.json" 2> "$OUT/bench-$preset.err")
   tail -3 "$OUT/bench-$preset.err"; cat "$OUT/bench-$preset.json"; echo
   python3 "$PWD/tools/invariance.py" /tmp/m-$preset | tee "$OUT/invariance-$preset.txt"
 done

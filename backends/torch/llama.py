@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from ..base import ModelInfo, PackedBatch, ancestor_matrix
+from ..base import ModelInfo, PackedBatch
+from .tree_attention import TreeAttention, flex_available
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -38,8 +39,17 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, device: str = "auto") -> None:
+    def __init__(self, device: str = "auto", attention: str = "auto") -> None:
         self.device = resolve_device(device)
+        if attention == "auto":
+            # measured on an H200 (docs/PERFORMANCE.md): the f32 FlexAttention kernel is still slower than the
+            # fused SDPA twin, so the twin is the default until a faster tree kernel lands
+            attention = "sdpa"
+        if attention == "flex" and not flex_available():
+            raise ValueError("attention 'flex' needs a torch with FlexAttention")
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"unknown attention {attention!r} (sdpa or flex)")
+        self.attention = attention
         self.prefix_kv: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     # ---- loading -------------------------------------------------------------------------------------------
@@ -129,23 +139,6 @@ class TorchBackend:
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def _mask(self, batch: PackedBatch, prefix_lengths: list[int]) -> torch.Tensor:
-        """mask[t, s]: query t sees cached prefix keys of its row, ancestor blocks, and its own block causally.
-
-        Built on the device from the small block-ancestor matrix, so nothing of size T x T crosses the bus.
-        """
-        dev = self.device
-        anc = torch.from_numpy(ancestor_matrix(batch.block_parent)).to(dev)
-        blocks = torch.from_numpy(batch.token_block.astype(np.int64)).to(dev)
-        n = blocks.shape[0]
-        tree = anc[blocks[:, None], blocks[None, :]]
-        tree &= torch.ones((n, n), dtype=torch.bool, device=dev).tril_()
-        if not prefix_lengths:
-            return tree
-        block_prefix = torch.from_numpy(batch.block_prefix.astype(np.int64)).to(dev)[blocks]
-        parts = [(block_prefix == j)[:, None].expand(n, length) for j, length in enumerate(prefix_lengths)]
-        return torch.cat(parts + [tree], dim=1)
-
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, batch: PackedBatch) -> np.ndarray:
         *_, logits = self.forward_steps(batch)
@@ -157,7 +150,7 @@ class TorchBackend:
         cfg = self.config
         n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         prefixes = [self.prefix_kv[name] for name in batch.prefixes]
-        mask = self._mask(batch, [p[0] for p in prefixes])
+        attention = TreeAttention(batch, [p[0] for p in prefixes], self.device, self.attention)
         cos, sin = self._rope(batch.positions)
         ids = torch.from_numpy(batch.token_ids.astype(np.int64)).to(self.device)
         readout = torch.from_numpy(batch.readout_index.astype(np.int64)).to(self.device)
@@ -176,18 +169,12 @@ class TorchBackend:
                 _capture.append((k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()))
             keys = torch.cat([p[1][i][0] for p in prefixes] + [k.transpose(0, 1)], dim=1)  # [Hkv, S, D]
             values = torch.cat([p[1][i][1] for p in prefixes] + [v.transpose(0, 1)], dim=1)
-            rows_mask = mask
-            queries = q.transpose(0, 1)  # [Hq, T, D]
             if i == last:
                 # only the readout rows go on
-                queries, rows_mask, x = queries[:, readout], mask[readout], x[readout]
-            if n_heads != n_kv:
-                # GQA: heads of a KV group side by side; explicit expansion keeps SDPA on its fused
-                # (memory-efficient) kernel, which takes an arbitrary mask
-                keys = keys.repeat_interleave(n_heads // n_kv, dim=0)
-                values = values.repeat_interleave(n_heads // n_kv, dim=0)
-            attn = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                                  attn_mask=rows_mask)[0]
+                attn = attention(q.transpose(0, 1), keys, values, rows=readout)
+                x = x[readout]
+            else:
+                attn = attention(q.transpose(0, 1).contiguous(), keys, values)  # [Hq, T, D]
             attn = attn.transpose(0, 1).reshape(-1, q_dim).to(x.dtype)
             x = x + self._linear(attn, layer.o_proj_weight, layer.o_proj_bias)
             h = self._rms_norm(x, layer.post_attention_layernorm)

@@ -1,0 +1,110 @@
+"""Tree attention over a packed batch: a fused FlexAttention kernel on CUDA, its plain SDPA twin everywhere.
+
+Visibility (ENGINE.md §1): query t of block b sees the cached prefix keys of its row, every key of an ancestor
+block, and the keys of its own block up to itself. Both implementations evaluate the same rule from the same
+small tensors: an extended ancestor matrix over blocks plus one virtual block per cached prefix, the block of
+every query and key, and each key's order (-1 for prefix keys, so they are visible to every query).
+The twin builds the dense [T, S] boolean mask; the kernel builds a block mask and skips fully masked tiles,
+so its work follows the tree instead of T x S.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..base import PackedBatch, ancestor_matrix
+
+log = logging.getLogger(__name__)
+_compiled_flex = None
+_flex_broken = False  # set once the compiled kernel failed on this machine: the twin takes over
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flex(compiled: bool):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention  # eager reference path (CPU tests)
+    if _compiled_flex is None:
+        # one compiled kernel for every token count (dynamic shapes), not one per shape
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+class TreeAttention:
+    """Built once per forward; called once per layer with f32 q [Hq, T, D], keys/values [Hkv, S, D]."""
+
+    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], device: str, impl: str = "sdpa") -> None:
+        n_blocks = len(batch.block_parent)
+        ext = np.zeros((n_blocks, n_blocks + len(prefix_lengths)), dtype=bool)
+        ext[:, :n_blocks] = ancestor_matrix(batch.block_parent)
+        for j in range(len(prefix_lengths)):
+            ext[:, n_blocks + j] = batch.block_prefix == j
+        prefix_blocks = [np.full(n, n_blocks + j, dtype=np.int64) for j, n in enumerate(prefix_lengths)]
+        total_prefix = sum(prefix_lengths)
+        n = batch.num_tokens
+        self.impl = impl
+        self.device = device
+        self.num_queries = n
+        self.num_keys = total_prefix + n
+        self.ext = torch.from_numpy(ext).to(device)
+        self.q_block = torch.from_numpy(batch.token_block.astype(np.int64)).to(device)
+        self.k_block = torch.from_numpy(np.concatenate(prefix_blocks + [batch.token_block.astype(np.int64)])).to(device)
+        self.k_order = torch.cat([torch.full((total_prefix,), -1, dtype=torch.int64),
+                                  torch.arange(n, dtype=torch.int64)]).to(device)
+        self._dense: torch.Tensor | None = None
+        self._block_mask = None
+        if impl == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            ext_t, q_block, k_block, k_order = self.ext, self.q_block, self.k_block, self.k_order
+
+            def visible(b, h, q_idx, kv_idx):
+                return ext_t[q_block[q_idx], k_block[kv_idx]] & (k_order[kv_idx] <= q_idx)
+
+            self._block_mask = create_block_mask(visible, None, None, n, self.num_keys, device=device)
+
+    def dense_mask(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The [T, S] (or [len(rows), S]) boolean mask of the twin."""
+        if rows is None:
+            if self._dense is None:
+                q = torch.arange(self.num_queries, device=self.device)
+                self._dense = self.ext[self.q_block][:, self.k_block] & (self.k_order[None, :] <= q[:, None])
+            return self._dense
+        return self.ext[self.q_block[rows]][:, self.k_block] & (self.k_order[None, :] <= rows[:, None])
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        n_heads, n_kv = q.shape[0], keys.shape[0]
+        global _flex_broken
+        if self.impl == "flex" and rows is None and not _flex_broken:
+            try:
+                # the prefill kernel always: the decoding variant has no f32 configuration
+                out = _flex(q.is_cuda)(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                       block_mask=self._block_mask, enable_gqa=n_heads != n_kv,
+                                       kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+                return out[0]
+            except Exception as exc:  # a compiler failure must not fail requests; the twin is exact
+                _flex_broken = True
+                log.warning("FlexAttention kernel unavailable (%s: %s); using dense-mask SDPA",
+                            type(exc).__name__, str(exc).splitlines()[0][:200])
+        if rows is not None:
+            q = q[:, rows]
+        if n_heads != n_kv:
+            # GQA: explicit expansion keeps SDPA on its fused memory-efficient kernel, which takes any mask
+            keys = keys.repeat_interleave(n_heads // n_kv, dim=0)
+            values = values.repeat_interleave(n_heads // n_kv, dim=0)
+        return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                              attn_mask=self.dense_mask(rows))[0]
