@@ -89,3 +89,24 @@ def test_cuda_flex_kernel_matches_sdpa_twin(small_model):
     diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(results["sdpa"], results["flex"])])
     print(f"cuda flex kernel vs sdpa twin (f32): max {diffs.max():.3g}, mean {diffs.mean():.3g}")
     assert diffs.max() <= 1e-4
+
+
+def test_cuda_graphs_match_eager(small_model):
+    md = load_model_dir(small_model)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
+    for dtype, bound in (("f32", 1e-4), ("f16", 5e-2)):
+        results = {}
+        for graphs in (False, True):
+            backend = TorchBackend("cuda", cuda_graphs=graphs)
+            backend.load(small_model, dtype)
+            for lang, ids in prefixes.items():
+                backend.add_prefix(lang, ids)
+            # single prompts (several buckets) and one packed batch
+            results[graphs] = [readout_logits(backend, pack_prompts([s], prefixes))[0] for s in specs[:6]]
+            results[graphs] += readout_logits(backend, pack_prompts(specs, prefixes))
+            if graphs:
+                assert backend._graphs, "no CUDA graph was captured"
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(results[False], results[True]))
+        print(f"cuda graphs vs eager ({dtype}): max |dlogit| = {worst:.3g}")
+        assert worst <= bound

@@ -123,3 +123,18 @@ def test_languages_get_separate_rows(engine_parts):
     pack = pack_prompts(specs, prefixes)
     langs = {row.lang for row in pack.rows}
     assert len(pack.rows) == len(langs) and langs == {s.lang for s in specs}
+
+
+def test_padding_for_cuda_graphs_changes_nothing(engine_parts):
+    """The padded layout a CUDA graph replays (extra invisible block, every cached prefix) gives the same logits."""
+    md, backend, prefixes = engine_parts
+    specs = random_specs(md, random.Random(21))
+    for use_prefix in (True, False):
+        pack = pack_prompts(specs, prefixes if use_prefix else None)
+        batch = pack.batches[0]
+        names = list(backend.prefix_kv)[::-1]  # a different prefix order than the batch's
+        padded = backend._padded(batch, batch.num_tokens + 37, names)
+        assert padded.num_tokens == batch.num_tokens + 37 and padded.prefixes == names
+        *_, plain = backend.forward_steps(batch)
+        *_, padded_logits = backend.forward_steps(padded)
+        assert np.abs(plain - padded_logits).max() <= 1e-6

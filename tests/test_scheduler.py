@@ -200,7 +200,8 @@ def test_client_disconnect_over_http_drops_the_request_before_compute(model):
     try:
         while not server.started:
             time.sleep(0.01)
-        blocker = engine.submit(plan(engine, model, 1200, "blocker"))  # keeps the lane busy a while
+        # two blockers in one batch keep the lane busy ~0.5 s
+        blockers = [engine.submit(plan(engine, model, 1200, f"blocker{i}")) for i in range(2)]
         time.sleep(0.02)
         body = json.dumps({"model": model.name, "state": "x",
                            "questions": {"n": {"type": "noul", "instructions": "i"}}}).encode()
@@ -208,15 +209,18 @@ def test_client_disconnect_over_http_drops_the_request_before_compute(model):
             sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             deadline = time.time() + 5
-            while state.inflight == 0 and time.time() < deadline:
-                time.sleep(0.005)
-            assert engine.waiting() == 1
-        blocker.future.result(timeout=30)
+            while engine.waiting() == 0 and time.time() < deadline:
+                time.sleep(0.002)
+            assert engine.waiting() == 1 and not blockers[0].future.done()
+        for blocker in blockers:
+            blocker.future.result(timeout=30)
         deadline = time.time() + 5
         while engine.telemetry.counters["cancelled"] == 0 and time.time() < deadline:
             time.sleep(0.01)
         assert engine.telemetry.counters["cancelled"] == 1
-        assert backend.calls == 1  # only the blocker was computed
+        # only the blockers were computed: every forward belongs to a batch of blockers
+        assert sum(b.requests for b in engine.telemetry.batches) == 2
+        assert backend.calls == len(engine.telemetry.batches)
         time.sleep(0.05)
         assert state.inflight == 0  # the slot was released
     finally:

@@ -23,7 +23,7 @@ for preset in $PRESETS; do
       --json > "$OUT/bench-$preset-sdpa.json" 2> "$OUT/bench-$preset-sdpa.err")
     tail -3 "$OUT/bench-$preset-sdpa.err"; cat "$OUT/bench-$preset-sdpa.json"; echo
   fi
-  (cd /tmp && python3 -m basal_local.cli bench --model /tmp/m-$preset --device cuda --repeat 2 --attention flex \
+  (cd /tmp && python3 -m basal_local.cli bench --model /tmp/m-$preset --device cuda --repeat 2 --attention ${ATTN:-auto} \
     --baseline transformers --json > "$OUT/bench-$preset.json" 2> "$OUT/bench-$preset.err")
   tail -3 "$OUT/bench-$preset.err"; cat "$OUT/bench-$preset.json"; echo
   python3 "$PWD/tools/invariance.py" /tmp/m-$preset | tee "$OUT/invariance-$preset.txt"

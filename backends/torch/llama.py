@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..base import ModelInfo, PackedBatch
-from .tree_attention import TreeAttention, flex_available
+from .tree_attention import StaticMaskAttention, TreeAttention, flex_available
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# token counts a CUDA graph is captured for; a forward is padded up to the next one
+GRAPH_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
 def resolve_device(device: str) -> str:
@@ -39,8 +41,12 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, device: str = "auto", attention: str = "auto") -> None:
+    def __init__(self, device: str = "auto", attention: str = "auto", cuda_graphs: bool = True) -> None:
         self.device = resolve_device(device)
+        # one CUDA graph per bucket replays layers 0..L-2 with a single launch; the last layer runs eagerly
+        self.cuda_graphs = cuda_graphs and self.device.startswith("cuda")
+        self._graphs: dict[tuple, tuple] = {}
+        self._graph_pool = None
         if attention == "auto":
             # measured on an H200 (docs/PERFORMANCE.md): the f32 FlexAttention kernel is still slower than the
             # fused SDPA twin, so the twin is the default until a faster tree kernel lands
@@ -140,54 +146,127 @@ class TorchBackend:
         return F.linear(x, weight, bias)
 
     # ---- forward -------------------------------------------------------------------------------------------
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefixes: list, attention,
+               rows: torch.Tensor | None = None, capture: list | None = None) -> torch.Tensor:
+        """One decoder layer; with `rows`, only those rows leave the attention (the last layer)."""
+        cfg = self.config
+        layer = self.layers[i]
+        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_dim, kv_dim = n_heads * d, n_kv * d
+        h = self._rms_norm(x, layer.input_layernorm)
+        q, k, v = self._linear(h, layer.qkv_weight, layer.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
+        # attention in f32: q, k, v after RoPE
+        q = self._apply_rope(q.float().view(-1, n_heads, d), cos, sin)
+        k = self._apply_rope(k.float().view(-1, n_kv, d), cos, sin)
+        v = v.float().view(-1, n_kv, d)
+        if capture is not None:
+            capture.append((k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()))
+        keys = torch.cat([p[1][i][0] for p in prefixes] + [k.transpose(0, 1)], dim=1)  # [Hkv, S, D]
+        values = torch.cat([p[1][i][1] for p in prefixes] + [v.transpose(0, 1)], dim=1)
+        if rows is not None:
+            attn = attention(q.transpose(0, 1), keys, values, rows=rows)
+            x = x[rows]
+        else:
+            attn = attention(q.transpose(0, 1).contiguous(), keys, values)  # [Hq, T, D]
+        attn = attn.transpose(0, 1).reshape(-1, q_dim).to(x.dtype)
+        x = x + self._linear(attn, layer.o_proj_weight, layer.o_proj_bias)
+        h = self._rms_norm(x, layer.post_attention_layernorm)
+        gate, up = self._linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, layer.down_proj_weight, layer.down_proj_bias)
+
+    def _letter_logits(self, x: torch.Tensor, letter_ids: np.ndarray) -> np.ndarray:
+        h = self._rms_norm(x, self.norm).float()
+        letters = torch.from_numpy(letter_ids.astype(np.int64)).to(self.device)
+        logits = h @ self.lm_head[letters].float().T  # [R, L]
+        if not torch.isfinite(logits).all():
+            raise FloatingPointError("non-finite letter logit")
+        return logits.cpu().numpy()
+
     def forward(self, batch: PackedBatch) -> np.ndarray:
+        if self.cuda_graphs and self.attention == "sdpa" and batch.num_tokens <= GRAPH_BUCKETS[-1]:
+            return self._forward_graphed(batch)
         *_, logits = self.forward_steps(batch)
         assert logits is not None
         return logits
 
     @torch.inference_mode()
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None) -> Iterator[np.ndarray | None]:
-        cfg = self.config
-        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         prefixes = [self.prefix_kv[name] for name in batch.prefixes]
         attention = TreeAttention(batch, [p[0] for p in prefixes], self.device, self.attention)
         cos, sin = self._rope(batch.positions)
         ids = torch.from_numpy(batch.token_ids.astype(np.int64)).to(self.device)
         readout = torch.from_numpy(batch.readout_index.astype(np.int64)).to(self.device)
         x = self.embed_tokens[ids]  # [T, H]
-        q_dim, kv_dim = n_heads * d, n_kv * d
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_layernorm)
-            qkv = self._linear(h, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-            # attention in f32: q, k, v after RoPE
-            q = self._apply_rope(q.float().view(-1, n_heads, d), cos, sin)
-            k = self._apply_rope(k.float().view(-1, n_kv, d), cos, sin)
-            v = v.float().view(-1, n_kv, d)
-            if _capture is not None:
-                _capture.append((k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()))
-            keys = torch.cat([p[1][i][0] for p in prefixes] + [k.transpose(0, 1)], dim=1)  # [Hkv, S, D]
-            values = torch.cat([p[1][i][1] for p in prefixes] + [v.transpose(0, 1)], dim=1)
-            if i == last:
-                # only the readout rows go on
-                attn = attention(q.transpose(0, 1), keys, values, rows=readout)
-                x = x[readout]
-            else:
-                attn = attention(q.transpose(0, 1).contiguous(), keys, values)  # [Hq, T, D]
-            attn = attn.transpose(0, 1).reshape(-1, q_dim).to(x.dtype)
-            x = x + self._linear(attn, layer.o_proj_weight, layer.o_proj_bias)
-            h = self._rms_norm(x, layer.post_attention_layernorm)
-            gate, up = self._linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer.down_proj_weight, layer.down_proj_bias)
-            if i != last:
-                yield None
-        h = self._rms_norm(x, self.norm).float()
-        letters = torch.from_numpy(batch.letter_ids.astype(np.int64)).to(self.device)
-        logits = h @ self.lm_head[letters].float().T  # [R, L]
-        if not torch.isfinite(logits).all():
-            raise FloatingPointError("non-finite letter logit")
-        yield logits.cpu().numpy()
+        for i in range(last):
+            x = self._layer(i, x, cos, sin, prefixes, attention, capture=_capture)
+            yield None
+        x = self._layer(last, x, cos, sin, prefixes, attention, rows=readout, capture=_capture)
+        yield self._letter_logits(x, batch.letter_ids)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------------------
+    def _padded(self, batch: PackedBatch, size: int, names: list[str]) -> PackedBatch:
+        """The batch padded to `size` tokens in one extra block that nothing sees, with every cached prefix."""
+        pad = size - batch.num_tokens
+        n_blocks = len(batch.block_parent)
+        block_prefix = batch.block_prefix.copy()
+        if batch.prefixes:
+            remap = np.array([names.index(p) for p in batch.prefixes], dtype=np.int32)
+            block_prefix = np.where(block_prefix >= 0, remap[np.maximum(block_prefix, 0)], -1).astype(np.int32)
+        return PackedBatch(
+            token_ids=np.concatenate([batch.token_ids, np.zeros(pad, dtype=np.int64)]),
+            positions=np.concatenate([batch.positions, np.zeros(pad, dtype=np.int64)]),
+            token_block=np.concatenate([batch.token_block, np.full(pad, n_blocks, dtype=np.int32)]),
+            block_parent=np.append(batch.block_parent, np.int32(-1)).astype(np.int32),
+            block_prefix=np.append(block_prefix, np.int32(-1)).astype(np.int32),
+            readout_index=batch.readout_index, letter_ids=batch.letter_ids, prefixes=list(names))
+
+    def _graph_body(self, static: dict[str, torch.Tensor], prefixes: list) -> torch.Tensor:
+        x = self.embed_tokens[static["ids"]]
+        attention = StaticMaskAttention(static["mask"])
+        for i in range(len(self.layers) - 1):
+            x = self._layer(i, x, static["cos"], static["sin"], prefixes, attention)
+        return x
+
+    def _graph(self, size: int, names: list[str]) -> tuple:
+        key = (size, tuple(names))
+        if key not in self._graphs:
+            dev, d = self.device, self.config.head_dim
+            keys = sum(self.prefix_kv[n][0] for n in names) + size
+            static = {"ids": torch.zeros(size, dtype=torch.long, device=dev),
+                      "cos": torch.ones(size, 1, d, device=dev), "sin": torch.zeros(size, 1, d, device=dev),
+                      "mask": torch.ones(size, keys, dtype=torch.bool, device=dev)}
+            prefixes = [self.prefix_kv[n] for n in names]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (allocator, cuBLAS handles)
+                for _ in range(2):
+                    self._graph_body(static, prefixes)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                out = self._graph_body(static, prefixes)
+            self._graphs[key] = (graph, static, out, prefixes)
+        return self._graphs[key]
+
+    @torch.inference_mode()
+    def _forward_graphed(self, batch: PackedBatch) -> np.ndarray:
+        size = next(b for b in GRAPH_BUCKETS if b >= batch.num_tokens)
+        names = list(self.prefix_kv)
+        padded = self._padded(batch, size, names)
+        attention = TreeAttention(padded, [self.prefix_kv[n][0] for n in names], self.device, "sdpa")
+        graph, static, out, prefixes = self._graph(size, names)
+        cos, sin = self._rope(padded.positions)
+        static["ids"].copy_(torch.from_numpy(padded.token_ids).to(self.device))
+        static["cos"].copy_(cos)
+        static["sin"].copy_(sin)
+        static["mask"].copy_(attention.dense_mask())
+        graph.replay()
+        readout = torch.from_numpy(batch.readout_index.astype(np.int64)).to(self.device)
+        x = self._layer(len(self.layers) - 1, out, cos, sin, prefixes, attention, rows=readout)
+        return self._letter_logits(x, batch.letter_ids)
 
     def add_prefix(self, key: str, token_ids: list[int]) -> None:
         n = len(token_ids)

@@ -43,6 +43,26 @@ def _flex(compiled: bool):
     return _compiled_flex
 
 
+def sdpa_twin(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Dense-mask attention: q [Hq, T, D], keys/values [Hkv, S, D], mask [T, S] bool."""
+    n_heads, n_kv = q.shape[0], keys.shape[0]
+    if n_heads != n_kv:
+        # GQA: explicit expansion keeps SDPA on its fused memory-efficient kernel, which takes any mask
+        keys = keys.repeat_interleave(n_heads // n_kv, dim=0)
+        values = values.repeat_interleave(n_heads // n_kv, dim=0)
+    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)[0]
+
+
+class StaticMaskAttention:
+    """Attention with a mask held in a fixed buffer (inside a captured CUDA graph)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+
+    def __call__(self, q, keys, values, rows=None) -> torch.Tensor:
+        return sdpa_twin(q, keys, values, self.mask)
+
+
 class TreeAttention:
     """Built once per forward; called once per layer with f32 q [Hq, T, D], keys/values [Hkv, S, D]."""
 
@@ -102,9 +122,4 @@ class TreeAttention:
                             type(exc).__name__, str(exc).splitlines()[0][:200])
         if rows is not None:
             q = q[:, rows]
-        if n_heads != n_kv:
-            # GQA: explicit expansion keeps SDPA on its fused memory-efficient kernel, which takes any mask
-            keys = keys.repeat_interleave(n_heads // n_kv, dim=0)
-            values = values.repeat_interleave(n_heads // n_kv, dim=0)
-        return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                              attn_mask=self.dense_mask(rows))[0]
+        return sdpa_twin(q, keys, values, self.dense_mask(rows))
