@@ -68,6 +68,8 @@ class Backend(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
+    # optional: `warmup(max_tokens)` prepares shapes (CUDA graphs) before the first request
+
 
 def ancestor_matrix(block_parent: np.ndarray) -> np.ndarray:
     """anc[b, a] is True iff block a is b or an ancestor of b (parents precede children)."""

@@ -52,7 +52,9 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     t0 = time.perf_counter()
     info = backend.load(model.path, dtype)
     load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     engine = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    warmup_s = time.perf_counter() - t0  # template K/V and, on CUDA, graph capture of every bucket
     requests = [validate_systemone(r, model.name) for r in single_question_requests(model.name)]
 
     def sync():
@@ -99,6 +101,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
         "mode": "in-process", "model": model.name, "backend": backend.name, "device": backend.device,
         "attention": getattr(backend, "attention", ""),
         "dtype": info.dtype, "layers": info.layers, "hidden": info.hidden_size, "load_s": round(load_s, 2),
+        "warmup_s": round(warmup_s, 2),
         "decisions": len(latencies),
         "single_ms": {"median": round(statistics.median(latencies), 3), "p95": round(_percentile(latencies, .95), 3)},
         "packed_tokens_p50": statistics.median(packed), "throughput": throughput,

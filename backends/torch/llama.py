@@ -252,6 +252,14 @@ class TorchBackend:
         return self._graphs[key]
 
     @torch.inference_mode()
+    def warmup(self, max_tokens: int = GRAPH_BUCKETS[-1]) -> None:
+        """Capture the CUDA graphs of every bucket up to `max_tokens` now, not on the first request."""
+        if self.cuda_graphs and self.attention == "sdpa":
+            for size in GRAPH_BUCKETS:
+                if size <= max(max_tokens, GRAPH_BUCKETS[0]):
+                    self._graph(size, list(self.prefix_kv))
+
+    @torch.inference_mode()
     def _forward_graphed(self, batch: PackedBatch) -> np.ndarray:
         size = next(b for b in GRAPH_BUCKETS if b >= batch.num_tokens)
         names = list(self.prefix_kv)

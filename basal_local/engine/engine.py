@@ -122,6 +122,9 @@ class ModelEngine:
                 ids = model.tokenizer.template_prefix(lang)
                 backend.add_prefix(lang, ids)
                 self.prefixes[lang] = ids
+        warmup = getattr(backend, "warmup", None)
+        if warmup is not None:  # e.g. capture CUDA graphs before the first request
+            warmup(self.settings.max_forward_tokens)
         self.main = Lane(self, "main", urgent=True)
         self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
         self.forward_calls = 0
