@@ -200,6 +200,9 @@ class TorchBackend:
         last = len(self.layers) - 1
         for i in range(last):
             x = self._layer(i, x, cos, sin, prefixes, attention, capture=_capture)
+            if x.is_cuda:
+                # the device is idle at a yield, so a parked long lane really hands it over
+                torch.cuda.synchronize()
             yield None
         x = self._layer(last, x, cos, sin, prefixes, attention, rows=readout, capture=_capture)
         yield self._letter_logits(x, batch.letter_ids)
