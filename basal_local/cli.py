@@ -82,35 +82,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_prompts(args: argparse.Namespace) -> int:
-    from .api.basal import route_basal, validate_basal
-    from .api.errors import ApiError, basal_error, json_invalid
-    from .api.systemone import check_model_field, validate_systemone
+    from .api import ApiError, parse_body, route, validate
     from .engine.packer import pack_prompts
     from .engine.plan import plan_request
     from .model.directory import load_model_dir
     from .protocol.questions import detect_language
-    from .protocol.textrule import JsonSyntaxError, parse_json
 
     model = load_model_dir(args.model, check_weights=False)
-    served = {model.name: model}
-    raw = sys.stdin.buffer.read()
     try:
-        try:
-            body = parse_json(raw)
-        except JsonSyntaxError as exc:
-            if args.dialect == "systemone":
-                raise json_invalid(exc.msg, exc.pos) from None
-            raise basal_error(f"{exc.msg}: line 1 column {exc.pos + 1} (char {exc.pos})") from None
-        if args.dialect == "systemone":
-            name = check_model_field(body, served, model.name)
-            request = validate_systemone(body, name)
-        else:
-            name = route_basal(body, served, model.name)
-            request = validate_basal(body, name)
+        body = parse_body(sys.stdin.buffer.read(), args.dialect)
+        request = validate(body, args.dialect, route(body, args.dialect, {model.name: model}, model.name))
         prefixes = {lang: model.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
         plan = plan_request(request, model.tokenizer, model.config.max_position_embeddings, prefixes)
     except ApiError as err:
-        print(json.dumps({"status": err.status, **({"body": err.body})}, ensure_ascii=False))
+        # the body the HTTP endpoint would answer; its status goes to stderr
+        print(json.dumps(err.body, ensure_ascii=False))
+        print(f"basal-local: HTTP {err.status}", file=sys.stderr)
         return 2
     if args.tree:
         from .engine.pretty import format_pack

@@ -1,1 +1,35 @@
-"""The two wire dialects: validation into DecisionRequest, exact error bodies, answer shapes."""
+"""The two wire dialects: parsing, routing and validation into DecisionRequest, exact error bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protocol.questions import DecisionRequest
+from ..protocol.textrule import JsonSyntaxError, parse_json
+from .basal import route_basal, validate_basal
+from .errors import ApiError, basal_error, json_invalid
+from .systemone import check_model_field, validate_systemone
+
+DIALECTS = ("systemone", "basal")
+
+
+def parse_body(raw: bytes, dialect: str) -> Any:
+    """JSON of a request body; invalid JSON raises the dialect's error (422 json_invalid / 422 {"error"})."""
+    try:
+        return parse_json(raw)
+    except JsonSyntaxError as exc:
+        if dialect == "systemone":
+            raise json_invalid(exc.msg, exc.pos) from None
+        raise basal_error(str(exc)) from None
+
+
+def route(body: Any, dialect: str, served: dict[str, Any], default: str) -> str:
+    """The served model a body asks for (PROTOCOL.md §1.1); an unknown name is the dialect's error."""
+    return (check_model_field if dialect == "systemone" else route_basal)(body, served, default)
+
+
+def validate(body: Any, dialect: str, model: str) -> DecisionRequest:
+    return (validate_systemone if dialect == "systemone" else validate_basal)(body, model)
+
+
+__all__ = ["DIALECTS", "ApiError", "parse_body", "route", "validate"]

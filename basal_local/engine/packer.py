@@ -135,6 +135,32 @@ def _deepen(block: _Block) -> None:
         _deepen(child)
 
 
+def split_cached_prefix(spec: PromptSpec, prefixes: dict[str, Sequence[int]]) -> tuple[str | None, list[int]]:
+    """(name of the cached prefix the prompt continues, or None; the token ids after it)."""
+    ids = list(spec.token_ids)
+    cached = prefixes.get(spec.lang)
+    if cached is not None and len(ids) > len(cached) and ids[: len(cached)] == list(cached):
+        return spec.lang, ids[len(cached):]
+    return None, ids
+
+
+class TrieSizer:
+    """Packed size of a growing set of prompts: one trie per (language, cached prefix), as the rows will be."""
+
+    def __init__(self, prefixes: dict[str, Sequence[int]]) -> None:
+        self.prefixes = prefixes
+        self.tries: dict[tuple[str, str | None], PrefixTrie] = {}
+        self.tokens = 0
+
+    def add(self, specs: Sequence[PromptSpec]) -> int:
+        added = 0
+        for spec in specs:
+            prefix, ids = split_cached_prefix(spec, self.prefixes)
+            added += self.tries.setdefault((spec.lang, prefix), PrefixTrie()).insert(ids, 0)
+        self.tokens += added
+        return added
+
+
 @dataclass
 class _Row:
     lang: str
@@ -165,14 +191,9 @@ def pack_prompts(prompts: Sequence[PromptSpec], prefixes: dict[str, Sequence[int
     order = sorted(range(len(prompts)), key=lambda i: (prompts[i].lang, tuple(prompts[i].token_ids)))
     for i in order:
         spec = prompts[i]
-        cached = prefixes.get(spec.lang)
-        ids = list(spec.token_ids)
-        if cached is not None and len(ids) > len(cached) and ids[: len(cached)] == list(cached):
-            key: tuple[str, str | None] = (spec.lang, spec.lang)
-            ids = ids[len(cached):]
-            offset = len(cached)
-        else:
-            key, offset = (spec.lang, None), 0
+        prefix, ids = split_cached_prefix(spec, prefixes)
+        key = (spec.lang, prefix)
+        offset = len(spec.token_ids) - len(ids)
         row = open_rows.get(key)
         if row is None or (row.trie.num_tokens and row.trie.num_tokens + row.trie.growth(ids) > max_row_tokens):
             row = _Row(spec.lang, key[1], PrefixTrie(offset, max_depth))

@@ -16,7 +16,7 @@ from ..protocol.answers import answer, usage
 from ..protocol.decision import average_orders, calibrate
 from ..protocol.questions import DecisionRequest, Question
 from ..protocol.render import render_question
-from .packer import PrefixTrie, PromptSpec
+from .packer import PromptSpec, TrieSizer
 
 
 @dataclass
@@ -72,19 +72,7 @@ def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positi
 
 def packed_size(specs: Sequence[PromptSpec], prefixes: dict[str, Sequence[int]]) -> int:
     """Tokens the prefix tries of these prompts hold (each language row, cached template excluded)."""
-    tries: dict[str, PrefixTrie] = {}
-    total = 0
-    for spec in specs:
-        ids = list(spec.token_ids)
-        cached = prefixes.get(spec.lang)
-        key = spec.lang
-        if cached is not None and len(ids) > len(cached) and ids[: len(cached)] == list(cached):
-            ids = ids[len(cached):]
-        else:
-            key = spec.lang + "/full"
-        trie = tries.setdefault(key, PrefixTrie())
-        total += trie.insert(ids, 0)
-    return total
+    return TrieSizer(prefixes).add(specs)
 
 
 def finish(plan: RequestPlan, logits: Sequence[Sequence[np.ndarray]], calibration: Calibration,

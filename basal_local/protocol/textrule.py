@@ -18,10 +18,12 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 class JsonSyntaxError(ValueError):
-    """Not valid JSON for this contract; `msg` and `pos` (character offset) as Python's decoder gives."""
+    """Not valid JSON for this contract; `msg`, `pos` (character offset) and the text as Python's decoder gives."""
 
-    def __init__(self, msg: str, pos: int) -> None:
-        super().__init__(f"{msg}: char {pos}")
+    def __init__(self, msg: str, pos: int, text: str = "") -> None:
+        line = text.count("\n", 0, pos) + 1
+        column = pos - text.rfind("\n", 0, pos)
+        super().__init__(f"{msg}: line {line} column {column} (char {pos})")
         self.msg = msg
         self.pos = pos
 
@@ -70,16 +72,16 @@ def parse_json(data: bytes | str) -> Any:
     else:
         text = data
     if text.startswith("\ufeff"):
-        raise JsonSyntaxError("Unexpected UTF-8 BOM (decode using utf-8-sig)", 0)
+        raise JsonSyntaxError("Unexpected UTF-8 BOM (decode using utf-8-sig)", 0, text)
     try:
         value = json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
     except json.JSONDecodeError as exc:
-        raise JsonSyntaxError(exc.msg, exc.pos) from None
+        raise JsonSyntaxError(exc.msg, exc.pos, text) from None
     except _Rejected:
-        raise JsonSyntaxError("Expecting value", _first_bad_literal(text)) from None
+        raise JsonSyntaxError("Expecting value", _first_bad_literal(text), text) from None
     if _has_lone_surrogate(value):
         match = re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text)
-        raise JsonSyntaxError("Lone surrogate in string", match.start() if match else 0)
+        raise JsonSyntaxError("Lone surrogate in string", match.start() if match else 0, text)
     return value
 
 

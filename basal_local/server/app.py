@@ -19,12 +19,10 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
 
-from ..api.basal import route_basal, validate_basal
-from ..api.errors import ApiError, basal_error, internal, json_invalid, overloaded
-from ..api.systemone import check_model_field, validate_systemone
+from ..api import parse_body, route, validate
+from ..api.errors import ApiError, internal, overloaded
 from ..engine.engine import JobResult, ModelEngine
 from ..engine.scheduler import Cancelled
-from ..protocol.textrule import JsonSyntaxError, parse_json
 from ..telemetry import Telemetry
 
 log = logging.getLogger("basal_local.server")
@@ -102,13 +100,7 @@ async def _decide(request: Request, dialect: str) -> Response:
             retry = {"retry-after": "5", **id_headers}
             detail = state.load_error or "the model is loading"
             raise ApiError(503, {"error": detail, "code": "LOADING"}, retry)
-        raw = _decode_body(await request.body(), request.headers.get("content-encoding"))
-        try:
-            body = parse_json(raw)
-        except JsonSyntaxError as exc:
-            if dialect == "systemone":
-                raise json_invalid(exc.msg, exc.pos) from None
-            raise basal_error(f"{exc.msg}: line 1 column {exc.pos + 1} (char {exc.pos})") from None
+        body = parse_body(_decode_body(await request.body(), request.headers.get("content-encoding")), dialect)
         # order of checks (PROTOCOL.md §1.1): overload before the unknown-model error
         with state.lock:
             if state.inflight >= state.max_inflight:
@@ -116,14 +108,12 @@ async def _decide(request: Request, dialect: str) -> Response:
                 raise overloaded(dialect)
             state.inflight += 1
             admitted = True
-        route = check_model_field if dialect == "systemone" else route_basal
-        model_name = route(body, state.engines, state.default_model or "")
+        model_name = route(body, dialect, state.engines, state.default_model or "")
         engine = state.engines[model_name]
-        validate = validate_systemone if dialect == "systemone" else validate_basal
         loop = asyncio.get_running_loop()
 
         def plan():
-            return engine.plan(validate(body, model_name))
+            return engine.plan(validate(body, dialect, model_name))
 
         planned = await loop.run_in_executor(state.planner, plan)
         planned.arrival = arrived
