@@ -229,3 +229,14 @@ def test_bench_command_in_process_and_http(daemon, tiny_model):
     result = json.loads(out.stdout)
     assert result["requests"] == 40 and result["errors"] == 0 and result["req_per_s"] > 0
     assert result["latency_ms"]["p50"] <= result["latency_ms"]["p99"]
+
+
+def test_access_log_line(tiny_model):
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--access-log"])
+    try:
+        d.wait_ready()
+        assert http("POST", d.url + "/v1/basal", {"state": "s", "questions": {"n": {"type": "noul"}}})[0] == 200
+    finally:
+        log = d.stop()
+    line = next(x for x in log.splitlines() if "[POST]" in x)
+    assert "[POST] 200 /v1/basal" in line and "(queue " in line and "batch 1)" in line

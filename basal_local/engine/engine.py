@@ -127,7 +127,6 @@ class ModelEngine:
             warmup(self.settings.max_forward_tokens)
         self.main = Lane(self, "main", urgent=True)
         self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
-        self.forward_calls = 0
 
     def start(self) -> None:
         self.main.thread.start()
@@ -159,7 +158,6 @@ class ModelEngine:
         return self.main.waiting() + (self.long.waiting() if self.long else 0)
 
     def _forward(self, batch, lane: Lane) -> np.ndarray:
-        self.forward_calls += 1
         if lane.urgent:
             self.gate.acquire(urgent=True)
             try:

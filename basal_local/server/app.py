@@ -95,6 +95,7 @@ async def _decide(request: Request, dialect: str) -> Response:
     admitted = False
     model_name = ""
     status = 500
+    timing = ""
     try:
         if not state.ready:
             retry = {"retry-after": "5", **id_headers}
@@ -135,6 +136,8 @@ async def _decide(request: Request, dialect: str) -> Response:
                                        batch_requests=result.batch_requests,
                                        input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens)
         status = 200
+        timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
+                  f"batch {result.batch_requests})")
         return _json_response(200, result.body, headers)
     except ApiError as err:
         status = err.status
@@ -155,8 +158,7 @@ async def _decide(request: Request, dialect: str) -> Response:
                 state.inflight -= 1
         state.telemetry.count("requests")
         if state.access_log:
-            log.info("[POST] %d /v1/%s %.0f ms (model %s)", status, dialect, (time.perf_counter() - arrived) * 1e3,
-                     model_name)
+            log.info("[POST] %d /v1/%s %.0f ms%s", status, dialect, (time.perf_counter() - arrived) * 1e3, timing)
 
 
 @post("/v1/systemone", status_code=200)

@@ -64,6 +64,8 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
                      access_log=settings.access_log)
     app = create_app(state)
+    if settings.access_log:
+        logging.getLogger("basal_local.server").setLevel(logging.INFO)
     loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
     loader.start()
     if banner:
