@@ -35,10 +35,6 @@ class _Collector:
         self.unsupported: list[tuple[str, list[Any], str]] = []
 
 
-def _python_truthy(value: Any) -> bool:
-    return bool(value)
-
-
 def _check_text(value: Any, loc: list[Any], out: _Collector) -> None:
     if value is not None and not is_text_value(value):
         out.schema.extend(union_errors(loc, value))
@@ -188,7 +184,7 @@ def _question(qid: str, q: Any, out: _Collector) -> Question | None:
     _check_text(raw_instructions, [*loc, "instructions"], out)
     instructions = "" if raw_instructions is None or not is_text_value(raw_instructions) else to_text(raw_instructions)
     if qtype in EXTENSION_TYPES:
-        if qtype == "multi" and _python_truthy(q.get("evidence")):
+        if qtype == "multi" and bool(q.get("evidence")):
             out.schema.append(field_error("value_error", [*qloc, "evidence"], "evidence is not supported for multi",
                                           q.get("evidence")))
             return None
@@ -197,7 +193,7 @@ def _question(qid: str, q: Any, out: _Collector) -> Question | None:
         return None
     builder = {"choice": _choice, "noul": _noul, "score": _score}[qtype]
     question = builder(qid, q, loc, instructions, out)
-    if question is not None and _python_truthy(q.get("evidence")):
+    if question is not None and bool(q.get("evidence")):
         out.unsupported.append(("unsupported_feature", qloc,
                                 "evidence is not available for this model (no evidence_head.pt)"))
     return question
