@@ -39,3 +39,24 @@ def test_flex_kernel_matches_sdpa_twin(tiny_model):
         diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(twin, kernel)])
         print(f"flex vs sdpa twin: max {diffs.max():.3g}, mean {diffs.mean():.3g}")
         assert diffs.max() <= 1e-5
+
+
+def test_subtree_split_equals_dense_twin(tiny_model):
+    """Independent subtrees attending alone give the dense result, on random q/k/v of a real packed batch."""
+    import torch
+
+    from basal_local.backends.torch.tree_attention import TreeAttention
+
+    md = load_model_dir(tiny_model)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    specs = [s for seed in range(4) for s in random_specs(md, random.Random(seed))]
+    batch = pack_prompts(specs, prefixes).batches[0]
+    lengths = [len(prefixes[name]) for name in batch.prefixes]
+    split = TreeAttention(batch, lengths, "cpu")
+    dense = TreeAttention(batch, lengths, "cpu", segment=False)
+    assert split._segments is not None and dense._segments is None
+    gen = torch.Generator().manual_seed(0)
+    n, s = batch.num_tokens, sum(lengths) + batch.num_tokens
+    q, k, v = (torch.randn(shape, generator=gen) for shape in ((4, n, 16), (2, s, 16), (2, s, 16)))
+    diff = (split(q, k, v) - dense(q, k, v)).abs().max().item()
+    assert diff <= 1e-5, diff

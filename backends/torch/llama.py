@@ -23,6 +23,7 @@ from .tree_attention import StaticMaskAttention, TreeAttention, flex_available
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # token counts a CUDA graph is captured for; a forward is padded up to the next one
 GRAPH_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+GRAPH_EAGER_ABOVE = 768  # a forward of several subtrees above this many tokens runs eagerly
 
 
 def resolve_device(device: str) -> str:
@@ -183,7 +184,11 @@ class TorchBackend:
         return logits.cpu().numpy()
 
     def forward(self, batch: PackedBatch) -> np.ndarray:
-        if self.cuda_graphs and self.attention == "sdpa" and batch.num_tokens <= GRAPH_BUCKETS[-1]:
+        # graphs for small or single-subtree forwards (launch-bound); bigger batches of independent
+        # subtrees run eagerly with per-subtree attention (attention-bound)
+        subtrees = int((batch.block_parent == -1).sum())
+        if (self.cuda_graphs and self.attention == "sdpa" and batch.num_tokens <= GRAPH_BUCKETS[-1]
+                and (subtrees == 1 or batch.num_tokens <= GRAPH_EAGER_ABOVE)):
             return self._forward_graphed(batch)
         *_, logits = self.forward_steps(batch)
         assert logits is not None
@@ -267,7 +272,7 @@ class TorchBackend:
         size = next(b for b in GRAPH_BUCKETS if b >= batch.num_tokens)
         names = list(self.prefix_kv)
         padded = self._padded(batch, size, names)
-        attention = TreeAttention(padded, [self.prefix_kv[n][0] for n in names], self.device, "sdpa")
+        attention = TreeAttention(padded, [self.prefix_kv[n][0] for n in names], self.device, "sdpa", segment=False)
         graph, static, out, prefixes = self._graph(size, names)
         cos, sin = self._rope(padded.positions)
         static["ids"].copy_(torch.from_numpy(padded.token_ids).to(self.device))

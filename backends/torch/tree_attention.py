@@ -44,13 +44,15 @@ def _flex(compiled: bool):
 
 
 def sdpa_twin(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Dense-mask attention: q [Hq, T, D], keys/values [Hkv, S, D], mask [T, S] bool."""
-    n_heads, n_kv = q.shape[0], keys.shape[0]
+    """Dense-mask attention: q [..., Hq, T, D], keys/values [..., Hkv, S, D], mask broadcastable to [..., T, S]."""
+    n_heads, n_kv = q.shape[-3], keys.shape[-3]
     if n_heads != n_kv:
         # GQA: explicit expansion keeps SDPA on its fused memory-efficient kernel, which takes any mask
-        keys = keys.repeat_interleave(n_heads // n_kv, dim=0)
-        values = values.repeat_interleave(n_heads // n_kv, dim=0)
-    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)[0]
+        keys = keys.repeat_interleave(n_heads // n_kv, dim=-3)
+        values = values.repeat_interleave(n_heads // n_kv, dim=-3)
+    if q.dim() == 3:
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 class StaticMaskAttention:
@@ -64,9 +66,12 @@ class StaticMaskAttention:
 
 
 class TreeAttention:
-    """Built once per forward; called once per layer with f32 q [Hq, T, D], keys/values [Hkv, S, D]."""
+    """Built once per forward; called once per layer with f32 q [Hq, T, D], keys/values [Hkv, S, D].
 
-    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], device: str, impl: str = "sdpa") -> None:
+    The twin splits a forward into its independent subtrees when that at least halves the work."""
+
+    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], device: str, impl: str = "sdpa",
+                 segment: bool = True) -> None:
         n_blocks = len(batch.block_parent)
         ext = np.zeros((n_blocks, n_blocks + len(prefix_lengths)), dtype=bool)
         ext[:, :n_blocks] = ancestor_matrix(batch.block_parent)
@@ -86,6 +91,7 @@ class TreeAttention:
                                   torch.arange(n, dtype=torch.int64)]).to(device)
         self._dense: torch.Tensor | None = None
         self._block_mask = None
+        self._segments = self._segment(batch, prefix_lengths) if impl == "sdpa" and segment else None
         if impl == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -95,6 +101,81 @@ class TreeAttention:
                 return ext_t[q_block[q_idx], k_block[kv_idx]] & (k_order[kv_idx] <= q_idx)
 
             self._block_mask = create_block_mask(visible, None, None, n, self.num_keys, device=device)
+
+    def _segment(self, batch: PackedBatch, prefix_lengths: list[int]):
+        """Split the forward's queries into independent groups (STYLE: the plain twin, made affordable).
+
+        Tokens of sibling subtrees never see each other, so a subtree can attend alone to its cached prefix,
+        its ancestors' tokens and itself. Starting from the top-level subtrees, the largest subtree is split
+        into its own block plus its children's subtrees while that lowers the padded work
+        (groups x longest queries x longest keys). None unless it at least halves the dense T x S work.
+        """
+        n = batch.num_tokens
+        parent = batch.block_parent
+        n_blocks = len(parent)
+        if n_blocks < 2:
+            return None
+        start = np.searchsorted(batch.token_block, np.arange(n_blocks))
+        end = np.append(start[1:], n)
+        subtree_end = end.copy()
+        children: list[list[int]] = [[] for _ in range(n_blocks)]
+        for blk in range(n_blocks - 1, -1, -1):
+            if parent[blk] >= 0:
+                subtree_end[parent[blk]] = max(subtree_end[parent[blk]], subtree_end[blk])
+                children[parent[blk]].insert(0, blk)
+        offsets = np.concatenate([[0], np.cumsum(prefix_lengths)]).astype(np.int64)
+        total_prefix = int(offsets[-1])
+        ancestor_keys: list[np.ndarray] = []
+        for blk in range(n_blocks):
+            if parent[blk] >= 0:
+                p = parent[blk]
+                ancestor_keys.append(np.concatenate([ancestor_keys[p], total_prefix + np.arange(start[p], end[p])]))
+            else:
+                j = int(batch.block_prefix[blk])
+                ancestor_keys.append(np.arange(offsets[j], offsets[j + 1]) if j >= 0 else np.zeros(0, np.int64))
+
+        def group(blk: int, whole: bool) -> tuple[int, int, int, int, bool]:
+            q_end = subtree_end[blk] if whole else end[blk]
+            return (q_end - start[blk], len(ancestor_keys[blk]) + q_end - start[blk], blk, q_end, whole)
+
+        def cost(groups) -> int:
+            return len(groups) * max(g[0] for g in groups) * max(g[1] for g in groups)
+
+        groups = [group(blk, True) for blk in range(n_blocks) if parent[blk] < 0]
+        best, best_cost = list(groups), cost(groups)
+        while len(groups) < 512:
+            splittable = [g for g in groups if g[4] and children[g[2]]]
+            if not splittable:
+                break
+            largest = max(splittable, key=lambda g: g[0])
+            groups.remove(largest)
+            groups.append(group(largest[2], False))
+            groups.extend(group(c, True) for c in children[largest[2]])
+            if cost(groups) < best_cost:
+                best, best_cost = list(groups), cost(groups)
+        if len(best) < 2 or best_cost > 0.5 * n * (total_prefix + n):
+            return None
+        l_max = max(g[0] for g in best)
+        s_max = max(g[1] for g in best)
+        q_index = np.zeros((len(best), l_max), dtype=np.int64)
+        q_valid = np.zeros((len(best), l_max), dtype=bool)
+        k_index = np.zeros((len(best), s_max), dtype=np.int64)
+        k_valid = np.zeros((len(best), s_max), dtype=bool)
+        token_slot = np.zeros(n, dtype=np.int64)
+        for i, (length, keys, blk, q_end, _) in enumerate(best):
+            queries = np.arange(start[blk], q_end)
+            q_index[i, :length], q_valid[i, :length] = queries, True
+            k_index[i, :keys] = np.concatenate([ancestor_keys[blk], total_prefix + queries])
+            k_valid[i, :keys] = True
+            token_slot[queries] = i * l_max + np.arange(length)
+        dev = self.device
+        qi, ki = torch.from_numpy(q_index).to(dev), torch.from_numpy(k_index).to(dev)
+        qv, kv = torch.from_numpy(q_valid).to(dev), torch.from_numpy(k_valid).to(dev)
+        mask = self.ext[self.q_block[qi][:, :, None], self.k_block[ki][:, None, :]]
+        mask &= self.k_order[ki][:, None, :] <= qi[:, :, None]
+        mask &= kv[:, None, :]
+        mask[:, :, 0] |= ~qv  # padding rows see one key (no NaN); their output is dropped
+        return qi, ki, mask[:, None], torch.from_numpy(token_slot).to(dev)
 
     def dense_mask(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The [T, S] (or [len(rows), S]) boolean mask of the twin."""
@@ -120,6 +201,11 @@ class TreeAttention:
                 _flex_broken = True
                 log.warning("FlexAttention kernel unavailable (%s: %s); using dense-mask SDPA",
                             type(exc).__name__, str(exc).splitlines()[0][:200])
+        if rows is None and self._segments is not None:
+            q_index, k_index, mask, token_slot = self._segments
+            out = sdpa_twin(q[:, q_index].transpose(0, 1), keys[:, k_index].transpose(0, 1),
+                            values[:, k_index].transpose(0, 1), mask)  # [n_seg, Hq, L, D]
+            return out.transpose(0, 1).reshape(n_heads, -1, q.shape[-1])[:, token_slot]
         if rows is not None:
             q = q[:, rows]
         return sdpa_twin(q, keys, values, self.dense_mask(rows))
