@@ -196,13 +196,14 @@ class ModelEngine:
             lane.rate = 0.8 * lane.rate + 0.2 * pack.packed_tokens / elapsed
         batch_id = self.telemetry.next_batch_id()
         compute_ms = elapsed * 1000.0
-        for j, job in enumerate(jobs):
-            body = finish(job.plan, logits[j], self.model.calibration,
-                          (time.perf_counter() - job.plan.arrival) * 1000.0)
-            queue_ms = (started - job.arrival) * 1000.0
-            job.future.set_result(JobResult(body, queue_ms, compute_ms, len(jobs), batch_id))
+        # the batch is on record before any of its answers leaves, so /api/stats always knows it
         self.telemetry.record_batch(BatchRecord(
             batch_id, self.model.name, lane.name, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
             tree=[{"lang": r.lang, "prefix": r.prefix, "tokens": r.trie.num_tokens, "prompts": r.trie.num_prompts}
                   for r in pack.rows]))
+        for j, job in enumerate(jobs):
+            body = finish(job.plan, logits[j], self.model.calibration,
+                          (time.perf_counter() - job.plan.arrival) * 1000.0)
+            queue_ms = (started - job.arrival) * 1000.0
+            job.future.set_result(JobResult(body, queue_ms, compute_ms, len(jobs), batch_id))
