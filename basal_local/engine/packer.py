@@ -195,7 +195,8 @@ def pack_prompts(prompts: Sequence[PromptSpec], prefixes: dict[str, Sequence[int
         key = (spec.lang, prefix)
         offset = len(spec.token_ids) - len(ids)
         row = open_rows.get(key)
-        if row is None or (row.trie.num_tokens and row.trie.num_tokens + row.trie.growth(ids) > max_row_tokens):
+        full = row is not None and row.trie.num_tokens and row.trie.num_tokens + len(ids) > max_row_tokens
+        if row is None or (full and row.trie.num_tokens + row.trie.growth(ids) > max_row_tokens):
             row = _Row(spec.lang, key[1], PrefixTrie(offset, max_depth))
             rows.append(row)
             open_rows[key] = row
