@@ -38,7 +38,7 @@ def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequ
                schedule: str, rate: float, now: float | None = None) -> tuple[list[Job], list[Job]]:
     """Take the first job in queue order and each later one whose trie growth still fits the budget.
 
-    Returns (batch, rest); the rest keeps its order. A job larger than the budget runs alone.
+    Returns (batch, rest), the rest in that queue order. A job larger than the budget runs alone.
     """
     now = time.perf_counter() if now is None else now
     ordered = hrrn_order(queue, now, rate) if schedule == "hrrn" else list(queue)
