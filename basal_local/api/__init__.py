@@ -10,8 +10,6 @@ from .basal import route_basal, validate_basal
 from .errors import ApiError, basal_error, json_invalid
 from .systemone import check_model_field, validate_systemone
 
-DIALECTS = ("systemone", "basal")
-
 
 def parse_body(raw: bytes, dialect: str) -> Any:
     """JSON of a request body; invalid JSON raises the dialect's error (422 json_invalid / 422 {"error"})."""
@@ -32,4 +30,4 @@ def validate(body: Any, dialect: str, model: str) -> DecisionRequest:
     return (validate_systemone if dialect == "systemone" else validate_basal)(body, model)
 
 
-__all__ = ["DIALECTS", "ApiError", "parse_body", "route", "validate"]
+__all__ = ["ApiError", "parse_body", "route", "validate"]

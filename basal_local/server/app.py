@@ -131,7 +131,8 @@ async def _decide(request: Request, dialect: str) -> Response:
                    "x-basal-batch-requests": str(result.batch_requests)}
         state.telemetry.count("answered")
         state.telemetry.record_request(id=request_id, model=model_name, dialect=dialect,
-                                       questions=len(planned.request.questions), queue_ms=round(result.queue_ms, 3),
+                                       questions=len(planned.request.questions),
+                                       planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(result.queue_ms, 3),
                                        compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
                                        batch_requests=result.batch_requests,
                                        input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens)
