@@ -54,7 +54,7 @@ def test_subtree_split_equals_dense_twin(tiny_model):
     lengths = [len(prefixes[name]) for name in batch.prefixes]
     split = TreeAttention(batch, lengths, "cpu")
     dense = TreeAttention(batch, lengths, "cpu", segment=False)
-    assert split._segments is not None and dense._segments is None
+    assert split.grouped and not dense.grouped
     gen = torch.Generator().manual_seed(0)
     n, s = batch.num_tokens, sum(lengths) + batch.num_tokens
     q, k, v = (torch.randn(shape, generator=gen) for shape in ((4, n, 16), (2, s, 16), (2, s, 16)))

@@ -184,20 +184,24 @@ class TorchBackend:
         return logits.cpu().numpy()
 
     def forward(self, batch: PackedBatch) -> np.ndarray:
-        # graphs for small or single-subtree forwards (launch-bound); bigger batches of independent
-        # subtrees run eagerly with per-subtree attention (attention-bound)
-        subtrees = int((batch.block_parent == -1).sum())
-        if (self.cuda_graphs and self.attention == "sdpa" and batch.num_tokens <= GRAPH_BUCKETS[-1]
-                and (subtrees == 1 or batch.num_tokens <= GRAPH_EAGER_ABOVE)):
-            return self._forward_graphed(batch)
-        *_, logits = self.forward_steps(batch)
+        attention = None
+        if self.cuda_graphs and self.attention == "sdpa" and batch.num_tokens <= GRAPH_BUCKETS[-1]:
+            # small forwards are launch-bound: graphs; bigger ones that split into independent subtree
+            # groups are attention-bound: eager, per-group attention
+            if batch.num_tokens <= GRAPH_EAGER_ABOVE:
+                return self._forward_graphed(batch)
+            attention = TreeAttention(batch, [self.prefix_kv[n][0] for n in batch.prefixes], self.device)
+            if not attention.grouped:
+                return self._forward_graphed(batch)
+        *_, logits = self.forward_steps(batch, _attention=attention)
         assert logits is not None
         return logits
 
     @torch.inference_mode()
-    def forward_steps(self, batch: PackedBatch, _capture: list | None = None) -> Iterator[np.ndarray | None]:
+    def forward_steps(self, batch: PackedBatch, _capture: list | None = None,
+                      _attention: TreeAttention | None = None) -> Iterator[np.ndarray | None]:
         prefixes = [self.prefix_kv[name] for name in batch.prefixes]
-        attention = TreeAttention(batch, [p[0] for p in prefixes], self.device, self.attention)
+        attention = _attention or TreeAttention(batch, [p[0] for p in prefixes], self.device, self.attention)
         cos, sin = self._rope(batch.positions)
         ids = torch.from_numpy(batch.token_ids.astype(np.int64)).to(self.device)
         readout = torch.from_numpy(batch.readout_index.astype(np.int64)).to(self.device)

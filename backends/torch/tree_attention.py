@@ -177,6 +177,11 @@ class TreeAttention:
         mask[:, :, 0] |= ~qv  # padding rows see one key (no NaN); their output is dropped
         return qi, ki, mask[:, None], torch.from_numpy(token_slot).to(dev)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether the queries attend in independent subtree groups (instead of one dense mask)."""
+        return self._segments is not None
+
     def dense_mask(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The [T, S] (or [len(rows), S]) boolean mask of the twin."""
         if rows is None:
