@@ -50,6 +50,7 @@ def test_generated_model_loads(tiny_model):
     ("config.json", lambda d: d.update(num_key_value_heads=3), "config.json: field 'num_key_value_heads'"),
     ("config.json", lambda d: d.update(num_hidden_layers=3), "model.safetensors: missing tensor"),
     ("config.json", lambda d: d.update(num_hidden_layers=1), "model.safetensors: unknown tensor"),
+    ("config.json", lambda d: d.update(vocab_size=100), "more than config.json field 'vocab_size'"),
     ("tokenizer.json", lambda d: d.update(normalizer={"type": "NFC"}), 'tokenizer.json: field "normalizer"'),
     ("tokenizer.json", lambda d: d["pre_tokenizer"].update(split=True), 'tokenizer.json: field "pre_tokenizer"'),
     ("tokenizer_config.json", lambda d: d.update(bos_token="<bos>"), "tokenizer_config.json: bos_token '<bos>'"),

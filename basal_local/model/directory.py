@@ -150,6 +150,9 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
         tokenizer = BasalTokenizer(path / "tokenizer.json", bos)
     except TokenizerError as exc:
         raise ModelLoadError(str(exc)) from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(f"tokenizer.json: {tokenizer.vocab_size} tokens, more than config.json field "
+                             f"'vocab_size' ({config.vocab_size})")
     if check_weights:
         check_weight_names(config, read_safetensors_header(path / "model.safetensors"))
     return ModelDir(path, name, version, config, tokenizer, load_calibration(path), path / "model.safetensors",

@@ -53,7 +53,7 @@ class BasalTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
+        return self._tok.get_vocab_size(with_added_tokens=True)
 
     def _derive_letter_ids(self) -> list[int]:
         """ids(prompt + L) must be ids(prompt) + [one id], distinct per letter, on a prompt ending in the prefill."""
