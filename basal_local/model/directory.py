@@ -51,7 +51,6 @@ class ModelDir:
     tokenizer: BasalTokenizer
     calibration: Calibration
     weights_path: Path
-    basal_json: dict[str, Any]
 
 
 def _read_json(path: Path) -> Any:
@@ -155,5 +154,4 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
                              f"'vocab_size' ({config.vocab_size})")
     if check_weights:
         check_weight_names(config, read_safetensors_header(path / "model.safetensors"))
-    return ModelDir(path, name, version, config, tokenizer, load_calibration(path), path / "model.safetensors",
-                    _read_json(path / "basal.json"))
+    return ModelDir(path, name, version, config, tokenizer, load_calibration(path), path / "model.safetensors")

@@ -25,10 +25,6 @@ def named_option_texts(criteria: dict[str, Any], option_keys: str) -> tuple[list
     return keys, shown
 
 
-def question_language(state_text: str, question: Question) -> str:
-    return detect_language(state_text, question.instructions_text)
-
-
 def option_texts(question: Question, lang: str) -> list[str]:
     """Shown texts with the language's defaults filled in for noul options without a description."""
     texts = list(question.options)
@@ -58,7 +54,7 @@ def render_prompt(state_text: str, question_text: str, texts: Sequence[str], per
 
 def render_question(state_text: str, question: Question, bos: str = "<s>") -> tuple[str, list[list[int]], list[str]]:
     """Both orders of one question: (language, perms, prompts)."""
-    lang = question_language(state_text, question)
+    lang = detect_language(state_text, question.instructions_text)
     texts = option_texts(question, lang)
     perms = orders(len(texts))
     prompts = [render_prompt(state_text, question.instructions_text, texts, p, lang, bos) for p in perms]
