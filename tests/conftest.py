@@ -107,3 +107,23 @@ def app_client(tiny_model):
         yield client
     for engine in state.engines.values():
         engine.stop()
+
+
+def load_backend(model_dir, device: str = "cpu", dtype: str = "f32", **options):
+    """(model dir, torch backend with the templates cached, template prefixes) for backend-level tests."""
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.model import load_model_dir
+
+    md = load_model_dir(model_dir)
+    backend = TorchBackend(device, **options)
+    backend.load(model_dir, dtype)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    for lang, ids in prefixes.items():
+        backend.add_prefix(lang, ids)
+    return md, backend, prefixes
+
+
+def readout_logits(backend, pack) -> list:
+    """Each input prompt's letter logits from the forwards of a PackPlan."""
+    outputs = [backend.forward(b) for b in pack.batches]
+    return [outputs[b][r, cols] for b, r, cols in pack.readouts]

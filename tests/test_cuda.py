@@ -8,29 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from basal_local.backends.torch import TorchBackend
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
 
+from .conftest import load_backend as loaded
+from .conftest import readout_logits
 from .test_packer import random_specs
 from .test_parity import hf_last_logits, sample_prompt_specs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def loaded(model_dir, device: str, dtype: str):
-    md = load_model_dir(model_dir)
-    backend = TorchBackend(device)
-    backend.load(model_dir, dtype)
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
-    for lang, ids in prefixes.items():
-        backend.add_prefix(lang, ids)
-    return md, backend, prefixes
-
-
-def readout_logits(backend, pack):
-    outputs = [backend.forward(b) for b in pack.batches]
-    return [outputs[b][r, cols] for b, r, cols in pack.readouts]
 
 
 def test_cuda_f32_matches_transformers(small_model):
@@ -76,14 +62,9 @@ def test_cuda_f32_batch_independence(small_model):
 
 
 def test_cuda_flex_kernel_matches_sdpa_twin(small_model):
-    md = load_model_dir(small_model)
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
     results = {}
     for impl in ("sdpa", "flex"):
-        backend = TorchBackend("cuda", attention=impl)
-        backend.load(small_model, "f32")
-        for lang, ids in prefixes.items():
-            backend.add_prefix(lang, ids)
+        md, backend, prefixes = loaded(small_model, "cuda", "f32", attention=impl)
         specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
         results[impl] = readout_logits(backend, pack_prompts(specs, prefixes))
     diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(results["sdpa"], results["flex"])])
@@ -98,10 +79,7 @@ def test_cuda_graphs_match_eager(small_model):
     for dtype, bound in (("f32", 1e-4), ("f16", 5e-2)):
         results = {}
         for graphs in (False, True):
-            backend = TorchBackend("cuda", cuda_graphs=graphs)
-            backend.load(small_model, dtype)
-            for lang, ids in prefixes.items():
-                backend.add_prefix(lang, ids)
+            _, backend, _ = loaded(small_model, "cuda", dtype, cuda_graphs=graphs)
             # single prompts (several buckets) and one packed batch
             results[graphs] = [readout_logits(backend, pack_prompts([s], prefixes))[0] for s in specs[:6]]
             results[graphs] += readout_logits(backend, pack_prompts(specs, prefixes))

@@ -9,11 +9,11 @@ import pytest
 
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.base import ancestor_matrix
-from basal_local.backends.torch import TorchBackend
 from basal_local.engine.packer import MAX_TREE_DEPTH, PromptSpec, pack_prompts
 from basal_local.engine.pretty import format_pack
-from basal_local.model import load_model_dir
 from basal_local.protocol.render import render_question
+
+from .conftest import load_backend, readout_logits
 
 STATES = ["Paczka dotarła uszkodzona, proszę o zwrot.", "The invoice was paid twice in March.",
           {"ticket": "Login fails", "vip": True, "amount": 12.5}, "Umowa wygasa 31 grudnia, czy mogę ją przedłużyć?"]
@@ -28,13 +28,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def engine_parts(tiny_model):
-    md = load_model_dir(tiny_model)
-    backend = TorchBackend("cpu")
-    backend.load(tiny_model, "f32")
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
-    for lang, ids in prefixes.items():
-        backend.add_prefix(lang, ids)
-    return md, backend, prefixes
+    return load_backend(tiny_model)
 
 
 def random_specs(md, rng: random.Random) -> list[PromptSpec]:
@@ -51,20 +45,15 @@ def random_specs(md, rng: random.Random) -> list[PromptSpec]:
     return specs
 
 
-def logits_of(backend, pack):
-    outputs = [backend.forward(b) for b in pack.batches]
-    return [outputs[b][r, cols] for b, r, cols in pack.readouts]
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_packing_equals_separate_forwards(engine_parts, seed):
     md, backend, prefixes = engine_parts
     specs = random_specs(md, random.Random(seed))
-    separate = [logits_of(backend, pack_prompts([s]))[0] for s in specs]
+    separate = [readout_logits(backend, pack_prompts([s]))[0] for s in specs]
     for use_prefix, row_limit, forward_limit in ((True, 32768, 8192), (False, 32768, 8192), (True, 150, 300)):
         pack = pack_prompts(specs, prefixes if use_prefix else None, max_row_tokens=row_limit,
                             max_forward_tokens=forward_limit)
-        worst = max(float(np.abs(a - b).max()) for a, b in zip(logits_of(backend, pack), separate))
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(backend, pack), separate))
         assert worst <= 1e-5, (use_prefix, forward_limit, worst)
         if forward_limit == 300:  # small limits: several rows and forwards, a bigger row runs alone
             assert len(pack.rows) > 2 and len(pack.batches) > 1
@@ -113,8 +102,8 @@ def test_depth_limit_and_equivalence_on_a_deep_tree(engine_parts):
     for batch in pack.batches:
         depth = ancestor_matrix(batch.block_parent).sum(axis=1)
         assert depth.max() <= MAX_TREE_DEPTH
-    separate = [logits_of(backend, pack_prompts([s]))[0] for s in specs]
-    assert max(float(np.abs(a - b).max()) for a, b in zip(logits_of(backend, pack), separate)) <= 1e-5
+    separate = [readout_logits(backend, pack_prompts([s]))[0] for s in specs]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(backend, pack), separate)) <= 1e-5
 
 
 def test_languages_get_separate_rows(engine_parts):

@@ -22,7 +22,7 @@ from basal_local.engine.packer import PromptSpec, pack_prompts
 from basal_local.model import load_model_dir
 from basal_local.protocol.render import render_question
 
-from .conftest import CACHE
+from .conftest import CACHE, load_backend
 
 
 def hf_last_logits(model, ids: list[int], columns: list[int]) -> np.ndarray:
@@ -49,12 +49,7 @@ def test_generated_models_match_transformers(fixture, request):
 
     model_dir = request.getfixturevalue(fixture)
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    backend = TorchBackend("cpu")
-    backend.load(model_dir, "f32")
-    md = load_model_dir(model_dir)
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
-    for lang, ids in prefixes.items():
-        backend.add_prefix(lang, ids)
+    _, backend, prefixes = load_backend(model_dir)
     specs = sample_prompt_specs(model_dir, 8)
     pack = pack_prompts(specs, prefixes)
     assert pack.packed_tokens < pack.unpacked_tokens / 2  # the tree really shares

@@ -11,26 +11,20 @@ import random
 import numpy as np
 import pytest
 
-from basal_local.backends.torch import TorchBackend
 from basal_local.backends.torch.tree_attention import flex_available
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
 
+from .conftest import load_backend
 from .test_packer import random_specs
 
 pytestmark = pytest.mark.skipif(not flex_available(), reason="torch without FlexAttention")
 
 
 def test_flex_kernel_matches_sdpa_twin(tiny_model):
-    md = load_model_dir(tiny_model)
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
     backends = {}
     for impl in ("sdpa", "flex"):
-        backend = TorchBackend("cpu", attention=impl)
-        backend.load(tiny_model, "f32")
-        for lang, ids in prefixes.items():
-            backend.add_prefix(lang, ids)
-        backends[impl] = backend
+        md, backends[impl], prefixes = load_backend(tiny_model, attention=impl)
     for seed in range(3):
         specs = random_specs(md, random.Random(seed))
         pack = pack_prompts(specs, prefixes)
