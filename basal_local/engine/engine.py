@@ -23,7 +23,7 @@ from ..telemetry import BatchRecord, Telemetry
 from .gate import DeviceGate
 from .packer import pack_prompts
 from .plan import RequestPlan, finish, plan_request
-from .scheduler import RATE_START, Cancelled, Job, form_batch
+from .scheduler import RATE_START, Cancelled, EngineStopped, Job, form_batch
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class JobResult:
 
 
 class Lane:
+    """One queue and the thread that drains it. Nothing a single job does may stop the thread."""
+
     def __init__(self, engine: ModelEngine, name: str, urgent: bool) -> None:
         self.engine = engine
         self.name = name
@@ -61,13 +63,20 @@ class Lane:
 
     def put(self, job: Job) -> None:
         with self._cond:
+            if self._stop:
+                job.fail(EngineStopped())
+                return
             self.queue.append(job)
             self._cond.notify()
 
     def stop(self) -> None:
+        """Refuse new jobs, fail the queued ones; the batch in progress finishes."""
         with self._cond:
             self._stop = True
-            self._cond.notify()
+            queued, self.queue = self.queue, []
+            self._cond.notify_all()
+        for job in queued:
+            job.fail(EngineStopped())
 
     def waiting(self) -> int:
         with self._cond:
@@ -81,9 +90,9 @@ class Lane:
                 return []
             live = []
             for job in self.queue:
-                if job.is_cancelled():
+                if job.gone():
                     self.engine.telemetry.count("cancelled")
-                    job.future.set_exception(Cancelled())
+                    job.fail(Cancelled())
                 else:
                     live.append(job)
             settings = self.engine.settings
@@ -94,18 +103,18 @@ class Lane:
 
     def _loop(self) -> None:
         while True:
-            batch = self._admit()
-            if not batch:
-                if self._stop:
-                    return
-                continue
+            batch: list[Job] = []
             try:
+                batch = self._admit()
+                if not batch:
+                    if self._stop:
+                        return
+                    continue
                 self.engine.run_batch(batch, self)
-            except Exception as exc:  # never lose the thread; every member gets the error
-                log.exception("batch failed")
+            except Exception as exc:  # never lose the thread; every member of the batch gets the error
+                log.exception("batch failed in lane %s", self.thread.name)
                 for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
+                    job.fail(exc)
 
 
 class ModelEngine:
@@ -128,15 +137,24 @@ class ModelEngine:
         self.main = Lane(self, "main", urgent=True)
         self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
 
-    def start(self) -> None:
-        self.main.thread.start()
-        if self.long:
-            self.long.thread.start()
+    def lanes(self) -> list[Lane]:
+        return [self.main] + ([self.long] if self.long else [])
 
-    def stop(self) -> None:
-        self.main.stop()
-        if self.long:
-            self.long.stop()
+    def start(self) -> None:
+        for lane in self.lanes():
+            lane.thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Stop every lane: queued jobs fail with EngineStopped, running batches finish, threads are joined.
+
+        Returns whether every lane thread ended within `timeout` seconds."""
+        for lane in self.lanes():
+            lane.stop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for lane in self.lanes():
+            if lane.thread.is_alive():
+                lane.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(lane.thread.is_alive() for lane in self.lanes())
 
     def plan(self, request: Any) -> RequestPlan:
         return plan_request(request, self.model.tokenizer, self.model.config.max_position_embeddings,
@@ -148,7 +166,7 @@ class ModelEngine:
                   request_id=request_id)
         if not plan.questions:  # every question fixed: nothing to compute
             body = finish(plan, [], self.model.calibration, 0.0)
-            job.future.set_result(JobResult(body, 0.0, 0.0, 1, 0))
+            job.resolve(JobResult(body, 0.0, 0.0, 1, 0))
             return job
         long_lane = self.long is not None and plan.packed_tokens > self.settings.long_tokens
         (self.long if long_lane else self.main).put(job)
@@ -203,7 +221,12 @@ class ModelEngine:
             tree=[{"lang": r.lang, "prefix": r.prefix, "tokens": r.trie.num_tokens, "prompts": r.trie.num_prompts}
                   for r in pack.rows]))
         for j, job in enumerate(jobs):
-            body = finish(job.plan, logits[j], self.model.calibration,
-                          (time.perf_counter() - job.plan.arrival) * 1000.0)
+            try:
+                body = finish(job.plan, logits[j], self.model.calibration,
+                              (time.perf_counter() - job.plan.arrival) * 1000.0)
+            except Exception as exc:  # one request's answer failing must not take its batch-mates' answers
+                log.exception("answer of request %s failed", job.request_id)
+                job.fail(exc)
+                continue
             queue_ms = (started - job.arrival) * 1000.0
-            job.future.set_result(JobResult(body, queue_ms, compute_ms, len(jobs), batch_id))
+            job.resolve(JobResult(body, queue_ms, compute_ms, len(jobs), batch_id))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,13 @@ class Cancelled(Exception):
     """The client went away before its request was computed."""
 
 
+class EngineStopped(Exception):
+    """The model's engine stopped (daemon shutdown) before the request was computed."""
+
+    def __init__(self) -> None:
+        super().__init__("engine stopped")
+
+
 @dataclass
 class Job:
     plan: Any  # RequestPlan (kept loose so schedulers can be tested with stand-ins)
@@ -27,6 +34,29 @@ class Job:
     is_cancelled: Callable[[], bool] = lambda: False
     arrival: float = field(default_factory=time.perf_counter)
     request_id: str = ""
+
+    def gone(self) -> bool:
+        """Whether nobody waits for the answer: the client disconnected or the awaiting task was cancelled."""
+        if self.future.done():  # cancelled by the waiter (or already answered)
+            return True
+        try:
+            return bool(self.is_cancelled())
+        except Exception:  # a broken flag must not stop the lane; the job just runs
+            return False
+
+    # The waiter may cancel the future at any moment (server shutdown, a server-side timeout), so setting
+    # it can race with that: a future that is no longer pending is simply left alone.
+    def resolve(self, result: Any) -> None:
+        try:
+            self.future.set_result(result)
+        except InvalidStateError:
+            pass
+
+    def fail(self, exc: BaseException) -> None:
+        try:
+            self.future.set_exception(exc)
+        except InvalidStateError:
+            pass
 
 
 def hrrn_order(jobs: list[Job], now: float, rate: float) -> list[Job]:

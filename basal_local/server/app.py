@@ -22,7 +22,7 @@ from litestar import Litestar, Request, Response, get, post
 from ..api import parse_body, route, validate
 from ..api.errors import ApiError, internal, overloaded
 from ..engine.engine import JobResult, ModelEngine
-from ..engine.scheduler import Cancelled
+from ..engine.scheduler import Cancelled, EngineStopped
 from ..telemetry import Telemetry
 
 log = logging.getLogger("basal_local.server")
@@ -34,6 +34,7 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 class AppState:
     """What the handlers share: engines by served name, the in-flight counter, telemetry, readiness."""
 
+    # replaced, never mutated, while serving (copy on write): handlers iterate it while the loader adds models
     engines: dict[str, ModelEngine] = field(default_factory=dict)
     default_model: str | None = None
     max_inflight: int = 1024
@@ -44,6 +45,7 @@ class AppState:
     telemetry: Telemetry = field(default_factory=Telemetry)
     ready: bool = False
     load_error: str | None = None
+    stopping: bool = False
     access_log: bool = False
     inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -116,7 +118,12 @@ async def _decide(request: Request, dialect: str) -> Response:
         def plan():
             return engine.plan(validate(body, dialect, model_name))
 
-        planned = await loop.run_in_executor(state.planner, plan)
+        try:
+            planned = await loop.run_in_executor(state.planner, plan)
+        except RuntimeError:
+            if state.stopping:  # the planner pool is shut down
+                raise EngineStopped() from None
+            raise
         planned.arrival = arrived
         gone = threading.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
@@ -148,6 +155,10 @@ async def _decide(request: Request, dialect: str) -> Response:
     except Cancelled:
         status = 499
         return _json_response(499, {"error": "client closed request"}, id_headers)
+    except EngineStopped:
+        state.telemetry.count("failed")
+        err = internal("engine stopped")
+        return _json_response(err.status, err.body, id_headers)
     except Exception as exc:  # a bug must not take the daemon down; the answer says what happened
         log.exception("request %s failed", request_id)
         state.telemetry.count("failed")

@@ -33,7 +33,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
             state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
             engine = ModelEngine(model, backend, gate, state.telemetry, settings.engine)
             engine.start()
-            state.engines[model.name] = engine
+            state.engines = {**state.engines, model.name: engine}
             log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
                      backend.device)
         default = settings.default_model or next(iter(state.engines))
@@ -76,6 +76,14 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
     try:
         server.run()
     finally:
-        for engine in state.engines.values():
-            engine.stop()
+        shutdown(state)
         print("basal-local: stopped", flush=True)
+
+
+def shutdown(state: AppState, timeout: float = 30.0) -> None:
+    """Stop planning and every engine: queued requests fail with "engine stopped", lane threads are joined."""
+    state.stopping = True
+    state.planner.shutdown(wait=False, cancel_futures=True)
+    for name, engine in state.engines.items():
+        if not engine.stop(timeout):
+            log.warning("engine %s did not stop within %.0f s", name, timeout)
