@@ -19,6 +19,23 @@ def mlx_available() -> bool:
         return False
 
 
+def expand_devices(spec: str | None, device: str = "auto") -> list[str]:
+    """`--devices`: a comma list ("cuda:0,cuda:1") or "all" (every CUDA GPU); None means the one `--device`."""
+    if not spec:
+        return [device]
+    if spec.strip() == "all":
+        import torch
+
+        count = torch.cuda.device_count()
+        if not count:
+            raise ValueError("--devices all: no CUDA GPU found (use --device cpu with --replicas N instead)")
+        return [f"cuda:{i}" for i in range(count)]
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    if not devices:
+        raise ValueError(f"--devices {spec!r}: give a comma-separated list such as cuda:0,cuda:1, or all")
+    return devices
+
+
 def make_backend(backend: str = "auto", device: str = "auto", attention: str = "auto") -> Backend:
     if backend == "mlx" or (backend == "auto" and device in ("auto", "mps") and mlx_available()):
         raise ValueError("the MLX backend is not implemented yet in this version of basal-local; "

@@ -47,7 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.daemon import serve
     from .server.settings import Settings
 
-    overrides = {k: getattr(args, k) for k in ("host", "port", "backend", "device", "dtype", "default_model",
+    overrides = {k: getattr(args, k) for k in ("host", "port", "backend", "device", "devices", "replicas", "dtype",
+                                               "default_model",
                                                "max_inflight", "max_batch_tokens", "schedule", "long_tokens",
                                                "long_slice_ms", "prefix_cache")}
     overrides["access_log"] = args.access_log or None
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--backend", choices=["auto", "torch", "mlx"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--devices", help="one engine replica per device: cuda:0,cuda:1 or all (overrides --device)")
+    p.add_argument("--replicas", type=int, help="engine replicas per device (default 1)")
     p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32"])
     p.add_argument("--default-model", dest="default_model")
     p.add_argument("--max-inflight", type=int, dest="max_inflight")

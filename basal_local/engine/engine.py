@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from basal_local.backends.base import Backend
+from basal_local.backends.base import Backend, PackedBatch
 
 from ..model.directory import ModelDir
 from ..telemetry import BatchRecord, Telemetry
@@ -56,10 +56,12 @@ class Lane:
         self.name = name
         self.urgent = urgent
         self.queue: list[Job] = []
+        self.running_tokens = 0  # packed tokens of the batch in progress (routing between replicas)
         self.rate = RATE_START
         self._cond = threading.Condition()
         self._stop = False
-        self.thread = threading.Thread(target=self._loop, name=f"{engine.model.name}-{name}", daemon=True)
+        label = f"{engine.model.name}-{name}" + (f"-r{engine.replica}" if engine.replica else "")
+        self.thread = threading.Thread(target=self._loop, name=label, daemon=True)
 
     def put(self, job: Job) -> None:
         with self._cond:
@@ -78,9 +80,21 @@ class Lane:
         for job in queued:
             job.fail(EngineStopped())
 
+    def drain(self) -> list[Job]:
+        """Stop the lane and hand back its queued jobs unanswered (a dead replica's work goes elsewhere)."""
+        with self._cond:
+            self._stop = True
+            queued, self.queue = self.queue, []
+            self._cond.notify_all()
+        return queued
+
     def waiting(self) -> int:
         with self._cond:
             return len(self.queue)
+
+    def queued_tokens(self) -> int:
+        with self._cond:
+            return sum(job.tokens for job in self.queue) + self.running_tokens
 
     def _admit(self) -> list[Job]:
         with self._cond:
@@ -110,21 +124,33 @@ class Lane:
                     if self._stop:
                         return
                     continue
+                self.running_tokens = sum(job.tokens for job in batch)
                 self.engine.run_batch(batch, self)
             except Exception as exc:  # never lose the thread; every member of the batch gets the error
                 log.exception("batch failed in lane %s", self.thread.name)
-                for job in batch:
-                    job.fail(exc)
+                handler = self.engine.on_batch_failure
+                if handler is None or not handler(self.engine, exc, batch):
+                    for job in batch:
+                        job.fail(exc)
+            finally:
+                self.running_tokens = 0
 
 
 class ModelEngine:
+    """One model on one device: its lanes, its backend, the device's gate. `replica` numbers the copies of a
+    model on several devices (engine/replicas.py)."""
+
     def __init__(self, model: ModelDir, backend: Backend, gate: DeviceGate, telemetry: Telemetry,
-                 settings: EngineSettings | None = None) -> None:
+                 settings: EngineSettings | None = None, replica: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.gate = gate
         self.telemetry = telemetry
         self.settings = settings or EngineSettings()
+        self.replica = replica
+        self.batches = 0
+        # called by a lane whose batch raised, before its jobs fail; True = the jobs were handed elsewhere
+        self.on_batch_failure: Callable[[ModelEngine, Exception, list[Job]], bool] | None = None
         self.prefixes: dict[str, list[int]] = {}
         if self.settings.prefix_cache:
             for lang in ("pl", "en"):
@@ -168,12 +194,33 @@ class ModelEngine:
             body = finish(plan, [], self.model.calibration, 0.0)
             job.resolve(JobResult(body, 0.0, 0.0, 1, 0))
             return job
-        long_lane = self.long is not None and plan.packed_tokens > self.settings.long_tokens
-        (self.long if long_lane else self.main).put(job)
+        self.put(job)
         return job
 
     def waiting(self) -> int:
-        return self.main.waiting() + (self.long.waiting() if self.long else 0)
+        return sum(lane.waiting() for lane in self.lanes())
+
+    def queued_tokens(self) -> int:
+        """Packed tokens waiting or computing in every lane: the routing cost between replicas."""
+        return sum(lane.queued_tokens() for lane in self.lanes())
+
+    def put(self, job: Job) -> None:
+        """Queue a job in the lane its size calls for."""
+        long_lane = self.long is not None and job.tokens > self.settings.long_tokens
+        (self.long if long_lane else self.main).put(job)
+
+    def probe(self) -> None:
+        """One tiny forward under the gate; raises when the device no longer computes."""
+        first = self.model.tokenizer.letter_ids[0]
+        batch = PackedBatch(token_ids=np.array([first], dtype=np.int64), positions=np.zeros(1, dtype=np.int64),
+                            token_block=np.zeros(1, dtype=np.int32), block_parent=np.array([-1], dtype=np.int32),
+                            block_prefix=np.array([-1], dtype=np.int32), readout_index=np.zeros(1, dtype=np.int64),
+                            letter_ids=np.array([first], dtype=np.int64))
+        self.gate.acquire(urgent=True)
+        try:
+            self.backend.forward(batch)
+        finally:
+            self.gate.release()
 
     def _forward(self, batch, lane: Lane) -> np.ndarray:
         if lane.urgent:
@@ -213,13 +260,14 @@ class ModelEngine:
         if elapsed > 0.001:
             lane.rate = 0.8 * lane.rate + 0.2 * pack.packed_tokens / elapsed
         batch_id = self.telemetry.next_batch_id()
+        self.batches += 1
         compute_ms = elapsed * 1000.0
         # the batch is on record before any of its answers leaves, so /api/stats always knows it
         self.telemetry.record_batch(BatchRecord(
             batch_id, self.model.name, lane.name, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
             tree=[{"lang": r.lang, "prefix": r.prefix, "tokens": r.trie.num_tokens, "prompts": r.trie.num_prompts}
-                  for r in pack.rows]))
+                  for r in pack.rows], replica=self.replica, device=self.backend.device))
         for j, job in enumerate(jobs):
             try:
                 body = finish(job.plan, logits[j], self.model.calibration,

@@ -192,6 +192,20 @@ async def models(request: Request) -> Response:
     return _json_response(200, {"models": entries})
 
 
+def replicas(state: AppState) -> list[dict[str, Any]]:
+    """Every engine replica with its device and work (one per model unless --devices/--replicas)."""
+    out = []
+    for engine in state.engines.values():
+        describe = getattr(engine, "describe", None)
+        if describe is not None:
+            out.extend(describe())
+        else:
+            out.append({"model": engine.model.name, "replica": 0, "device": engine.backend.device, "alive": True,
+                        "batches": engine.batches, "waiting": engine.waiting(),
+                        "queued_tokens": engine.queued_tokens()})
+    return out
+
+
 @get("/health")
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
@@ -201,7 +215,9 @@ async def health(request: Request) -> Response:
             body = {"status": "error", "error": state.load_error}
         return _json_response(503, body)
     return _json_response(200, {"status": "ok", "models": list(state.engines), "default_model": state.default_model,
-                                "backend": state.backend_name, "device": state.device, "dtype": state.dtype})
+                                "backend": state.backend_name, "device": state.device, "dtype": state.dtype,
+                                "replicas": [{k: r[k] for k in ("model", "replica", "device", "alive")}
+                                             for r in replicas(state)]})
 
 
 @get("/api/stats")
@@ -211,6 +227,7 @@ async def stats(request: Request) -> Response:
     snap["inflight"] = state.inflight
     snap["queues"] = {name: e.waiting() for name, e in state.engines.items()}
     snap["ready"] = state.ready
+    snap["replicas"] = replicas(state)
     return _json_response(200, snap)
 
 

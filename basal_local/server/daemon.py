@@ -9,10 +9,11 @@ from pathlib import Path
 
 import uvicorn
 
-from basal_local.backends.select import make_backend
+from basal_local.backends.select import expand_devices, make_backend
 
 from ..engine.engine import ModelEngine
 from ..engine.gate import DeviceGate
+from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
 from .app import AppState, create_app
 from .settings import Settings
@@ -21,21 +22,32 @@ log = logging.getLogger("basal_local.daemon")
 
 
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) -> None:
-    """Load every model (one gate for the device), then mark the state ready. Errors go to /health."""
+    """Load every model on every device it is placed on (`replicas` engines per device, one gate per device and
+    replica slot), then mark the state ready. Errors go to /health."""
     try:
-        gate = DeviceGate(settings.engine.long_slice_ms / 1000.0)
+        devices = expand_devices(settings.devices, settings.device)
+        if settings.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1 (got {settings.replicas})")
+        # one gate per replica slot: models on the same device and slot take turns, replicas run side by side
+        gates: dict[tuple[str, int], DeviceGate] = {}
         for path in model_dirs:
             model = load_model_dir(path)
             if model.name in state.engines:
                 raise ValueError(f"two models are named {model.name!r} (basal.json name)")
-            backend = make_backend(settings.backend, settings.device)
-            info = backend.load(model.path, settings.dtype)
-            state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
-            engine = ModelEngine(model, backend, gate, state.telemetry, settings.engine)
+            replicas = []
+            for device in settings.placement.get(model.name) or devices:
+                for slot in range(settings.replicas):
+                    backend = make_backend(settings.backend, device)
+                    info = backend.load(model.path, settings.dtype)
+                    state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
+                    gate = gates.setdefault((backend.device, slot), DeviceGate(settings.engine.long_slice_ms / 1000.0))
+                    replicas.append(ModelEngine(model, backend, gate, state.telemetry, settings.engine,
+                                                replica=len(replicas)))
+                    log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
+                             backend.device)
+            engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
             engine.start()
             state.engines = {**state.engines, model.name: engine}
-            log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
-                     backend.device)
         default = settings.default_model or next(iter(state.engines))
         if default not in state.engines:
             raise ValueError(f"default_model {default!r} is not one of the served models "

@@ -32,6 +32,9 @@ class Settings:
     port: int = 8000
     backend: str = "auto"
     device: str = "auto"
+    devices: str | None = None  # "cuda:0,cuda:1" or "all": one engine replica per device
+    replicas: int = 1  # replicas per device (several on one big GPU, or on the CPU in tests)
+    placement: dict[str, list[str]] = field(default_factory=dict)  # config.toml: model name -> its devices
     dtype: str = "auto"
     default_model: str | None = None
     max_inflight: int = 1024

@@ -23,6 +23,8 @@ class BatchRecord:
     compute_ms: float
     started: float
     tree: list[dict[str, Any]] = field(default_factory=list)
+    replica: int = 0
+    device: str = ""
 
 
 class Telemetry:

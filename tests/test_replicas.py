@@ -1,0 +1,145 @@
+"""Several engine replicas of one model behind one endpoint (issue "Beyond one GPU", CPU part).
+
+`--device cpu --replicas 2` runs two engines in one daemon; requests go to the replica with the least queued
+packed tokens, answers equal the single engine's, and a replica whose device dies leaves the rotation with its
+requests retried on the other one.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from basal_local.api.systemone import validate_systemone
+from basal_local.backends.torch import TorchBackend
+from basal_local.engine.engine import EngineSettings, JobResult, ModelEngine
+from basal_local.engine.gate import DeviceGate
+from basal_local.engine.replicas import ReplicaSet
+from basal_local.model import load_model_dir
+from basal_local.telemetry import Telemetry
+
+from .conftest import Daemon, http
+
+M = "basal-test-tiny"
+WAIT = 60.0
+
+
+def bodies(n: int) -> list[dict]:
+    return [{"model": M, "state": f"Ticket {i}: the parcel {'is late' if i % 3 else 'arrived broken'}.",
+             "questions": {"q": {"type": "choice", "criteria": {"a": "Damage", "b": "Delay", "c": None}},
+                           "n": {"type": "noul", "instructions": f"Urgent #{i % 4}?"}}} for i in range(n)]
+
+
+def probabilities(answer: dict) -> np.ndarray:
+    return np.array([answer["n"]["noul"], *answer["q"]["probabilities"].values()])
+
+
+def test_two_replicas_in_one_daemon_answer_like_one_and_share_the_work(daemon, tiny_model):
+    replicated = Daemon(["--model", str(tiny_model), "--device", "cpu", "--replicas", "2"])
+    try:
+        replicated.wait_ready(timeout=240)
+        _, _, health = http("GET", replicated.url + "/health")
+        assert [(r["replica"], r["device"], r["alive"]) for r in health["replicas"]] == [(0, "cpu", True),
+                                                                                          (1, "cpu", True)]
+        work = bodies(24)
+        alone = [http("POST", daemon.url + "/v1/systemone", b)[2]["answers"] for b in work]
+        with ThreadPoolExecutor(24) as pool:
+            together = list(pool.map(lambda b: http("POST", replicated.url + "/v1/systemone", b), work * 2))
+        for i, (status, _, out) in enumerate(together):
+            assert status == 200, out
+            assert np.abs(probabilities(out["answers"]) - probabilities(alone[i % 24])).max() <= 1e-6
+        _, _, stats = http("GET", replicated.url + "/api/stats")
+        per_replica = {r["replica"]: r["batches"] for r in stats["replicas"]}
+        assert per_replica[0] > 0 and per_replica[1] > 0, per_replica  # both computed
+        assert {b["replica"] for b in stats["batches"]} == {0, 1}
+    finally:
+        replicated.stop()
+
+
+class DyingBackend(TorchBackend):
+    """The torch CPU backend, until `die` is set: then every forward raises like a lost device."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.die = threading.Event()
+        self.poison_batches = threading.Event()  # batches (not the one-token probe) fail, the device works
+        self.forwards = 0
+
+    def forward(self, batch):
+        if self.die.is_set():
+            raise RuntimeError("CUDA error: device lost (simulated)")
+        if self.poison_batches.is_set() and batch.num_tokens > 1:
+            raise RuntimeError("this batch is poisoned (simulated)")
+        self.forwards += 1
+        return super().forward(batch)
+
+
+@pytest.fixture
+def replica_set(tiny_model):
+    model = load_model_dir(tiny_model)
+    engines = []
+    for r in range(2):
+        backend = DyingBackend()
+        backend.load(tiny_model, "f32")
+        engines.append(ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0),
+                                   replica=r))
+    replicas = ReplicaSet(engines)
+    replicas.start()
+    yield replicas
+    replicas.stop(timeout=WAIT)
+
+
+def plans(replicas: ReplicaSet, n: int):
+    return [replicas.plan(validate_systemone(b, M)) for b in bodies(n)]
+
+
+def test_a_dead_replica_leaves_the_rotation_and_nothing_is_lost(replica_set, tiny_model):
+    reference = ModelEngine(replica_set.model, replica_set.replicas[0].backend, DeviceGate(), Telemetry(),
+                            EngineSettings(long_tokens=0))
+    reference.start()
+    try:
+        expected = [reference.submit(p).future.result(WAIT).body["answers"] for p in plans(replica_set, 16)]
+    finally:
+        reference.stop(WAIT)
+    replica_set.replicas[1].backend.die.set()
+    jobs = [replica_set.submit(p) for p in plans(replica_set, 16)]
+    results = [job.future.result(WAIT) for job in jobs]
+    assert all(isinstance(r, JobResult) for r in results)
+    for got, want in zip(results, expected):
+        assert np.abs(probabilities(got.body["answers"]) - probabilities(want)).max() <= 1e-6
+    assert replica_set.dead == {1}
+    assert [r["alive"] for r in replica_set.describe()] == [True, False]
+    assert replica_set.replicas[1].backend.forwards == 0
+    # later work goes to the live replica only
+    assert replica_set.submit(plans(replica_set, 1)[0]).future.result(WAIT)
+    assert replica_set.replicas[1].batches == 0
+
+
+def test_a_batch_that_fails_on_a_working_device_fails_alone(replica_set):
+    replica_set.replicas[0].backend.poison_batches.set()
+    replica_set.replicas[1].backend.poison_batches.set()
+    job = replica_set.submit(plans(replica_set, 1)[0])
+    with pytest.raises(RuntimeError, match="poisoned"):
+        job.future.result(WAIT)
+    assert replica_set.dead == set()  # the probe computed: the device is fine
+    for engine in replica_set.replicas:
+        engine.backend.poison_batches.clear()
+    assert isinstance(replica_set.submit(plans(replica_set, 1)[0]).future.result(WAIT), JobResult)
+
+
+def test_every_replica_dead_answers_engine_stopped(replica_set):
+    from basal_local.engine.scheduler import EngineStopped
+
+    for engine in replica_set.replicas:
+        engine.backend.die.set()
+    job = replica_set.submit(plans(replica_set, 1)[0])
+    with pytest.raises(RuntimeError):  # the last replica keeps the error: nowhere left to retry
+        job.future.result(WAIT)
+    # whichever replica ran it first died; once both are out, new work is refused at once
+    follow = [replica_set.submit(p) for p in plans(replica_set, 2)]
+    for f in follow:
+        with pytest.raises((RuntimeError, EngineStopped)):
+            f.future.result(WAIT)
