@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -50,18 +52,37 @@ def http(method: str, url: str, body: bytes | dict | None = None, headers: dict 
 
 
 class Daemon:
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
+    """`basal-local serve` as a subprocess; its output is drained by a thread into a bounded buffer.
+
+    Without the drain a chatty daemon fills the pipe and blocks on its next log line, which hangs the test.
+    """
+
+    LOG_LINES = 5000  # the last lines kept; older ones are dropped
+
+    def __init__(self, args: list[str], env: dict | None = None, command: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--port", str(self.port),
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+        command = command or [sys.executable, "-m", "basal_local.cli", "serve"]
+        self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self._lines: collections.deque[str] = collections.deque(maxlen=self.LOG_LINES)
+        self._drain = threading.Thread(target=self._read, daemon=True)
+        self._drain.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(list(self._lines))
 
     def wait_ready(self, timeout: float = 90) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.proc.stdout.read()}")
+                self._drain.join(timeout=5)
+                raise RuntimeError(f"daemon exited: {self.log}")
             try:
                 status, _, _ = http("GET", self.url + "/health", timeout=2)
                 if status == 200:
@@ -72,13 +93,15 @@ class Daemon:
         raise TimeoutError("daemon did not become ready")
 
     def stop(self) -> str:
+        """Terminate the daemon and return its output (the last LOG_LINES lines)."""
         self.proc.terminate()
         try:
-            out, _ = self.proc.communicate(timeout=20)
+            self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
-        return out
+            self.proc.wait()
+        self._drain.join(timeout=10)
+        return self.log
 
 
 @pytest.fixture(scope="module")
