@@ -144,6 +144,22 @@ def test_long_lane_keeps_short_p95_far_below_fifo(model):
     assert lane_p95 < fifo_p95 / 2
 
 
+def test_long_lane_runs_one_request_at_a_time(model):
+    """Requests above long_tokens queue in the long lane; each batch there holds exactly one of them."""
+    engine, _ = make_engine(model, long_tokens=300, max_batch_tokens=100_000)
+    try:
+        plans = [plan(engine, model, 400, f"long{i}") for i in range(4)]
+        assert all(p.packed_tokens > 300 for p in plans)
+        jobs = [engine.submit(p) for p in plans]  # the first one runs; three wait together in the queue
+        results = [j.future.result(timeout=30) for j in jobs]
+        long_batches = [b for b in engine.telemetry.batches if b.lane == "long"]
+        assert [b.requests for b in long_batches] == [1, 1, 1, 1]
+        assert all(r.batch_requests == 1 for r in results)
+        assert not [b for b in engine.telemetry.batches if b.lane == "main"]
+    finally:
+        engine.stop()
+
+
 def test_cancelled_requests_cost_no_forward(model):
     engine, backend = make_engine(model, long_tokens=0)
     try:
