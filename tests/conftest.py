@@ -19,18 +19,30 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".test-cache"
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
+def generated_model(tmp_path_factory, preset: str, seed: int) -> Path:
+    """A generated model directory; reused across runs from $BASAL_LOCAL_TEST_MODELS when that is set.
+
+    `tools/mutate.py` sets it so that each planted bug does not pay for training the test tokenizer again."""
     from basal_local.model.testmodel import make_test_model
 
-    return make_test_model(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=1)
+    cache = os.environ.get("BASAL_LOCAL_TEST_MODELS")
+    if not cache:
+        return make_test_model(tmp_path_factory.mktemp(preset), preset=preset, seed=seed)
+    target = Path(cache) / f"{preset}-seed{seed}"
+    if not (target / "model.safetensors").exists():
+        tmp = make_test_model(Path(cache) / f".{preset}-seed{seed}.tmp{os.getpid()}", preset=preset, seed=seed)
+        tmp.rename(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return generated_model(tmp_path_factory, "tiny", 1)
 
 
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory) -> Path:
-    from basal_local.model.testmodel import make_test_model
-
-    return make_test_model(tmp_path_factory.mktemp("small"), preset="small", seed=2)
+    return generated_model(tmp_path_factory, "small", 2)
 
 
 def free_port() -> int:

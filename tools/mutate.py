@@ -109,7 +109,11 @@ MUTATIONS = [
     # packing
     m("packer-positions", "packed positions are each token's index in its own prompt",
       "basal_local/engine/packer.py", "positions.extend(range(block.start, block.start + len(block.tokens)))",
-      "positions.extend(range(block.start + 1, block.start + 1 + len(block.tokens)))", "tests/test_packer.py"),
+      "positions.extend(range(block.start + 1, block.start + 1 + len(block.tokens)))",
+      "tests/test_parity.py::test_generated_models_match_transformers"),
+    m("packer-shares-diverging", "prompts share a block only up to their first different token",
+      "basal_local/engine/packer.py", "            if k < len(child.tokens):\n                return len(tokens) - i - k",
+      "            if k < len(child.tokens):\n                return len(tokens) - i - k - 1", "tests/test_queue_order.py"),
     # hygiene and the harness
     m("assert-in-product", "runtime checks are errors, not asserts stripped by python -O",
       "basal_local/model/config.py", "        if not isinstance(rope, dict):\n            raise ConfigError(",
@@ -143,8 +147,10 @@ def apply(mutation: Mutation, root: Path) -> str | None:
     return None
 
 
-def run_tests(root: Path, tests: tuple[str, ...], timeout: int) -> tuple[int | None, str, float]:
+def run_tests(root: Path, tests: tuple[str, ...], timeout: int, models: Path | None) -> tuple[int | None, str, float]:
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    if models is not None:  # test models generated once by the unmutated code (tests/conftest.py)
+        env["BASAL_LOCAL_TEST_MODELS"] = str(models)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     started = time.perf_counter()
     try:
@@ -180,20 +186,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{x.name:26} {x.file:36} {' '.join(x.tests)}\n{'':26} {x.behaviour}")
         return 0
     rows = []
+    models_dir = tempfile.TemporaryDirectory(prefix="mutate-models-")
+    models = Path(models_dir.name)
+    for preset, seed in (("tiny", 1), ("small", 2)):  # as tests/conftest.py names them
+        from basal_local.model.testmodel import make_test_model
+
+        make_test_model(models / f"{preset}-seed{seed}", preset=preset, seed=seed)
     for x in chosen:
         with tempfile.TemporaryDirectory(prefix=f"mutate-{x.name}-") as tmp:
             root = Path(tmp) / "repo"
             make_copy(root)
             stale = None if args.baseline else apply(x, root)
+            # a planted bug in the model generator must generate its own models
+            shared = None if x.file == "basal_local/model/testmodel.py" else models
             if stale:
                 result, seconds, tail = f"STALE ({stale})", 0.0, ""
             else:
-                rc, tail, seconds = run_tests(root, x.tests, x.timeout)
+                rc, tail, seconds = run_tests(root, x.tests, x.timeout, shared)
                 result = ("ok" if rc == 0 else f"BASELINE FAILS (exit {rc})") if args.baseline else verdict(rc)
         rows.append((x, result, seconds))
         print(f"{x.name:26} {result:18} {seconds:6.1f} s  {x.behaviour}", flush=True)
         if args.verbose or result.startswith(("ERROR", "BASELINE FAILS")):
             print("    " + tail.strip().replace("\n", "\n    "))
+    models_dir.cleanup()
     good = "ok" if args.baseline else "caught"
     n_good = sum(r.startswith(good) for _, r, _ in rows)
     print(f"\n{n_good}/{len(rows)} {good}")
