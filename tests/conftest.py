@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -17,18 +19,30 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".test-cache"
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
+def generated_model(tmp_path_factory, preset: str, seed: int) -> Path:
+    """A generated model directory; reused across runs from $BASAL_LOCAL_TEST_MODELS when that is set.
+
+    `tools/mutate.py` sets it so that each planted bug does not pay for training the test tokenizer again."""
     from basal_local.model.testmodel import make_test_model
 
-    return make_test_model(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=1)
+    cache = os.environ.get("BASAL_LOCAL_TEST_MODELS")
+    if not cache:
+        return make_test_model(tmp_path_factory.mktemp(preset), preset=preset, seed=seed)
+    target = Path(cache) / f"{preset}-seed{seed}"
+    if not (target / "model.safetensors").exists():
+        tmp = make_test_model(Path(cache) / f".{preset}-seed{seed}.tmp{os.getpid()}", preset=preset, seed=seed)
+        tmp.rename(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return generated_model(tmp_path_factory, "tiny", 1)
 
 
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory) -> Path:
-    from basal_local.model.testmodel import make_test_model
-
-    return make_test_model(tmp_path_factory.mktemp("small"), preset="small", seed=2)
+    return generated_model(tmp_path_factory, "small", 2)
 
 
 def free_port() -> int:
@@ -50,18 +64,37 @@ def http(method: str, url: str, body: bytes | dict | None = None, headers: dict 
 
 
 class Daemon:
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
+    """`basal-local serve` as a subprocess; its output is drained by a thread into a bounded buffer.
+
+    Without the drain a chatty daemon fills the pipe and blocks on its next log line, which hangs the test.
+    """
+
+    LOG_LINES = 5000  # the last lines kept; older ones are dropped
+
+    def __init__(self, args: list[str], env: dict | None = None, command: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--port", str(self.port),
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+        command = command or [sys.executable, "-m", "basal_local.cli", "serve"]
+        self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self._lines: collections.deque[str] = collections.deque(maxlen=self.LOG_LINES)
+        self._drain = threading.Thread(target=self._read, daemon=True)
+        self._drain.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(list(self._lines))
 
     def wait_ready(self, timeout: float = 90) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.proc.stdout.read()}")
+                self._drain.join(timeout=5)
+                raise RuntimeError(f"daemon exited: {self.log}")
             try:
                 status, _, _ = http("GET", self.url + "/health", timeout=2)
                 if status == 200:
@@ -72,13 +105,15 @@ class Daemon:
         raise TimeoutError("daemon did not become ready")
 
     def stop(self) -> str:
+        """Terminate the daemon and return its output (the last LOG_LINES lines)."""
         self.proc.terminate()
         try:
-            out, _ = self.proc.communicate(timeout=20)
+            self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
-        return out
+            self.proc.wait()
+        self._drain.join(timeout=10)
+        return self.log
 
 
 @pytest.fixture(scope="module")

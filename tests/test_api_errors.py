@@ -175,10 +175,30 @@ def test_basal_errors(app_client, body, status, expected):
 
 
 def test_basal_lenient_unknown_type_is_uncalibrated_choice(app_client):
-    body = {"state": "s", "questions": {"q": {"type": "weird", "criteria": {"a": "x", "b": "y"}}}}
+    """PROTOCOL.md §5/§8: an unknown type is read as choice with T = 1; a choice question gets T_choice.
+
+    Both questions render the same prompts (one readout in the packed batch), so the choice answer must be
+    the unknown-type probabilities calibrated here with the model's T_choice (PROTOCOL.md §5, §7)."""
+    import math
+
+    t_choice = 1.1387886347566916  # CALIBRATION.json of the generated model (the basal-1.5-mini value)
+    criteria = {"a": "Uszkodzenie", "b": "Opóźnienie", "c": "Inne"}
+    body = {"state": "Paczka dotarła uszkodzona.", "questions": {
+        "u": {"type": "weird", "instructions": "Rodzaj?", "criteria": criteria},
+        "c": {"type": "choice", "instructions": "Rodzaj?", "criteria": criteria}}}
     status, out = post(app_client, body, "/v1/basal")
-    assert status == 200 and out["answers"]["q"]["type"] == "choice"
-    assert set(out["answers"]["q"]) == {"type", "choice", "probabilities", "confidence"}
+    assert status == 200
+    unknown, choice = out["answers"]["u"], out["answers"]["c"]
+    p = [unknown["probabilities"][k] for k in criteria]
+    z = [math.log(max(v, 1e-12)) / t_choice for v in p]
+    e = [math.exp(v - max(z)) for v in z]
+    calibrated = [v / sum(e) for v in e]
+    assert max(abs(choice["probabilities"][k] - v) for k, v in zip(criteria, calibrated)) <= 1e-12
+    assert max(abs(a - b) for a, b in zip(p, calibrated)) > 1e-4  # calibration visibly changes them
+    best = max(range(3), key=lambda i: (p[i], -i))
+    assert unknown == {"type": "choice", "choice": list(criteria)[best],
+                       "probabilities": dict(zip(criteria, p)), "confidence": max(p)}
+    assert abs(sum(p) - 1.0) <= 1e-12
 
 
 def test_zstd_body_and_unknown_encoding(app_client):

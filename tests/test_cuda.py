@@ -70,6 +70,9 @@ def test_cuda_flex_kernel_matches_sdpa_twin(small_model):
     diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(results["sdpa"], results["flex"])])
     print(f"cuda flex kernel vs sdpa twin (f32): max {diffs.max():.3g}, mean {diffs.mean():.3g}")
     assert diffs.max() <= 1e-4
+    from basal_local.backends.torch.tree_attention import flex_fallbacks
+
+    assert flex_fallbacks() == 0, "the compiled kernel fell back to the twin: the comparison compared the twin"
 
 
 def test_cuda_graphs_match_eager(small_model):

@@ -37,7 +37,9 @@ def test_score_golden():
 def test_temperature_one_is_skipped_exactly():
     p = [0.3, 0.7000000000000001]
     assert calibrate(p, 1.0) == p  # no log/exp round trip
-    assert calibrate([0.0, 1.0], 2.0)[0] > 0  # the 1e-12 floor keeps zeros finite
+    # the 1e-12 floor keeps zeros finite: softmax(ln 1e-12 / 2, ln 1 / 2) = (1e-6, 1) / (1 + 1e-6)
+    low, high = calibrate([0.0, 1.0], 2.0)
+    assert abs(low - 1e-6 / (1 + 1e-6)) <= 1e-18 and abs(high - 1 / (1 + 1e-6)) <= 1e-15
 
 
 def test_ties_take_the_first_key():

@@ -1,8 +1,13 @@
-"""End to end over a real socket: the daemon as a subprocess on a free port, checked against transformers."""
+"""End to end over a real socket: the daemon as a subprocess on a free port, checked against transformers.
+
+The reference renders the prompts from PROTOCOL.md and tokenizes them with `tokenizers` itself
+(`tests/reference.py`), so a rendering or tokenization bug in the product cannot agree with itself.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +17,7 @@ import pytest
 import torch
 
 from .conftest import Daemon, http
+from .reference import ReferenceTokenizer, render
 
 M = "basal-test-tiny"
 STATE = {"zgłoszenie": "Paczka dotarła uszkodzona 🙁", "kwota": 129.99, "tagi": ["dostawa", None]}
@@ -31,9 +37,15 @@ def prompts_of(model_dir, body, dialect):
     return json.loads(out.stdout)
 
 
-def reference_probabilities(hf, rendered, qtype, dialect_temperature=True):
+def reference_question(tok: ReferenceTokenizer, state, question) -> list[dict]:
+    """Both orders of a question as {prompt, input_ids, letter_ids}, all computed in the test."""
+    _, prompts = render(state, question)
+    n = 2 if question["type"] == "noul" else len(question["criteria"])
+    return [{"prompt": p, "input_ids": tok.ids(p), "letter_ids": tok.letter_ids(p, n)} for p in prompts]
+
+
+def reference_probabilities(hf, orders, qtype):
     """transformers logits at the last position + the protocol math written out again in numpy."""
-    orders = rendered["orders"]
     n = len(orders[0]["letter_ids"])
     p = np.zeros(n)
     for k, order in enumerate(orders):
@@ -43,8 +55,6 @@ def reference_probabilities(hf, rendered, qtype, dialect_temperature=True):
         q /= q.sum()
         perm = np.arange(n) if k == 0 else np.arange(n)[::-1]
         p[perm] += q / len(orders)
-    if not dialect_temperature:
-        return p
     z = np.log(np.maximum(p, 1e-12)) / TEMPS[qtype]
     z = np.exp(z - z.max())
     return z / z.sum()
@@ -59,11 +69,16 @@ def test_every_type_matches_independent_computation(daemon, tiny_model, dialect)
     status, headers, out = http("POST", f"{daemon.url}/v1/{dialect}", body)
     assert status == 200, out
     assert out["model"] == M and list(out["answers"]) == list(QUESTIONS)
-    rendered = prompts_of(tiny_model, body, dialect)
+    tok = ReferenceTokenizer(tiny_model)
+    reference = {qid: reference_question(tok, STATE, q) for qid, q in QUESTIONS.items()}
+    # the product's own `prompts` command shows the same prompts, ids and letter ids
+    shown = prompts_of(tiny_model, body, dialect)["questions"]
+    assert {qid: [{k: o[k] for k in ("prompt", "input_ids", "letter_ids")} for o in shown[qid]["orders"]]
+            for qid in QUESTIONS} == reference
     total_tokens = 0
     for qid, q in QUESTIONS.items():
-        ref = reference_probabilities(hf, rendered["questions"][qid], q["type"])
-        total_tokens += sum(len(o["input_ids"]) for o in rendered["questions"][qid]["orders"])
+        ref = reference_probabilities(hf, reference[qid], q["type"])
+        total_tokens += sum(len(o["input_ids"]) for o in reference[qid])
         ans = out["answers"][qid]
         assert ans["type"] == q["type"]
         if q["type"] == "noul":
@@ -135,17 +150,27 @@ def test_concurrent_clients_batch_and_answers_do_not_change(daemon):
 
 
 def test_demo_command_answers_and_stops_cleanly(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    question = {"type": "choice", "criteria": {"damage": "Uszkodzenie", "late": "Opóźnienie"}}
+    state = "Paczka dotarła uszkodzona."
     d = Daemon(["--demo"], env={"BASAL_LOCAL_HOME": str(tmp_path)})
     try:
         d.wait_ready(timeout=120)
-        status, _, out = http("POST", d.url + "/v1/systemone", {
-            "model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
-            "questions": {"kind": {"type": "choice", "criteria": {"damage": "Uszkodzenie", "late": "Opóźnienie"}}}})
-        assert status == 200 and out["answers"]["kind"]["choice"] in ("damage", "late")
+        status, _, out = http("POST", d.url + "/v1/systemone",
+                              {"model": "basal-demo", "state": state, "questions": {"kind": question}})
+        assert status == 200
     finally:
         log = d.stop()
     assert d.proc.returncode == 0
     assert "RANDOM weights" in log and "curl" in log
+    # the answer is the demo model's, computed independently from the directory it generated
+    (demo,) = [p.parent for p in tmp_path.rglob("demo-model/basal.json")]
+    hf = LlamaForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
+    ref = reference_probabilities(hf, reference_question(ReferenceTokenizer(demo), state, question), "choice")
+    ans = out["answers"]["kind"]
+    assert np.abs(np.array([ans["probabilities"]["damage"], ans["probabilities"]["late"]]) - ref).max() <= 1e-5
+    assert ans["choice"] == ("damage", "late")[int(np.argmax(ref))]
 
 
 def test_no_model_names_demo(tmp_path):
@@ -162,20 +187,28 @@ def test_prompts_cli_round_trip(tiny_model):
     assert out["language"] == "pl"
     n = out["questions"]["n"]
     assert n["type"] == "noul" and len(n["orders"]) == 2 and out["questions"]["one"]["orders"] == []
-    from basal_local.model import load_model_dir
-
-    tok = load_model_dir(tiny_model).tokenizer
-    for order in n["orders"]:
-        assert order["prompt"].endswith('{"answer": "') and "A. Tak\nB. Nie" in n["orders"][0]["prompt"]
-        assert order["input_ids"] == tok.encode(order["prompt"]) and order["input_ids"][:2] == [1, 3]
-        assert order["letter_ids"] == tok.letter_ids[:2]
+    tok = ReferenceTokenizer(tiny_model)
+    reference = reference_question(tok, body["state"], body["questions"]["n"])
+    assert [{k: o[k] for k in ("prompt", "input_ids", "letter_ids")} for o in n["orders"]] == reference
+    assert "A. Tak\nB. Nie" in reference[0]["prompt"] and "A. Nie\nB. Tak" in reference[1]["prompt"]
+    assert all(o["input_ids"][:2] == [1, 3] for o in reference)
     bad = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(tiny_model)],
                          input=b'{"model": "basal-test-tiny", "state": 1}', capture_output=True)
     assert bad.returncode == 2 and b"HTTP 422" in bad.stderr
     assert json.loads(bad.stdout)["detail"][0]["loc"] == ["body", "state", "str"]
     tree = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(tiny_model), "--tree"],
                           input=json.dumps(body), capture_output=True, check=True, text=True).stdout
-    assert "packed tokens" in tree and "prompts [0]" in tree.replace("prompts [1]", "prompts [0]")
+    # the two orders share every token up to where their option lists differ: one shared block, two leaves
+    ids = [o["input_ids"] for o in reference]
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert f"vs {len(ids[0]) + len(ids[1])} unpacked" in tree
+    blocks = [tuple(int(x) for x in m) for m in re.findall(r"block \d+: (\d+) tok @pos (\d+)", tree)]
+    packed = int(re.search(r"(\d+) packed tokens", tree).group(1))
+    assert sum(n_tok for n_tok, _ in blocks) == packed
+    for k in (0, 1):
+        (line,) = [x for x in tree.splitlines() if x.endswith(f"-> prompts [{k}]")]
+        n_tok, pos = (int(x) for x in re.search(r"(\d+) tok @pos (\d+)", line).groups())
+        assert (n_tok, pos) == (len(ids[k]) - common, common)
 
 
 def test_headers_match_the_stats_endpoint(daemon):

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from basal_local.backends.torch.tree_attention import flex_available
+from basal_local.backends.torch.tree_attention import flex_available, flex_fallbacks
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
 
@@ -33,6 +33,7 @@ def test_flex_kernel_matches_sdpa_twin(tiny_model):
         diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(twin, kernel)])
         print(f"flex vs sdpa twin: max {diffs.max():.3g}, mean {diffs.mean():.3g}")
         assert diffs.max() <= 1e-5
+    assert flex_fallbacks() == 0, "the kernel fell back to the twin: the comparison compared the twin with itself"
 
 
 def test_subtree_split_equals_dense_twin(tiny_model):

@@ -194,7 +194,8 @@ class TorchBackend:
             if not attention.grouped:
                 return self._forward_graphed(batch)
         *_, logits = self.forward_steps(batch, _attention=attention)
-        assert logits is not None
+        if logits is None:
+            raise RuntimeError("forward_steps ended without letter logits")
         return logits
 
     @torch.inference_mode()

@@ -20,7 +20,15 @@ from ..base import PackedBatch, ancestor_matrix
 
 log = logging.getLogger(__name__)
 _compiled_flex = None
-_flex_broken = False  # set once the compiled kernel failed on this machine: the twin takes over
+_flex_broken = False  # set once the compiled kernel failed on this machine: the twin takes over, counted
+_flex_fallbacks = 0  # attention calls of a flex backend that the twin answered instead of the kernel
+
+
+def flex_fallbacks() -> int:
+    """Attention calls (layers) that fell back from the compiled FlexAttention kernel to the twin in this process.
+
+    A kernel-vs-twin comparison is only a comparison when this stayed 0 (the tests assert it)."""
+    return _flex_fallbacks
 
 
 def flex_available() -> bool:
@@ -194,18 +202,24 @@ class TreeAttention:
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         n_heads, n_kv = q.shape[0], keys.shape[0]
-        global _flex_broken
-        if self.impl == "flex" and rows is None and not _flex_broken:
-            try:
-                # the prefill kernel always: the decoding variant has no f32 configuration
-                out = _flex(q.is_cuda)(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                       block_mask=self._block_mask, enable_gqa=n_heads != n_kv,
-                                       kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
-                return out[0]
-            except Exception as exc:  # a compiler failure must not fail requests; the twin is exact
-                _flex_broken = True
-                log.warning("FlexAttention kernel unavailable (%s: %s); using dense-mask SDPA",
-                            type(exc).__name__, str(exc).splitlines()[0][:200])
+        global _flex_broken, _flex_fallbacks
+        if self.impl == "flex" and rows is None:
+            if not _flex_broken:
+                try:
+                    # the prefill kernel always: the decoding variant has no f32 configuration
+                    out = _flex(q.is_cuda)(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                           block_mask=self._block_mask, enable_gqa=n_heads != n_kv,
+                                           kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+                    return out[0]
+                except Exception as exc:
+                    if not q.is_cuda:
+                        raise  # the eager path compiles nothing: its failure is a bug, never hidden
+                    # a compiler failure must not fail requests; the twin is exact, and counted
+                    _flex_broken = True
+                    log.warning("FlexAttention kernel failed to compile (%s: %s); every later attention call "
+                                "uses dense-mask SDPA (counted in flex_fallbacks())",
+                                type(exc).__name__, str(exc).splitlines()[0][:200])
+            _flex_fallbacks += 1
         if rows is None and self._segments is not None:
             q_index, k_index, mask, token_slot = self._segments
             out = sdpa_twin(q[:, q_index].transpose(0, 1), keys[:, k_index].transpose(0, 1),

@@ -11,6 +11,10 @@ from typing import Any
 from .packer import PromptSpec, TrieSizer
 
 RATE_START = 3000.0  # tokens/s before anything was measured
+# Fixed cost of running a batch at all (launches, packing, host math, answering), whatever its size. With it in
+# the estimate, est = overhead + tokens / rate, the measured rate decides how much size matters: on a fast device
+# every job costs about the overhead and the order tends to FIFO; on a slow one it tends to shortest-first.
+BATCH_OVERHEAD_S = 0.005
 MAX_REJECTIONS = 64  # stop scanning the queue for batch-mates after this many misfits
 
 
@@ -59,19 +63,33 @@ class Job:
             pass
 
 
-def hrrn_order(jobs: list[Job], now: float, rate: float) -> list[Job]:
-    """Highest response ratio first: (wait + est) / est with est = tokens / rate. Stable for ties."""
-    return sorted(jobs, key=lambda j: -(now - j.arrival) * rate / max(j.tokens, 1))
+def estimate_s(tokens: int, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> float:
+    """Estimated compute time of a job alone: the fixed batch cost plus its tokens at the measured rate."""
+    return overhead_s + max(tokens, 1) / rate
+
+
+def response_ratio(job: Job, now: float, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> float:
+    """DESIGN.md's priority (wait + est) / est."""
+    est = estimate_s(job.tokens, rate, overhead_s)
+    return (max(now - job.arrival, 0.0) + est) / est
+
+
+def hrrn_order(jobs: list[Job], now: float, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> list[Job]:
+    """Highest response ratio first (see `response_ratio`); ties keep queue order."""
+    return sorted(jobs, key=lambda j: -response_ratio(j, now, rate, overhead_s))
 
 
 def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequence[int]],
-               schedule: str, rate: float, now: float | None = None) -> tuple[list[Job], list[Job]]:
+               schedule: str, rate: float, now: float | None = None,
+               overhead_s: float = BATCH_OVERHEAD_S) -> tuple[list[Job], list[Job]]:
     """Take the first job in queue order and each later one whose trie growth still fits the budget.
 
-    Returns (batch, rest), the rest in that queue order. A job larger than the budget runs alone.
+    Growth counts what a job adds to the batch's prefix tries, so a prefix it shares with members already
+    taken (the same state, the same template) counts once. Returns (batch, rest), the rest in queue order.
+    A job larger than the budget runs alone; a budget of 0 makes every batch one job (the long lane).
     """
     now = time.perf_counter() if now is None else now
-    ordered = hrrn_order(queue, now, rate) if schedule == "hrrn" else list(queue)
+    ordered = hrrn_order(queue, now, rate, overhead_s) if schedule == "hrrn" else list(queue)
     if not ordered:
         return [], []
     batch = [ordered[0]]

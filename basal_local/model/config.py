@@ -44,8 +44,9 @@ class LlamaConfig:
         need(raw.get("pretraining_tp", 1) == 1, "pretraining_tp", "must be 1")
         need(raw.get("rope_scaling") is None, "rope_scaling", "must be absent (only default RoPE is supported)")
         rope = raw.get("rope_parameters")
-        need(isinstance(rope, dict), "rope_parameters", "must be an object with rope_theta (transformers 5 layout)")
-        assert isinstance(rope, dict)
+        if not isinstance(rope, dict):
+            raise ConfigError("config.json: field 'rope_parameters' must be an object with rope_theta "
+                              f"(transformers 5 layout) (got {rope!r})")
         if rope.get("rope_type", "default") != "default":
             raise ConfigError(f"config.json: field 'rope_parameters.rope_type' must be \"default\" "
                               f"(got {rope.get('rope_type')!r})")

@@ -1,7 +1,8 @@
 """`basal-local make-test-model`: a complete model directory of the contract with random weights.
 
 The tokenizer is a real BPE trained with `tokenizers` on the Polish and English texts in `assets/`
-(Metaspace, `<s>`=1, `<|im_start|>`=3, `<|im_end|>`=4 as in the Basal tokenizer). Presets `mini`, `4.5B`
+(Metaspace, `<s>`=1, `<|im_start|>`=3, `<|im_end|>`=4 as in the Basal tokenizer; the letters A-J get
+scattered, unsorted ids like the real ones). Presets `mini`, `4.5B`
 and `max` have the real architectures (BENCHMARKS.md), for speed measurements; `tiny` and `small` are for tests.
 """
 
@@ -68,7 +69,27 @@ def train_tokenizer(vocab_size: int = 4000) -> dict:
     raw["normalizer"] = None
     merges = raw["model"]["merges"]
     raw["model"]["merges"] = [m for m in merges if not _joins_quote_and_letter(m)]
+    _scatter_letter_ids(raw["model"]["vocab"])
     return raw
+
+
+def _scatter_letter_ids(vocab: dict[str, int]) -> None:
+    """Give the letter tokens A-J scattered, unsorted ids, as real tokenizers do (A=31928, B=31936, C=31935).
+
+    Training hands out consecutive alphabetical ids to the single characters, so a bug that derived letter ids
+    from the bare letters, sorted them or shifted them by one could still agree with the model. Each letter
+    swaps ids with the token at a spread-out position; BPE merges name tokens by text, so they stay valid.
+    """
+    n = len(vocab)
+    by_id = {i: tok for tok, i in vocab.items()}
+    targets = [n - 72, n - 3, n - 17, n // 4 + 11, (3 * n) // 5 + 3, 57, n // 2 - 9, n - 401, n // 12, (3 * n) // 4]
+    for letter, target in zip(LETTERS, targets):
+        current = vocab[letter]
+        other = by_id[target]
+        if other in SPECIAL_TOKENS or other in LETTERS:
+            raise RuntimeError(f"test tokenizer: cannot move letter {letter} to id {target} ({other!r})")
+        vocab[letter], vocab[other] = target, current
+        by_id[target], by_id[current] = letter, other
 
 
 def _joins_quote_and_letter(merge) -> bool:

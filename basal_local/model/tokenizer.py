@@ -58,7 +58,8 @@ class BasalTokenizer:
     def _derive_letter_ids(self) -> list[int]:
         """ids(prompt + L) must be ids(prompt) + [one id], distinct per letter, on a prompt ending in the prefill."""
         probe = render_prompt("x", "?", list(LETTERS), list(range(len(LETTERS))), "en", self.bos)
-        assert probe.endswith(PREFILL)
+        if not probe.endswith(PREFILL):
+            raise RuntimeError("the rendered probe prompt does not end in the prefill (a rendering bug)")
         base = self.encode(probe)
         ids = []
         for letter in LETTERS:
@@ -74,15 +75,11 @@ class BasalTokenizer:
     def template_prefix(self, lang: str) -> list[int]:
         """The token ids every prompt of a language starts with (the cached template, 53 PL / 66 EN on Basal)."""
         states = ["a", "Z", "0", "{", "[", " ", "\n", '"', "ż", "-", "\u2581", "<", "\t", "A1"]
-        common: list[int] | None = None
-        for state in states:
-            ids = self.encode(render_prompt(state, "q", ["x", "y"], [0, 1], lang, self.bos))
-            if common is None:
-                common = ids
-            else:
-                n = 0
-                while n < min(len(common), len(ids)) and common[n] == ids[n]:
-                    n += 1
-                common = common[:n]
-        assert common is not None
+        first, *others = [self.encode(render_prompt(s, "q", ["x", "y"], [0, 1], lang, self.bos)) for s in states]
+        common = first
+        for ids in others:
+            n = 0
+            while n < min(len(common), len(ids)) and common[n] == ids[n]:
+                n += 1
+            common = common[:n]
         return common

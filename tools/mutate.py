@@ -1,0 +1,224 @@
+"""Plant known bugs one at a time in a temporary copy of the repository and check that the tests catch each.
+
+    .venv/bin/python tools/mutate.py                 # every mutation, a table at the end
+    .venv/bin/python tools/mutate.py --list          # the mutations, without running anything
+    .venv/bin/python tools/mutate.py --only NAME ... # some of them (names from --list)
+    .venv/bin/python tools/mutate.py --baseline      # the same test selections on the unmutated copy
+    .venv/bin/python tools/mutate.py --markdown      # print the table as docs/TESTING.md shows it
+
+Each mutation names a file, an exact snippet (found exactly once, or the mutation is reported STALE), its
+replacement, and the narrow set of tests that must fail. A fresh copy per mutation keeps them independent;
+the copy imports its own package (`basal_local/backends` and `basal_local/assets` are linked in, as the
+wheel installs them), never the editable install of the source tree. The result is "caught" only when pytest
+ran and reported failing tests (exit code 1) or the selection ran past its timeout; an import or collection
+error (exit code 2-4) is an ERROR, not a catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IGNORE = shutil.ignore_patterns(".git", ".venv", ".test-cache", "build", "dist", "*.egg-info", "__pycache__",
+                                ".*_cache", "*.whl")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    behaviour: str  # what the tests must protect, in a few words
+    file: str
+    edits: tuple[tuple[str, str], ...]  # (original snippet, replacement), applied in order
+    tests: tuple[str, ...]  # pytest node ids or files, relative to the repository root
+    timeout: int = 300
+
+
+def m(name: str, behaviour: str, file: str, original: str, replacement: str, *tests: str, timeout: int = 300,
+      more: tuple[tuple[str, str], ...] = ()) -> Mutation:
+    return Mutation(name, behaviour, file, ((original, replacement), *more), tests, timeout)
+
+
+MUTATIONS = [
+    # letter ids (PROTOCOL.md §4.6)
+    m("letters-bare", "letter ids come from the prompt with the prefill, not the bare letter",
+      "basal_local/model/tokenizer.py", "            ids.append(extended[-1])",
+      "            ids.append(self.encode(letter)[-1])", "tests/test_letter_ids.py"),
+    m("letters-shift", "letter ids are not shifted by one",
+      "basal_local/model/tokenizer.py", "            ids.append(extended[-1])", "            ids.append(extended[-1] + 1)",
+      "tests/test_letter_ids.py"),
+    m("letters-sorted", "letter ids keep letter order (not sorted by id)",
+      "basal_local/model/tokenizer.py", "            ids.append(extended[-1])\n",
+      "            ids.append(extended[-1])\n            ids.sort()\n", "tests/test_letter_ids.py"),
+    m("plan-letters-offset", "a question with k options reads the first k letter ids",
+      "basal_local/engine/plan.py", "tokenizer.letter_ids[: len(q.keys)]", "tokenizer.letter_ids[-len(q.keys):]",
+      "tests/test_letter_ids.py"),
+    # tokenization and rendering, seen end to end against the independent reference
+    m("tokenize-prepend-always", "Metaspace runs with prepend_scheme first (§4.6)",
+      "basal_local/model/tokenizer.py", 'fixed["pre_tokenizer"] = {**pre, "prepend_scheme": "first"}',
+      'fixed["pre_tokenizer"] = {**pre, "prepend_scheme": "always"}',
+      "tests/test_e2e.py::test_every_type_matches_independent_computation", timeout=400),
+    m("render-opts-separator", "option lines are joined by one LF (§4.5), seen end to end",
+      "basal_local/protocol/render.py", '"\\n".join(', '"\\n\\n".join(',
+      "tests/test_e2e.py::test_every_type_matches_independent_computation", timeout=400),
+    m("tree-readouts", "`prompts --tree` shows which prompt reads out where",
+      "basal_local/engine/pretty.py", 'owners = f"  -> prompts {block.readouts}"',
+      'owners = f"  -> prompts {[0 for _ in block.readouts]}"', "tests/test_e2e.py::test_prompts_cli_round_trip"),
+    # decision math and the upstream dialect (PROTOCOL.md §5, §8)
+    m("unknown-type-calibrated", "an unknown /v1/basal type is choice with no calibration",
+      "basal_local/api/basal.py",
+      'calibration_key = qtype if raw_type in ("choice", "noul", "score") else None', "calibration_key = qtype",
+      "tests/test_api_errors.py::test_basal_lenient_unknown_type_is_uncalibrated_choice"),
+    m("calibrate-floor", "calibration floors p at 1e-12",
+      "basal_local/protocol/decision.py", "math.log(max(v, PROB_FLOOR))", "math.log(max(v, 1e-6))",
+      "tests/test_decision.py"),
+    m("orders-not-unpermuted", "the second order is un-permuted before averaging",
+      "basal_local/protocol/decision.py", "acc[option] += q[position]", "acc[position] += q[position]",
+      "tests/test_decision.py"),
+    # scheduling (ENGINE.md §3, DESIGN.md "Scheduling")
+    m("long-lane-batches", "the long lane runs one request at a time",
+      "basal_local/engine/engine.py", "budget = settings.max_batch_tokens if self.urgent else 0",
+      "budget = settings.max_batch_tokens", "tests/test_scheduler.py::test_long_lane_runs_one_request_at_a_time"),
+    m("growth-not-shared", "batch forming counts shared prefixes once against max_batch_tokens",
+      "basal_local/engine/scheduler.py", "        if trial.tokens <= max_batch_tokens:",
+      "        if sizer.tokens + job.tokens <= max_batch_tokens:", "tests/test_queue_order.py"),
+    m("hrrn-is-sjf", "HRRN ages: a long job is served behind a stream of short ones",
+      "basal_local/engine/scheduler.py", "return sorted(jobs, key=lambda j: -response_ratio(j, now, rate, overhead_s))",
+      "return sorted(jobs, key=lambda j: j.tokens)", "tests/test_queue_order.py"),
+    m("hrrn-rate-blind", "the measured rate changes the HRRN order",
+      "basal_local/engine/scheduler.py", "return overhead_s + max(tokens, 1) / rate", "return max(tokens, 1) / rate",
+      "tests/test_queue_order.py"),
+    m("cancelled-computed", "a cancelled request costs no forward",
+      "basal_local/engine/engine.py", "if job.is_cancelled():", "if False:",
+      "tests/test_scheduler.py::test_cancelled_requests_cost_no_forward"),
+    # attention kernel vs twin
+    m("flex-silent-fallback", "a failing FlexAttention kernel is an error or a counted fallback, never silent",
+      "backends/torch/tree_attention.py", "out = _flex(q.is_cuda)(q.unsqueeze(0),", "out = _flex(q.is_cuda)(q.unsqueeze(1),",
+      "tests/test_tree_attention.py::test_flex_kernel_matches_sdpa_twin",
+      more=(("                    if not q.is_cuda:\n                        raise", "                    pass"),)),
+    m("flex-wrong-mask", "the kernel's block mask follows the tree",
+      "backends/torch/tree_attention.py", "& (k_order[kv_idx] <= q_idx)", "& (k_order[kv_idx] <= q_idx + 1)",
+      "tests/test_tree_attention.py::test_flex_kernel_matches_sdpa_twin"),
+    # packing
+    m("packer-positions", "packed positions are each token's index in its own prompt",
+      "basal_local/engine/packer.py", "positions.extend(range(block.start, block.start + len(block.tokens)))",
+      "positions.extend(range(block.start + 1, block.start + 1 + len(block.tokens)))",
+      "tests/test_parity.py::test_generated_models_match_transformers"),
+    m("packer-shares-diverging", "prompts share a block only up to their first different token",
+      "basal_local/engine/packer.py", "            if k < len(child.tokens):\n                return len(tokens) - i - k",
+      "            if k < len(child.tokens):\n                return len(tokens) - i - k - 1", "tests/test_queue_order.py"),
+    # hygiene and the harness
+    m("assert-in-product", "runtime checks are errors, not asserts stripped by python -O",
+      "basal_local/model/config.py", "        if not isinstance(rope, dict):\n            raise ConfigError(",
+      "        assert isinstance(rope, dict)\n        if False:\n            raise ConfigError(",
+      "tests/test_packaging.py::test_no_assert_statements_in_the_product"),
+    m("wheel-misses-torch", "the wheel installs basal_local.backends.torch",
+      "pyproject.toml", '    "basal_local.backends.torch",\n', "",
+      "tests/test_packaging.py::test_wheel_installs_under_one_namespace"),
+    m("daemon-pipe-undrained", "the test daemon's output is drained (a chatty daemon cannot hang the run)",
+      "tests/conftest.py", "        self._drain.start()", "        pass", "tests/test_harness.py"),
+]
+
+
+def make_copy(target: Path) -> None:
+    shutil.copytree(ROOT, target, ignore=IGNORE)
+    # import the copy as the wheel lays it out: basal_local.backends and basal_local.assets
+    for name in ("backends", "assets"):
+        (target / "basal_local" / name).symlink_to(Path("..") / name, target_is_directory=True)
+
+
+def apply(mutation: Mutation, root: Path) -> str | None:
+    """Apply the edits; returns None, or why the mutation no longer fits the code (STALE)."""
+    path = root / mutation.file
+    text = path.read_text(encoding="utf-8")
+    for original, replacement in mutation.edits:
+        count = text.count(original)
+        if count != 1:
+            return f"snippet found {count} times in {mutation.file}: {original.strip()[:60]!r}"
+        text = text.replace(original, replacement)
+    path.write_text(text, encoding="utf-8")
+    return None
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout: int, models: Path | None) -> tuple[int | None, str, float]:
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    if models is not None:  # test models generated once by the unmutated code (tests/conftest.py)
+        env["BASAL_LOCAL_TEST_MODELS"] = str(models)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    started = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"")[-2000:]
+        return None, tail.decode(errors="replace") if isinstance(tail, bytes) else tail, time.perf_counter() - started
+    return out.returncode, (out.stdout + out.stderr)[-2000:], time.perf_counter() - started
+
+
+def verdict(rc: int | None) -> str:
+    if rc is None:
+        return "caught (timeout)"
+    return {0: "MISSED", 1: "caught"}.get(rc, f"ERROR (pytest exit {rc})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    ap.add_argument("--baseline", action="store_true", help="run each selection on the unmutated copy")
+    ap.add_argument("--markdown", action="store_true", help="print the result table in Markdown")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the test output of each run")
+    args = ap.parse_args(argv)
+    chosen = MUTATIONS
+    if args.only:
+        unknown = set(args.only) - {x.name for x in MUTATIONS}
+        if unknown:
+            ap.error(f"unknown mutation(s): {', '.join(sorted(unknown))} (see --list)")
+        chosen = [x for x in MUTATIONS if x.name in args.only]
+    if args.list:
+        for x in chosen:
+            print(f"{x.name:26} {x.file:36} {' '.join(x.tests)}\n{'':26} {x.behaviour}")
+        return 0
+    rows = []
+    models_dir = tempfile.TemporaryDirectory(prefix="mutate-models-")
+    models = Path(models_dir.name)
+    for preset, seed in (("tiny", 1), ("small", 2)):  # as tests/conftest.py names them
+        from basal_local.model.testmodel import make_test_model
+
+        make_test_model(models / f"{preset}-seed{seed}", preset=preset, seed=seed)
+    for x in chosen:
+        with tempfile.TemporaryDirectory(prefix=f"mutate-{x.name}-") as tmp:
+            root = Path(tmp) / "repo"
+            make_copy(root)
+            stale = None if args.baseline else apply(x, root)
+            # a planted bug in the model generator must generate its own models
+            shared = None if x.file == "basal_local/model/testmodel.py" else models
+            if stale:
+                result, seconds, tail = f"STALE ({stale})", 0.0, ""
+            else:
+                rc, tail, seconds = run_tests(root, x.tests, x.timeout, shared)
+                result = ("ok" if rc == 0 else f"BASELINE FAILS (exit {rc})") if args.baseline else verdict(rc)
+        rows.append((x, result, seconds))
+        print(f"{x.name:26} {result:18} {seconds:6.1f} s  {x.behaviour}", flush=True)
+        if args.verbose or result.startswith(("ERROR", "BASELINE FAILS")):
+            print("    " + tail.strip().replace("\n", "\n    "))
+    models_dir.cleanup()
+    good = "ok" if args.baseline else "caught"
+    n_good = sum(r.startswith(good) for _, r, _ in rows)
+    print(f"\n{n_good}/{len(rows)} {good}")
+    if args.markdown:
+        print("\n| mutation | behaviour protected | file | tests run | result | s |\n|---|---|---|---|---|---|")
+        for x, result, seconds in rows:
+            tests = ", ".join(f"`{t.removeprefix('tests/')}`" for t in x.tests)
+            print(f"| `{x.name}` | {x.behaviour} | `{x.file}` | {tests} | {result} | {seconds:.0f} |")
+    return 0 if n_good == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
