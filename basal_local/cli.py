@@ -14,7 +14,7 @@ basal-local demo: serving the bundled demo model "basal-demo" on http://{host}:{
   Get a real model with `basal-local pull mini` and start it with `basal-local serve --model mini`.
 
 Try it:
-  curl -s http://{host}:{port}/v1/systemone -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
+  curl -s http://{host}:{port}/v1/systemone -H 'content-type: application/json' -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
     "questions": {{"urgent": {{"type": "noul", "instructions": "Is this urgent?"}}}}}}'
 
   python - <<'PY'
@@ -52,12 +52,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                "max_inflight", "max_batch_tokens", "schedule", "long_tokens",
                                                "long_slice_ms", "prefix_cache")}
     overrides["access_log"] = args.access_log or None
+    for key in ("api_key", "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins"):
+        overrides[key] = getattr(args, key)
+    overrides["insecure_public"] = args.insecure_public or None
+    overrides["log_bodies"] = args.log_bodies or None
     if args.model:
         overrides["models"] = args.model
     try:
         settings = Settings.load(overrides, Path(args.config) if args.config else None)
     except (ValueError, OSError) as exc:
         print(f"basal-local: error: {exc}", file=sys.stderr)
+        return 2
+    from .server.security import public_bind_refusal
+
+    refusal = public_bind_refusal(settings.host, settings.api_key, settings.insecure_public)
+    if refusal:
+        print(f"basal-local: error: {refusal}", file=sys.stderr)
         return 2
     dirs: list[Path] = []
     banner = ""
@@ -158,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, dest="max_inflight")
     p.add_argument("--config", help="config.toml (default: the user config folder)")
     p.add_argument("--access-log", action="store_true", dest="access_log")
+    p.add_argument("--api-key", dest="api_key", help="require this key (Authorization: Bearer KEY or X-Api-Key); "
+                   "also BASAL_LOCAL_API_KEY")
+    p.add_argument("--insecure-public", action="store_true", dest="insecure_public",
+                   help="allow serving off loopback (e.g. --host 0.0.0.0) without an API key")
+    p.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="NAME",
+                   help="another Host name the daemon answers to (repeatable; '*' allows any)")
+    p.add_argument("--allowed-origin", action="append", dest="allowed_origins", metavar="ORIGIN",
+                   help="a web origin allowed to call the daemon, e.g. https://app.example (repeatable)")
+    p.add_argument("--log-bodies", action="store_true", dest="log_bodies", help="log request bodies (off: "
+                   "no request content is logged)")
+    p.add_argument("--body-timeout", type=float, dest="body_timeout_s", metavar="SECONDS",
+                   help="close a connection whose request body has not arrived in this time (default 10)")
+    p.add_argument("--drain", type=float, dest="drain_s", metavar="SECONDS",
+                   help="on SIGTERM, wait this long for requests in flight (default 10)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 

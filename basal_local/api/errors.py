@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..protocol.errors import ProtocolError
+
 UNION_MEMBERS = (
     ("string_type", "str", "Input should be a valid string"),
     ("dict_type", "dict[any,any]", "Input should be a valid dictionary"),
@@ -72,5 +74,48 @@ def basal_error(message: str) -> ApiError:
     return ApiError(422, {"error": message})
 
 
-def internal(detail: str) -> ApiError:
-    return ApiError(500, {"error": "internal", "detail": detail})
+def internal(detail: str, dialect: str | None = "systemone") -> ApiError:
+    """A failure of ours (PROTOCOL.md §2.1 shape on /v1/systemone; `{"error"}` on /v1/basal)."""
+    if dialect == "basal":
+        return ApiError(500, {"error": f"internal: {detail}"})
+    if dialect == "systemone":
+        return ApiError(500, {"error": "internal", "detail": detail})
+    return ApiError(500, {"error": f"internal: {detail}", "code": "INTERNAL"})
+
+
+def protocol_error(exc: ProtocolError, dialect: str) -> ApiError:
+    """A valid request the runtime cannot answer: §2.1 "unsupported" on /v1/systemone, §8 422 on /v1/basal."""
+    if dialect == "systemone":
+        loc: list[Any] = ["body", "questions", exc.qid] if exc.qid is not None else ["body"]
+        return unsupported(exc.kind, loc, exc.message)
+    return basal_error(exc.message)
+
+
+# TypeSafe's direct API errors name their class (CLIENTS.md: `{"detail":{"error_type","message"}}`).
+SYSTEMONE_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         408: "timeout_error", 413: "request_too_large", 503: "unavailable_error"}
+
+
+def http_error(status: int, code: str, message: str, dialect: str | None,
+               headers: dict[str, str] | None = None) -> ApiError:
+    """An error of the HTTP layer (encoding, size, auth, host, content type...) in the dialect's shape.
+
+    `/v1/systemone`: `{"detail": {"error_type", "message"}}`; `/v1/basal`: `{"error": message}` (§8);
+    every other path: `{"error": message, "code": CODE}` (CLIENTS.md A.6).
+    """
+    if dialect == "systemone":
+        kind = SYSTEMONE_ERROR_TYPES.get(status, "api_usage_error")
+        return ApiError(status, {"detail": {"error_type": kind, "message": message}}, headers)
+    if dialect == "basal":
+        return ApiError(status, {"error": message}, headers)
+    return ApiError(status, {"error": message, "code": code}, headers)
+
+
+def dialect_of(path: str) -> str | None:
+    """The wire dialect a path speaks (None: the daemon's own endpoints)."""
+    path = path.rstrip("/")
+    if path == "/v1/systemone":
+        return "systemone"
+    if path == "/v1/basal":
+        return "basal"
+    return None

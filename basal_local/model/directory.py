@@ -118,11 +118,27 @@ def check_weight_names(config: LlamaConfig, names_shapes: dict[str, tuple[int, .
 
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Names and shapes from the safetensors header, without touching the data."""
+    """Names and shapes from the safetensors header; a truncated or corrupt file is refused, named.
+
+    The header is JSON data, never code; the data itself is not read, but the file must be exactly as
+    long as the header's last tensor ends (a cut download is caught here, not in the middle of serving).
+    """
+    file_size = path.stat().st_size
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        if file_size < 8 or size <= 0 or 8 + size > file_size:
+            raise ModelLoadError(f"{path.name}: not a safetensors file or truncated ({file_size} bytes, the header "
+                                 f"says {size} bytes of header)")
+        try:
+            header = json.loads(fh.read(size))
+            shapes = {k: tuple(int(n) for n in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ModelLoadError(f"{path.name}: the safetensors header is corrupt ({type(exc).__name__})") from None
+    if 8 + size + end != file_size:
+        raise ModelLoadError(f"{path.name}: truncated or corrupt: the header describes {8 + size + end} bytes, "
+                             f"the file has {file_size}")
+    return shapes
 
 
 def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:

@@ -46,7 +46,7 @@ def pull(ref: str) -> Path:
 
 def demo_model_dir() -> Path:
     """The demo model (tiny random weights), generated once into the cache from the bundled recipe."""
-    from ..server.settings import home_dirs
+    from ..paths import home_dirs
     from .testmodel import make_test_model
 
     target = home_dirs()["cache"] / "demo-model"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,11 @@ class BasalTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary string is at least that long)."""
+        return max(1, max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True)))
 
     @property
     def vocab_size(self) -> int:

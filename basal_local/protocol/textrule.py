@@ -2,8 +2,8 @@
 
 Python's own `json` gives exactly the text the models were trained on (`json.dumps(ensure_ascii=False)`,
 float repr, literal int digits, duplicate keys: last value at the first position). What it accepts but
-the contract forbids is rejected here: NaN/Infinity literals, numbers that overflow a double, and lone
-surrogates.
+the contract forbids is rejected here: NaN/Infinity literals, numbers that overflow a double, lone
+surrogates, integers of more than 4,300 digits and nesting deeper than 128 levels.
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ from typing import Any
 # A JSON string token, or a number, or a bare word: used to find where a rejected literal sits.
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|(-?Infinity|NaN)|(-?\d+(?:\.\d+)?[eE][-+]?\d+)')
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"|([\[\]{}])')
+# Deeper documents are refused (serde_json's limit, which basal-rs has): no request needs them, and walking
+# them recursively (parser, text rule, validation) would exhaust the stack.
+MAX_DEPTH = 128
+TOO_DEEP = f"Nesting deeper than {MAX_DEPTH} levels"
+# Python refuses to convert longer integer literals (sys.get_int_max_str_digits), so no text rule could show them.
+MAX_INT_DIGITS = 4300
 
 
 class JsonSyntaxError(ValueError):
@@ -52,14 +59,43 @@ def _first_bad_literal(text: str) -> int:
     return 0
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    return False
+def _check_tree(value: Any, text: str) -> None:
+    """Depth and lone surrogates, walked with an explicit stack (a deep body must not recurse here)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item) is not None:
+                match = re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text)
+                raise JsonSyntaxError("Lone surrogate in string", match.start() if match else 0, text)
+        elif isinstance(item, dict):
+            if depth > MAX_DEPTH:
+                raise _too_deep(text)
+            stack.extend((k, depth) for k in item)
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            if depth > MAX_DEPTH:
+                raise _too_deep(text)
+            stack.extend((v, depth + 1) for v in item)
+
+
+def _too_deep(text: str) -> JsonSyntaxError:
+    """The error at the bracket that opens level MAX_DEPTH + 1 (strings skipped)."""
+    depth = 0
+    for match in _BRACKET.finditer(text):
+        bracket = match.group(1)
+        if bracket in ("[", "{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return JsonSyntaxError(TOO_DEEP, match.start(1), text)
+        elif bracket:
+            depth -= 1
+    return JsonSyntaxError(TOO_DEEP, 0, text)
+
+
+def _too_big_int(text: str) -> JsonSyntaxError:
+    match = re.search(rf"\d{{{MAX_INT_DIGITS + 1},}}", text)
+    return JsonSyntaxError(f"Integer with more than {MAX_INT_DIGITS} digits", match.start() if match else 0, text)
 
 
 def parse_json(data: bytes | str) -> Any:
@@ -79,9 +115,11 @@ def parse_json(data: bytes | str) -> Any:
         raise JsonSyntaxError(exc.msg, exc.pos, text) from None
     except _Rejected:
         raise JsonSyntaxError("Expecting value", _first_bad_literal(text), text) from None
-    if _has_lone_surrogate(value):
-        match = re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text)
-        raise JsonSyntaxError("Lone surrogate in string", match.start() if match else 0, text)
+    except RecursionError:
+        raise _too_deep(text) from None
+    except ValueError:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise _too_big_int(text) from None
+    _check_tree(value, text)
     return value
 
 

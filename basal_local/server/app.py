@@ -1,33 +1,44 @@
 """The litestar app: `/v1/systemone`, `/v1/basal`, `/v1/models`, `/health`, `/api/stats`.
 
-Handlers decode (zstd/gzip), parse, route, validate and plan in a worker thread, then wait for the
-engine's future; inference never runs on the event loop. Error bodies are exactly the spec's.
+A decision request goes through small steps, each below: read the body (`body.py`: size limit, read
+deadline, decompression in a worker thread), parse it in a worker thread, take an in-flight slot (529 when
+full), route, validate and plan in a worker thread, then wait for the engine's future while watching for
+the client's disconnect. Inference and every step whose cost grows with the body run off the event loop.
+Who may call at all is decided before routing by `security.Guard`. Every error is a JSON body in the shape
+of the path's dialect (`api/errors.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import logging
 import threading
 import time
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
 
 from ..api import parse_body, route, validate
-from ..api.errors import ApiError, internal, overloaded
+from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error
 from ..engine.engine import JobResult, ModelEngine
+from ..engine.plan import RequestPlan
 from ..engine.scheduler import Cancelled, EngineStopped
+from ..protocol.errors import ProtocolError
 from ..telemetry import Telemetry
+from .body import BodyError, BodyLimits, ClientGone, read_body
 
 log = logging.getLogger("basal_local.server")
 DESCRIPTION = "basal typed-decision model (choice / noul / score / act / multi), Polish and English"
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# bodies above this are parsed and planned in their own pool, so a few big ones never delay small ones
+BIG_BODY_BYTES = 256 * 1024
+LOGGED_BODY_BYTES = 64 * 1024
 
 
 @dataclass
@@ -47,34 +58,17 @@ class AppState:
     load_error: str | None = None
     stopping: bool = False
     access_log: bool = False
+    log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
+    limits: BodyLimits = field(default_factory=BodyLimits)
     inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "basal-plan"))
+    big_planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "basal-plan-big"))
 
 
 def _json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
     content = json.dumps(body, ensure_ascii=False).encode("utf-8")
     return Response(content=content, status_code=status, media_type="application/json", headers=headers or {})
-
-
-def _decode_body(raw: bytes, encoding: str | None) -> bytes:
-    encoding = (encoding or "identity").strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding == "zstd":
-        import zstandard
-
-        try:
-            return zstandard.ZstdDecompressor().decompressobj().decompress(raw)
-        except zstandard.ZstdError as exc:
-            raise ApiError(400, {"error": f"request body is not valid zstd: {exc}", "code": "BAD_ENCODING"}) from None
-    if encoding == "gzip":
-        try:
-            return gzip.decompress(raw)
-        except OSError as exc:
-            raise ApiError(400, {"error": f"request body is not valid gzip: {exc}", "code": "BAD_ENCODING"}) from None
-    raise ApiError(415, {"error": f"unsupported Content-Encoding {encoding!r} (use identity, zstd or gzip)",
-                         "code": "UNSUPPORTED_ENCODING"})
 
 
 async def _watch_disconnect(request: Request, flag: threading.Event) -> None:
@@ -89,88 +83,175 @@ async def _watch_disconnect(request: Request, flag: threading.Event) -> None:
         return
 
 
-async def _decide(request: Request, dialect: str) -> Response:
-    state: AppState = request.app.state.basal
-    arrived = time.perf_counter()
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    id_headers = {"x-request-id": request_id, "x-typesafe-request-id": request_id}
-    admitted = False
-    model_name = ""
-    status = 500
-    timing = ""
+@dataclass
+class _Call:
+    """One decision request on its way through `_decide`: what the steps hand each other and the log."""
+
+    request: Request
+    dialect: str
+    state: AppState
+    arrived: float = field(default_factory=time.perf_counter)
+    request_id: str = ""
+    model_name: str = ""
+    status: int = 500
+    timing: str = ""
+    admitted: bool = False
+
+    @property
+    def id_headers(self) -> dict[str, str]:
+        return {"x-request-id": self.request_id, "x-typesafe-request-id": self.request_id}
+
+    def pool(self, size: int) -> ThreadPoolExecutor:
+        return self.state.big_planner if size > BIG_BODY_BYTES else self.state.planner
+
+
+def _check_ready(call: _Call) -> None:
+    state = call.state
+    if not state.ready:
+        detail = state.load_error or "the model is loading"
+        raise http_error(503, "LOADING", detail, call.dialect, {"retry-after": "5"})
+
+
+async def _read(call: _Call) -> bytes:
+    headers = call.request.headers
+    raw = await read_body(call.request.receive, headers.get("content-length"), headers.get("content-encoding"),
+                          call.state.limits, call.state.big_planner)
+    if call.state.log_bodies:
+        log.info("request %s body: %s", call.request_id, raw[:LOGGED_BODY_BYTES].decode("utf-8", "replace"))
+    return raw
+
+
+async def _parse(call: _Call, raw: bytes) -> Any:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(call.pool(len(raw)), parse_body, raw, call.dialect)
+
+
+def _admit(call: _Call) -> None:
+    """Take an in-flight slot; 529 when all are taken (PROTOCOL.md §1.2). `_release` gives it back."""
+    state = call.state
+    with state.lock:
+        if state.inflight >= state.max_inflight:
+            state.telemetry.count("rejected_overload")
+            raise overloaded(call.dialect)
+        state.inflight += 1
+        call.admitted = True
+
+
+def _release(call: _Call) -> None:
+    if call.admitted:
+        with call.state.lock:
+            call.state.inflight -= 1
+        call.admitted = False
+
+
+async def _plan(call: _Call, engine: ModelEngine, body: Any, size: int) -> RequestPlan:
+    dialect, model_name = call.dialect, call.model_name
+
+    def plan() -> RequestPlan:
+        return engine.plan(validate(body, dialect, model_name))
+
     try:
-        if not state.ready:
-            retry = {"retry-after": "5", **id_headers}
-            detail = state.load_error or "the model is loading"
-            raise ApiError(503, {"error": detail, "code": "LOADING"}, retry)
-        body = parse_body(_decode_body(await request.body(), request.headers.get("content-encoding")), dialect)
-        # order of checks (PROTOCOL.md §1.1): overload before the unknown-model error
-        with state.lock:
-            if state.inflight >= state.max_inflight:
-                state.telemetry.count("rejected_overload")
-                raise overloaded(dialect)
-            state.inflight += 1
-            admitted = True
-        model_name = route(body, dialect, state.engines, state.default_model or "")
-        engine = state.engines[model_name]
-        loop = asyncio.get_running_loop()
+        planned = await asyncio.get_running_loop().run_in_executor(call.pool(size), plan)
+    except RuntimeError:
+        if call.state.stopping:  # the planner pools are shut down
+            raise EngineStopped() from None
+        raise
+    planned.arrival = call.arrived
+    return planned
 
-        def plan():
-            return engine.plan(validate(body, dialect, model_name))
 
-        try:
-            planned = await loop.run_in_executor(state.planner, plan)
-        except RuntimeError:
-            if state.stopping:  # the planner pool is shut down
-                raise EngineStopped() from None
-            raise
-        planned.arrival = arrived
-        gone = threading.Event()
-        watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
-        try:
-            job = engine.submit(planned, gone.is_set, request_id)
-            result: JobResult = await asyncio.wrap_future(job.future)
-        finally:
-            watcher.cancel()
-        result.body["usage"]["latency_ms"] = round((time.perf_counter() - arrived) * 1000.0, 2)
-        headers = {**id_headers, "x-basal-queue-ms": f"{result.queue_ms:.3f}",
-                   "x-basal-compute-ms": f"{result.compute_ms:.3f}",
-                   "x-basal-batch-requests": str(result.batch_requests)}
-        state.telemetry.count("answered")
-        state.telemetry.record_request(id=request_id, model=model_name, dialect=dialect,
-                                       questions=len(planned.request.questions),
-                                       planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(result.queue_ms, 3),
-                                       compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
-                                       batch_requests=result.batch_requests,
-                                       input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens)
-        status = 200
-        timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
-                  f"batch {result.batch_requests})")
-        return _json_response(200, result.body, headers)
-    except ApiError as err:
-        status = err.status
-        if status >= 500:
-            state.telemetry.count("failed")
-        return _json_response(err.status, err.body, {**id_headers, **(err.headers or {})})
-    except Cancelled:
-        status = 499
-        return _json_response(499, {"error": "client closed request"}, id_headers)
-    except EngineStopped:
-        state.telemetry.count("failed")
-        err = internal("engine stopped")
-        return _json_response(err.status, err.body, id_headers)
-    except Exception as exc:  # a bug must not take the daemon down; the answer says what happened
-        log.exception("request %s failed", request_id)
-        state.telemetry.count("failed")
-        err = internal(f"{type(exc).__name__}: {exc}")
-        return _json_response(err.status, err.body, id_headers)
+async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan) -> JobResult:
+    """Submit the plan and wait for its answer; a client that disconnects meanwhile is dropped unanswered."""
+    gone = threading.Event()
+    watcher = asyncio.ensure_future(_watch_disconnect(call.request, gone))
+    try:
+        job = engine.submit(planned, gone.is_set, call.request_id)
+        return await asyncio.wrap_future(job.future)
     finally:
-        if admitted:
-            with state.lock:
-                state.inflight -= 1
-        state.telemetry.count("requests")
-        if state.access_log:
-            log.info("[POST] %d /v1/%s %.0f ms%s", status, dialect, (time.perf_counter() - arrived) * 1e3, timing)
+        watcher.cancel()
+
+
+def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
+    result.body["usage"]["latency_ms"] = round((time.perf_counter() - call.arrived) * 1000.0, 2)
+    headers = {**call.id_headers, "x-basal-queue-ms": f"{result.queue_ms:.3f}",
+               "x-basal-compute-ms": f"{result.compute_ms:.3f}",
+               "x-basal-batch-requests": str(result.batch_requests)}
+    telemetry = call.state.telemetry
+    telemetry.count("answered")
+    telemetry.record_request(id=call.request_id, model=call.model_name, dialect=call.dialect,
+                             questions=len(planned.request.questions),
+                             planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(result.queue_ms, 3),
+                             compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
+                             batch_requests=result.batch_requests,
+                             input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens)
+    call.status = 200
+    call.timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
+                   f"batch {result.batch_requests})")
+    return _json_response(200, result.body, headers)
+
+
+def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
+    call.status = err.status
+    if err.status >= 500 and err.status != 503:
+        call.state.telemetry.count("failed")
+    headers = {**call.id_headers, **(err.headers or {})}
+    if close:
+        headers["connection"] = "close"
+    return _json_response(err.status, err.body, headers)
+
+
+def _failure(call: _Call, exc: Exception) -> ApiError:
+    """A failure of ours as the dialect's 500; a device out of memory as a 503 the client may retry."""
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError / torch.cuda.OutOfMemoryError
+        log.warning("request %s: the device ran out of memory in its batch", call.request_id)
+        return http_error(503, "OUT_OF_MEMORY", "the device ran out of memory for this request's batch; retry "
+                          "(with fewer or shorter questions), or start the daemon with a lower "
+                          "--max-batch-tokens", call.dialect, {"retry-after": "1"})
+    if call.state.log_bodies:
+        log.exception("request %s failed", call.request_id)
+    else:  # the exception's text may quote the request: the type and the frames only
+        frames = "".join(traceback.format_tb(exc.__traceback__))
+        log.error("request %s failed: %s (text withheld; --log-bodies shows it)\n%s", call.request_id,
+                  type(exc).__name__, frames)
+    return internal(f"{type(exc).__name__}: {exc}", call.dialect)
+
+
+async def _decide(request: Request, dialect: str) -> Response:
+    call = _Call(request, dialect, request.app.state.basal)
+    call.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    try:
+        _check_ready(call)
+        raw = await _read(call)
+        body = await _parse(call, raw)
+        _admit(call)  # order of checks (PROTOCOL.md §1.1): overload before the unknown-model error
+        call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "")
+        engine = call.state.engines[call.model_name]
+        planned = await _plan(call, engine, body, len(raw))
+        result = await _run_job(call, engine, planned)
+        return _answer(call, planned, result)
+    except ApiError as err:
+        return _error(call, err)
+    except ProtocolError as exc:
+        return _error(call, protocol_error(exc, dialect))
+    except BodyError as exc:
+        return _error(call, http_error(exc.status, exc.code, exc.message, dialect), close=exc.close)
+    except (ClientGone, Cancelled) as exc:
+        call.status = 499
+        if isinstance(exc, ClientGone):  # a job dropped in the queue is counted by its lane
+            call.state.telemetry.count("cancelled")
+        where = "mid-body" if isinstance(exc, ClientGone) else "before its answer"
+        log.info("request %s: client disconnected %s (cancelled)", call.request_id, where)
+        return _json_response(499, {"error": "client closed request"}, call.id_headers)
+    except EngineStopped:
+        return _error(call, internal("engine stopped", dialect))
+    except Exception as exc:  # a bug must not take the daemon down; the answer says what happened
+        return _error(call, _failure(call, exc))
+    finally:
+        _release(call)
+        call.state.telemetry.count("requests")
+        if call.state.access_log:
+            log.info("[POST] %d /v1/%s %.0f ms%s", call.status, dialect,
+                     (time.perf_counter() - call.arrived) * 1e3, call.timing)
 
 
 @post("/v1/systemone", status_code=200)
@@ -188,7 +269,7 @@ async def models(request: Request) -> Response:
     state: AppState = request.app.state.basal
     entries = [{"name": name, "release_date": state.release_date, "description": DESCRIPTION,
                 "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": []}
-               for name in state.engines]
+               for name in list(state.engines)]
     return _json_response(200, {"models": entries})
 
 
@@ -225,14 +306,29 @@ async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = state.telemetry.snapshot()
     snap["inflight"] = state.inflight
-    snap["queues"] = {name: e.waiting() for name, e in state.engines.items()}
+    snap["queues"] = {name: e.waiting() for name, e in list(state.engines.items())}
     snap["ready"] = state.ready
     snap["replicas"] = replicas(state)
     return _json_response(200, snap)
 
 
+def _http_exception(request: Request, exc: Exception) -> Response:
+    """404, 405 and any other framework error in the path's dialect shape (never litestar's own)."""
+    dialect = dialect_of(request.url.path)
+    if isinstance(exc, HTTPException):
+        status = exc.status_code
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(status, exc.detail)
+        err = http_error(status, {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(status, "HTTP_ERROR"), message,
+                         dialect, dict(exc.headers or {}))
+    else:
+        log.error("unhandled %s on %s", type(exc).__name__, request.url.path)
+        err = internal(type(exc).__name__, dialect)
+    return _json_response(err.status, err.body, err.headers)
+
+
 def create_app(state: AppState) -> Litestar:
     app = Litestar(route_handlers=[systemone, basal, models, health, stats], request_max_body_size=MAX_BODY_BYTES,
-                   openapi_config=None)
+                   openapi_config=None, exception_handlers={Exception: _http_exception})
     app.state.basal = state
     return app

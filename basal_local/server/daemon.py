@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from pathlib import Path
 
@@ -16,6 +15,8 @@ from ..engine.gate import DeviceGate
 from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
 from .app import AppState, create_app
+from .body import BodyLimits
+from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 
 log = logging.getLogger("basal_local.daemon")
@@ -63,27 +64,75 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
 
 
 class _Server(uvicorn.Server):
-    """SIGINT/SIGTERM stop the daemon gracefully and exit 0 (uvicorn re-raises the signal after shutdown)."""
+    """SIGINT/SIGTERM stop the daemon gracefully and exit 0 (uvicorn re-raises the signal after shutdown).
+
+    Requests in flight get `drain_s` (uvicorn's graceful-shutdown timeout) and are then cancelled; a second
+    signal stops at once.
+    """
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:
+        if self.should_exit:
             self.force_exit = True
         else:
             self.should_exit = True
 
 
+def _answer_half_closed(protocol_class: type) -> type:
+    """The HTTP protocol class, changed to answer a client that half-closes after a complete request.
+
+    asyncio closes the transport on EOF unless `eof_received` returns True, so `printf 'POST ...' | nc -N`
+    (shutdown(SHUT_WR) after the request) would never read its answer. EOF in the middle of a body is still
+    the client going away.
+    """
+
+    class HalfCloseProtocol(protocol_class):  # type: ignore[misc, valid-type]
+        _peer_eof = False
+
+        def eof_received(self):
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and not cycle.response_complete and not cycle.more_body:
+                self._peer_eof = True
+                return True  # keep the write side open for the answer
+            return super().eof_received()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._peer_eof and not self.transport.is_closing():
+                self.transport.close()
+
+    HalfCloseProtocol.__name__ = f"HalfClose{protocol_class.__name__}"
+    return HalfCloseProtocol
+
+
+def _http_protocol() -> type:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return _answer_half_closed(HttpToolsProtocol)
+    except ImportError:  # httptools is optional; uvicorn then parses with h11
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return _answer_half_closed(H11Protocol)
+
+
 def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
+    limits = BodyLimits(settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
-                     access_log=settings.access_log)
-    app = create_app(state)
-    if settings.access_log:
-        logging.getLogger("basal_local.server").setLevel(logging.INFO)
+                     access_log=settings.access_log, log_bodies=settings.log_bodies, limits=limits)
+    policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
+    app = Guard(create_app(state), policy)
+    # INFO: the access log, disconnects mid-body, and the bodies when asked
+    logging.getLogger("basal_local.server").setLevel(logging.INFO)
+    if settings.insecure_public and not is_loopback(settings.host) and not settings.api_key:
+        print(f"basal-local: warning: serving on {settings.host} without an API key (--insecure-public): anyone "
+              "who can reach this machine can use the daemon", flush=True)
     loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
     loader.start()
     if banner:
         print(banner, flush=True)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            timeout_keep_alive=35, access_log=False)
+                            timeout_keep_alive=35, access_log=False, http=_http_protocol(),
+                            timeout_graceful_shutdown=max(1, round(settings.drain_s)))
     server = _Server(config)
     try:
         server.run()
@@ -96,6 +145,7 @@ def shutdown(state: AppState, timeout: float = 30.0) -> None:
     """Stop planning and every engine: queued requests fail with "engine stopped", lane threads are joined."""
     state.stopping = True
     state.planner.shutdown(wait=False, cancel_futures=True)
+    state.big_planner.shutdown(wait=False, cancel_futures=True)
     for name, engine in state.engines.items():
         if not engine.stop(timeout):
             log.warning("engine %s did not stop within %.0f s", name, timeout)

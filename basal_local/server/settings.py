@@ -8,21 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import platformdirs
-
 from ..engine.engine import EngineSettings
-
-APP = "basal-local"
-
-
-def home_dirs() -> dict[str, Path]:
-    """Config, cache, logs and state folders; BASAL_LOCAL_HOME moves everything."""
-    home = os.environ.get("BASAL_LOCAL_HOME")
-    if home:
-        base = Path(home).expanduser()
-        return {"config": base, "cache": base / "cache", "logs": base / "logs", "state": base / "state"}
-    return {"config": Path(platformdirs.user_config_dir(APP)), "cache": Path(platformdirs.user_cache_dir(APP)),
-            "logs": Path(platformdirs.user_log_dir(APP)), "state": Path(platformdirs.user_state_dir(APP))}
+from ..paths import APP, home_dirs  # noqa: F401  (re-exported: older imports use settings.home_dirs)
 
 
 @dataclass
@@ -40,6 +27,16 @@ class Settings:
     max_inflight: int = 1024
     release_date: str = "2026-10-05"
     access_log: bool = False
+    # who may call (server/security.py); a key is also read from BASAL_LOCAL_API_KEY
+    api_key: str | None = None
+    insecure_public: bool = False  # serve off loopback without a key (explicit opt-in)
+    allowed_hosts: list[str] = field(default_factory=list)
+    allowed_origins: list[str] = field(default_factory=list)
+    log_bodies: bool = False  # request content in the log
+    # limits (server/body.py); drain_s: how long SIGTERM waits for requests in flight
+    max_body_mb: int = 32
+    body_timeout_s: float = 10.0
+    drain_s: float = 10.0
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     @classmethod
@@ -51,7 +48,7 @@ class Settings:
             with open(path, "rb") as fh:
                 values.update(tomllib.load(fh))
         env_map = {"BASAL_LOCAL_HOST": "host", "BASAL_LOCAL_PORT": "port", "BASAL_LOCAL_DEVICE": "device",
-                   "BASAL_LOCAL_BACKEND": "backend", "BASAL_LOCAL_DTYPE": "dtype"}
+                   "BASAL_LOCAL_BACKEND": "backend", "BASAL_LOCAL_DTYPE": "dtype", "BASAL_LOCAL_API_KEY": "api_key"}
         for var, key in env_map.items():
             if var in os.environ:
                 values[key] = os.environ[var]
@@ -64,8 +61,14 @@ class Settings:
                 setattr(settings.engine, key, kind(value))
             elif key in {f.name for f in fields(cls)} and key != "engine":
                 current = getattr(settings, key)
-                if isinstance(current, int) and not isinstance(current, bool):
+                if isinstance(current, bool):
+                    value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+                elif isinstance(current, int):
                     value = int(value)
+                elif isinstance(current, float):
+                    value = float(value)
+                elif isinstance(current, list) and isinstance(value, str):
+                    value = [value]
                 setattr(settings, key, value)
             else:
                 raise ValueError(f"{path}: unknown setting {key!r}")

@@ -1,0 +1,20 @@
+"""The user folders of basal-local (config, cache, logs, state), below every layer that needs them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "basal-local"
+
+
+def home_dirs() -> dict[str, Path]:
+    """Config, cache, logs and state folders; BASAL_LOCAL_HOME moves everything."""
+    home = os.environ.get("BASAL_LOCAL_HOME")
+    if home:
+        base = Path(home).expanduser()
+        return {"config": base, "cache": base / "cache", "logs": base / "logs", "state": base / "state"}
+    return {"config": Path(platformdirs.user_config_dir(APP)), "cache": Path(platformdirs.user_cache_dir(APP)),
+            "logs": Path(platformdirs.user_log_dir(APP)), "state": Path(platformdirs.user_state_dir(APP))}

@@ -1,0 +1,171 @@
+"""Who may talk to the daemon: Host allowlist, Origin check, API key, JSON-only POSTs (an ASGI wrapper).
+
+A local daemon is reachable by every web page the user opens: a page can POST to localhost without a CORS
+preflight if it sends a "simple" content type (text/plain, form-urlencoded, multipart), and DNS rebinding
+lets a page on evil.example reach 127.0.0.1 under its own name. So, before any route runs:
+
+- Host must be a loopback name, the bound name or a configured one (403), unless the daemon is bound to a
+  wildcard address (0.0.0.0, ::), which already needs an API key or `--insecure-public`;
+- Origin, when present, must be a loopback origin (any port) or a configured one (403);
+- with an API key configured (`--api-key`, BASAL_LOCAL_API_KEY), `Authorization: Bearer KEY` or `X-Api-Key`
+  must carry it (401), compared in constant time;
+- a request with a body must be JSON (or no content type); curl's `-d` default (form-urlencoded) is taken
+  only without an Origin header, i.e. never from a browser (415).
+
+Every refusal is a JSON body in the shape of the path's dialect (`api.errors.http_error`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..api.errors import ApiError, dialect_of, http_error
+
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+# curl -d sends this by default; a browser sends it only with an Origin header
+CURL_DEFAULT_TYPE = "application/x-www-form-urlencoded"
+BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+def is_loopback(host: str) -> bool:
+    """localhost, 127.0.0.0/8 or ::1 (the names a daemon on this machine alone is reached by)."""
+    host = host.strip("[]").lower().rstrip(".")
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(value: str) -> str:
+    """The name part of a Host header (`[::1]:8000` -> `::1`, `Example.COM.:80` -> `example.com`)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        name = value[1:end] if end > 0 else value
+    elif value.count(":") == 1:
+        name = value.split(":", 1)[0]
+    else:
+        name = value
+    return name.rstrip(".")
+
+
+def _origin(value: str) -> str:
+    return value.strip().lower().rstrip("/")
+
+
+@dataclass
+class AccessPolicy:
+    """What the guard lets in; built from the serve settings."""
+
+    bind_host: str = "127.0.0.1"
+    api_key: str | None = None
+    allowed_hosts: set[str] = field(default_factory=set)  # "*" = any
+    allowed_origins: set[str] = field(default_factory=set)  # "*" = any
+
+    @classmethod
+    def build(cls, bind_host: str, api_key: str | None, hosts: Iterable[str] = (),
+              origins: Iterable[str] = ()) -> AccessPolicy:
+        return cls(bind_host, api_key or None, {host_name(h) if h != "*" else h for h in hosts},
+                   {_origin(o) for o in origins})
+
+    @property
+    def checks_host(self) -> bool:
+        return "*" not in self.allowed_hosts and self.bind_host not in WILDCARD_HOSTS
+
+    def host_allowed(self, host: str | None) -> bool:
+        if not self.checks_host or host is None:  # HTTP/1.0 without Host: no browser sends that
+            return True
+        name = host_name(host)
+        return is_loopback(name) or name == host_name(self.bind_host) or name in self.allowed_hosts
+
+    def origin_allowed(self, origin: str | None) -> bool:
+        if origin is None or "*" in self.allowed_origins:
+            return True
+        if _origin(origin) in self.allowed_origins:
+            return True
+        parts = urlsplit(origin.strip())
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and is_loopback(parts.hostname or "")
+
+    def key_ok(self, headers: dict[str, str]) -> bool:
+        if not self.api_key:
+            return True
+        given = headers.get("x-api-key")
+        auth = headers.get("authorization", "")
+        if given is None and auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        return given is not None and hmac.compare_digest(given.encode("utf-8"), self.api_key.encode("utf-8"))
+
+    def check(self, method: str, path: str, headers: dict[str, str]) -> ApiError | None:
+        """None if the request may go on, else the error to answer."""
+        dialect = dialect_of(path)
+        if not self.host_allowed(headers.get("host")):
+            return http_error(403, "HOST_NOT_ALLOWED", f"Host {headers.get('host')!r} is not allowed (DNS "
+                              "rebinding guard); start the daemon with --allowed-host NAME to allow it", dialect)
+        origin = headers.get("origin")
+        if not self.origin_allowed(origin):
+            return http_error(403, "ORIGIN_NOT_ALLOWED", f"Origin {origin!r} is not allowed; start the daemon "
+                              "with --allowed-origin ORIGIN to allow a web page to call it", dialect)
+        if not self.key_ok(headers):
+            return http_error(401, "UNAUTHORIZED", "missing or wrong API key: send 'Authorization: Bearer KEY' "
+                              "or 'X-Api-Key: KEY'", dialect, {"www-authenticate": "Bearer"})
+        if method in BODY_METHODS:
+            ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            json_like = ctype in ("", "application/json") or (ctype.startswith("application/")
+                                                               and ctype.endswith("+json"))
+            if not json_like and not (ctype == CURL_DEFAULT_TYPE and origin is None):
+                return http_error(415, "UNSUPPORTED_MEDIA_TYPE", f"Content-Type {ctype!r} is not accepted: "
+                                  "send the body as application/json", dialect)
+        return None
+
+
+async def send_error(send: Any, err: ApiError, close: bool = False) -> None:
+    """Answer an ASGI request with an ApiError's JSON body (and `Connection: close` when asked)."""
+    body = json.dumps(err.body, ensure_ascii=False).encode("utf-8")
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """ASGI wrapper that applies an AccessPolicy to every HTTP request before routing."""
+
+    def __init__(self, app: Any, policy: AccessPolicy) -> None:
+        self.app = app
+        self.policy = policy
+
+    def __getattr__(self, name: str) -> Any:  # e.g. `.state` of the wrapped Litestar app
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers: dict[str, str] = {}
+            for key, value in scope.get("headers", []):
+                name = key.decode("latin-1").lower()
+                # a repeated Host/Origin/key header is ambiguous: keep the first (curl, browsers send one)
+                headers.setdefault(name, value.decode("latin-1"))
+            err = self.policy.check(scope.get("method", "GET"), scope.get("path", ""), headers)
+            if err is not None:
+                # the body (if any) is not read: the connection cannot carry another request
+                await send_error(send, err, close=scope.get("method") in BODY_METHODS)
+                return
+        await self.app(scope, receive, send)
+
+
+def public_bind_refusal(host: str, api_key: str | None, insecure_public: bool) -> str | None:
+    """Why the daemon must not start on `host`, or None: off loopback it needs a key or an explicit opt-in."""
+    if is_loopback(host) or api_key or insecure_public:
+        return None
+    return (f"refusing to serve on {host!r} without an API key: anyone who can reach this machine could use it. "
+            "Set one with --api-key KEY (or BASAL_LOCAL_API_KEY), or pass --insecure-public to serve without")
