@@ -22,6 +22,8 @@ from litestar import Litestar, Request, Response, get, post
 from ..api import parse_body, route, validate
 from ..api.errors import ApiError, internal, overloaded
 from ..engine.engine import JobResult, ModelEngine
+from ..engine.evidence import attach_evidence
+from ..engine.plan import next_round
 from ..engine.scheduler import Cancelled
 from ..telemetry import Telemetry
 
@@ -114,30 +116,42 @@ async def _decide(request: Request, dialect: str) -> Response:
         loop = asyncio.get_running_loop()
 
         def plan():
-            return engine.plan(validate(body, dialect, model_name))
+            planned = engine.plan(validate(body, dialect, model_name))
+            attach_evidence(planned, engine)
+            return planned
 
         planned = await loop.run_in_executor(state.planner, plan)
         planned.arrival = arrived
         gone = threading.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
+        queue_ms = compute_ms = 0.0
         try:
-            job = engine.submit(planned, gone.is_set, request_id)
-            result: JobResult = await asyncio.wrap_future(job.future)
+            while True:  # a large choice takes a second round planned from the first one's answers
+                job = engine.submit(planned, gone.is_set, request_id)
+                result: JobResult = await asyncio.wrap_future(job.future)
+                queue_ms += result.queue_ms
+                compute_ms += result.compute_ms
+                follow = await loop.run_in_executor(state.planner, next_round, planned)
+                if follow is None:
+                    break
+                planned = follow
         finally:
             watcher.cancel()
+        if planned.error is not None:
+            raise planned.error
         result.body["usage"]["latency_ms"] = round((time.perf_counter() - arrived) * 1000.0, 2)
-        headers = {**id_headers, "x-basal-queue-ms": f"{result.queue_ms:.3f}",
-                   "x-basal-compute-ms": f"{result.compute_ms:.3f}",
+        headers = {**id_headers, "x-basal-queue-ms": f"{queue_ms:.3f}",
+                   "x-basal-compute-ms": f"{compute_ms:.3f}",
                    "x-basal-batch-requests": str(result.batch_requests)}
         state.telemetry.count("answered")
         state.telemetry.record_request(id=request_id, model=model_name, dialect=dialect,
                                        questions=len(planned.request.questions),
-                                       planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(result.queue_ms, 3),
-                                       compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
+                                       planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(queue_ms, 3),
+                                       compute_ms=round(compute_ms, 3), batch_id=result.batch_id,
                                        batch_requests=result.batch_requests,
                                        input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens)
         status = 200
-        timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
+        timing = (f" (queue {queue_ms:.0f} ms, compute {compute_ms:.0f} ms, "
                   f"batch {result.batch_requests})")
         return _json_response(200, result.body, headers)
     except ApiError as err:
