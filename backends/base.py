@@ -68,6 +68,10 @@ class Backend(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
+    def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
+        """Hidden states after the final RMSNorm of one plain causal forward (no cached prefix),
+        float32 [T, hidden]: what the evidence head (PROTOCOL.md §6.8) reads."""
+
     # optional: `warmup(max_tokens)` prepares shapes (CUDA graphs) before the first request
 
 

@@ -116,13 +116,16 @@ def cmd_prompts(args: argparse.Namespace) -> int:
         print(format_pack(pack_prompts(plan.prompt_specs(), prefixes), model.tokenizer))
         return 0
     questions = {}
-    planned = {qp.question.qid: qp for qp in plan.questions}
     for q in request.questions:
-        qp = planned.get(q.qid)
-        orders = [] if qp is None else [
+        units = [qp for qp in plan.questions if qp.question.qid == q.qid]
+        shown = [{"role": qp.role, "index": qp.index, "options": qp.members, "orders": [
             {"prompt": text, "input_ids": ids, "letter_ids": qp.letter_ids}
-            for text, ids in zip(qp.prompts, qp.token_ids)]
-        questions[q.qid] = {"type": q.qtype, "language": qp.lang if qp else None, "orders": orders}
+            for text, ids in zip(qp.prompts, qp.token_ids)]} for qp in units]
+        entry = {"type": q.qtype, "language": units[0].lang if units else None,
+                 "orders": shown[0]["orders"] if len(units) == 1 else []}
+        if q.qtype == "multi" or q.large:  # branches / round-1 groups (round 2 depends on the answers)
+            entry["units"] = shown
+        questions[q.qid] = entry
     first = plan.questions[0].lang if plan.questions else detect_language(request.state_text, "")
     print(json.dumps({"language": first, "questions": questions}, ensure_ascii=False))
     return 0
@@ -131,7 +134,8 @@ def cmd_prompts(args: argparse.Namespace) -> int:
 def cmd_make_test_model(args: argparse.Namespace) -> int:
     from .model.testmodel import make_test_model
 
-    out = make_test_model(args.directory, preset=args.preset, seed=args.seed, name=args.name, device=args.device)
+    out = make_test_model(args.directory, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
+                          evidence_head=args.evidence_head)
     print(f"basal-local: wrote {args.preset} test model to {out}")
     return 0
 
@@ -197,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name")
     p.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is faster)")
+    p.add_argument("--evidence-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="write a random evidence_head.pt (default: for the tiny and small presets)")
     p.set_defaults(func=cmd_make_test_model)
 
     p = sub.add_parser("pull", help="download a model into the Hugging Face cache")

@@ -109,13 +109,33 @@ CASES = [
     ({"model": "nope-1", "state": "s", "questions": {"q": {"type": "noul"}}}, 400,
      {"detail": {"error_type": "api_usage_error", "message": "Unknown model: nope-1"}}),
     # unsupported (valid, but not answerable by this runtime)
-    (q(type="choice", criteria=[str(i) for i in range(11)]), 422,
-     {"error": "unsupported", "detail": [{"type": "unsupported_option_count", "loc": ["body", "questions", "q"],
-                                          "msg": "choice questions with more than 10 options are not supported yet "
-                                                 "by basal-local (got 11)"}]}),
-    (q(type="choice", criteria=["a", "b"], evidence=True), 422,
+    (q(type="choice", criteria=[str(i) for i in range(11)], evidence=True), 422,
      {"error": "unsupported", "detail": [{"type": "unsupported_feature", "loc": ["body", "questions", "q"],
-                                          "msg": "evidence is not available for this model (no evidence_head.pt)"}]}),
+                                          "msg": "evidence needs 2 to 10 options"}]}),
+    (q(type="act", criteria={"a": "x"}, costs={"wrong": 1}), 422,
+     {"error": "unsupported", "detail": [{"type": "unsupported_single_option", "loc": ["body", "questions", "q"],
+                                          "msg": "act questions need at least 2 outcomes (got 1)"}]}),
+    (q(type="act", criteria=[str(i) for i in range(11)], costs={"wrong": 1}), 422,
+     {"error": "unsupported", "detail": [{"type": "unsupported_option_count", "loc": ["body", "questions", "q"],
+                                          "msg": "act questions support at most 10 outcomes (got 11)"}]}),
+    # act and multi schema errors
+    (q(type="act", instructions="i"), 422,
+     {"detail": [{"type": "missing", "loc": ["body", "questions", "q", "act", "costs"], "msg": "Field required",
+                  "input": {"type": "act", "instructions": "i"}}]}),
+    (q(type="act", criteria={"a": 1, "b": 2}, base="rank", costs={"wrong": 1}), 422,
+     {"detail": [{"type": "literal_error", "loc": ["body", "questions", "q", "act", "base"],
+                  "msg": "unsupported act base 'rank' (noul, choice or score)", "input": "rank"}]}),
+    (q(type="act", instructions="i", costs={"approve": {"true": 0}, "reject": {"true": 1, "false": 0}}), 422,
+     {"detail": [{"type": "value_error", "loc": ["body", "questions", "q", "act", "costs"],
+                  "msg": """costs["approve"] must give a cost for every outcome ['true', 'false']""",
+                  "input": {"approve": {"true": 0}, "reject": {"true": 1, "false": 0}}}]}),
+    (q(type="multi", criteria=["a", 1], threshold="x"), 422,
+     {"detail": [{"type": "string_type", "loc": ["body", "questions", "q", "multi", "criteria", 1],
+                  "msg": "Input should be a valid string", "input": 1},
+                 {"type": "float_type", "loc": ["body", "questions", "q", "multi", "threshold"],
+                  "msg": "Input should be a valid number", "input": "x"}]}),
+    (q(type="multi", criteria=[]), 400, {"detail": {"error_type": "api_usage_error",
+                                                    "message": "Multi question must have at least one label: q"}}),
 ]
 
 
@@ -144,6 +164,22 @@ def test_unknown_fields_ignored_and_single_option_shortcut(app_client):
     assert out["usage"]["input_tokens"] == 0 and out["usage"]["branches"] == 0 and out["usage"]["questions"] == 2
 
 
+def test_act_refusal_without_defer_action(app_client):
+    """max_error with a certified threshold above any 2-option confidence of a random model and no defer action."""
+    body = q(type="act", instructions="i", costs={"a": {"true": 0, "false": 1}, "b": {"true": 1, "false": 0}},
+             max_error=0.01)
+    status, out = post(app_client, body)
+    assert (status, out) == (422, {"detail": [{"type": "value_error", "loc": ["body", "questions", "q"],
+                                               "msg": 'max_error needs a defer action ("defer"/"human" or '
+                                                      'defer_action)'}]})
+    status, out = post(app_client, body, "/v1/basal")
+    assert (status, out) == (422, {"error": 'question \'q\': max_error needs a defer action ("defer"/"human" or '
+                                            'defer_action)'})
+    body["questions"]["q"]["costs"]["human"] = {"true": 5, "false": 5}
+    status, out = post(app_client, body)
+    assert status == 200 and out["answers"]["q"]["action"] == "human" and out["answers"]["q"]["refused"] in "ab"
+
+
 def test_context_length_exceeded(app_client):
     body = {"model": M, "state": "słowo " * 3000, "questions": {"q": {"type": "noul", "instructions": "i"}}}
     status, out = post(app_client, body)
@@ -164,8 +200,12 @@ BASAL_CASES = [
     ({"model": "nope-1", "state": "s", "questions": {}}, 422, {"error": "Unknown model: nope-1"}),
     ({"state": "s", "questions": {"q": {"type": "choice", "criteria": ["a", "b"], "option_keys": "x"}}}, 422,
      {"error": "option_keys must be 'show' or 'hide', got x"}),
-    ({"state": "s", "questions": {"q": {"type": "multi", "criteria": ["a", "b"]}}}, 422,
-     {"error": "question 'q': type multi is not supported yet by basal-local"}),
+    ({"state": "s", "questions": {"q": {"type": "multi", "criteria": []}}}, 422,
+     {"error": "question 'q': multi needs at least one label in criteria"}),
+    ({"state": "s", "questions": {"q": {"type": "act", "instructions": "i"}}}, 422,
+     {"error": "question 'q': costs: Field required"}),
+    ({"state": "s", "questions": {"q": {"type": "act", "criteria": ["a"], "costs": {"wrong": 1}}}}, 422,
+     {"error": "question 'q': 1 options (supported: 2..10)"}),
 ]
 
 

@@ -300,3 +300,19 @@ class TorchBackend:
         for _ in self.forward_steps(batch, _capture=captured):
             pass
         self.prefix_kv[key] = (n, captured)
+
+    @torch.inference_mode()
+    def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
+        """One plain causal forward of a single prompt; float32 hidden states after the final RMSNorm [T, H]."""
+        n = int(token_ids.shape[0])
+        batch = PackedBatch(
+            token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
+            token_block=np.zeros(n, dtype=np.int32), block_parent=np.array([-1], dtype=np.int32),
+            block_prefix=np.array([-1], dtype=np.int32), readout_index=np.array([n - 1], dtype=np.int64),
+            letter_ids=np.array([0], dtype=np.int64), prefixes=[])
+        attention = TreeAttention(batch, [], self.device, self.attention)
+        cos, sin = self._rope(batch.positions)
+        x = self.embed_tokens[torch.from_numpy(batch.token_ids).to(self.device)]
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, cos, sin, [], attention)
+        return self._rms_norm(x, self.norm).float().cpu().numpy()

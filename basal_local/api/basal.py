@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from ..protocol.act import ActError, ActSpec, act_base, check_max_error, parse_costs
 from ..protocol.constants import MAX_OPTIONS
+from ..protocol.facts import inject as inject_facts
+from ..protocol.multi import MultiSpec, labels_of, truncate_count
 from ..protocol.questions import DecisionRequest, Question
 from ..protocol.render import named_option_texts
 from ..protocol.textrule import to_text
@@ -37,21 +41,74 @@ def _options(qid: str, q: dict, qtype: str) -> tuple[list[str], list[str], str]:
     return [], [], mode
 
 
+def _number(qid: str, q: dict, name: str) -> Any:
+    value = q.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"question '{qid}': {name} must be a number, got {to_text(value)}")
+    return value
+
+
+def _multi(qid: str, q: dict, instructions: str) -> Question:
+    if q.get("evidence"):
+        raise ValueError(f"question '{qid}': evidence is not supported for multi")
+    found = labels_of(q.get("criteria"))
+    if not found or not found[0]:
+        raise ValueError(f"question '{qid}': multi needs at least one label in criteria")
+    keys, labels = found
+    threshold = _number(qid, q, "threshold")
+    spec = MultiSpec(0.5 if threshold is None else float(threshold), truncate_count(_number(qid, q, "max")),
+                     truncate_count(_number(qid, q, "min")))
+    return Question(qid, "multi", instructions, tuple(keys), tuple(labels), "noul", spec=spec)
+
+
+def _act(qid: str, q: dict, instructions: str) -> Question:
+    criteria = q.get("criteria")
+    try:
+        base = act_base(criteria, q.get("base"))
+        if base == "noul":
+            outcome = _noul(qid, criteria if isinstance(criteria, dict) else {}, instructions)
+            mode = q.get("option_keys") or "show"
+        else:
+            keys, shown, mode = _options(qid, {**q, "type": "choice"}, "choice")
+            if not 2 <= len(keys) <= MAX_OPTIONS:
+                raise ValueError(f"question '{qid}': {len(keys)} options (supported: 2..{MAX_OPTIONS})")
+            outcome = Question(qid, "choice", instructions, tuple(keys), tuple(shown), base)
+        actions, rows, defer = parse_costs(q.get("costs"), list(outcome.keys), q.get("defer_action"))
+        check_max_error(q.get("max_error"))
+    except ActError as exc:
+        raise ValueError(f"question '{qid}': {exc.field + ': ' if exc.field else ''}{exc.msg}") from None
+    spec = ActSpec(base, tuple(actions), tuple(tuple(r) for r in rows), defer, q.get("max_error"), mode)
+    return replace(outcome, qtype="act", calibration_key=base, spec=spec)
+
+
+def _noul(qid: str, criteria: dict, instructions: str) -> Question:
+    """Noul options; any falsy description falls back to the language default (upstream)."""
+    descs = [criteria.get("true"), criteria.get("false")]
+    texts = tuple(to_text(d) if d else "" for d in descs)
+    return Question(qid, "noul", instructions, ("true", "false"), texts, "noul",
+                    default_yes_no=(not descs[0], not descs[1]))
+
+
 def _question(qid: str, q: Any) -> Question:
+    question = _typed_question(qid, q)
+    if isinstance(q, dict) and q.get("evidence"):
+        question = replace(question, evidence=True)
+    return question
+
+
+def _typed_question(qid: str, q: Any) -> Question:
     if not isinstance(q, dict):
         raise ValueError(f"question '{qid}' must be a JSON object")
     raw_type = q.get("type")
     qtype = raw_type if raw_type in ("choice", "noul", "score") else "choice"
     calibration_key = qtype if raw_type in ("choice", "noul", "score") else None
-    if raw_type in ("multi", "act"):
-        raise ValueError(f"question '{qid}': type {raw_type} is not supported yet by basal-local")
     instructions = to_text(q["instructions"]) if "instructions" in q else ""
+    if raw_type == "multi":
+        return _multi(qid, q, instructions)
+    if raw_type == "act":
+        return _act(qid, q, instructions)
     if qtype == "noul":
-        criteria = q.get("criteria") if isinstance(q.get("criteria"), dict) else {}
-        descs = [criteria.get("true"), criteria.get("false")]
-        texts = tuple(to_text(d) if d else "" for d in descs)
-        return Question(qid, "noul", instructions, ("true", "false"), texts, "noul",
-                        default_yes_no=(not descs[0], not descs[1]))
+        return _noul(qid, q.get("criteria") if isinstance(q.get("criteria"), dict) else {}, instructions)
     keys, shown, _ = _options(qid, q, qtype)
     if not 2 <= len(keys) <= MAX_OPTIONS:
         raise ValueError(f"question '{qid}': {len(keys)} options (supported: 2..{MAX_OPTIONS})")
@@ -75,9 +132,17 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
             parsed.append(_question(qid, q))
         except ValueError as exc:
             messages.append(str(exc))
+    facts = body.get("facts")  # lenient: anything but "auto" means no facts
     if messages:
         raise basal_error("; ".join(messages))
-    return DecisionRequest("basal", model_name, to_text(body["state"]), parsed)
+    state_text = to_text(body["state"])
+    limit = None
+    if facts == "auto":
+        try:
+            state_text, limit = inject_facts(state_text), len(state_text)
+        except (ArithmeticError, ValueError) as exc:
+            raise basal_error(str(exc)) from None
+    return DecisionRequest("basal", model_name, state_text, parsed, limit)
 
 
 def route_basal(body: Any, served: dict[str, Any], default: str) -> str:

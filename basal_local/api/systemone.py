@@ -7,9 +7,13 @@ for requests that are valid but that this runtime cannot answer.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from ..protocol.act import ActError, ActSpec, act_base, check_max_error, parse_costs
 from ..protocol.constants import MAX_CHOICES, MAX_OPTIONS, MAX_SCORE_LEVELS
+from ..protocol.facts import inject as inject_facts
+from ..protocol.multi import MultiSpec, labels_of, truncate_count
 from ..protocol.questions import DecisionRequest, Question
 from ..protocol.render import named_option_texts
 from ..protocol.textrule import is_text_value, to_text
@@ -85,11 +89,6 @@ def _choice(qid: str, q: dict, loc: list[Any], instructions: str, out: _Collecto
     if len(criteria) > MAX_CHOICES:
         out.usage.append(f"Too many choices. Must have at most {MAX_CHOICES} choices.")
         return None
-    if len(criteria) > MAX_OPTIONS:
-        out.unsupported.append(("unsupported_option_count", ["body", "questions", qid],
-                                f"choice questions with more than {MAX_OPTIONS} options are not supported yet "
-                                f"by basal-local (got {len(criteria)})"))
-        return None
     keys, shown = named_option_texts(criteria, mode)
     return Question(qid, "choice", instructions, tuple(keys), tuple(shown), "choice")
 
@@ -163,6 +162,97 @@ def _score(qid: str, q: dict, loc: list[Any], instructions: str, out: _Collector
     return Question(qid, "score", instructions, tuple(keys), tuple(shown), "score", legend=legend)
 
 
+def _number(q: dict, name: str, loc: list[Any], out: _Collector, integer: bool = False) -> bool:
+    """A numeric field (multi threshold/max/min): bools and non-numbers are 422s."""
+    value = q.get(name)
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return True
+    kind, msg = ("int_type", "Input should be a valid integer") if integer else \
+        ("float_type", "Input should be a valid number")
+    out.schema.append(field_error(kind, [*loc, name], msg, value))
+    return False
+
+
+def _multi(qid: str, q: dict, loc: list[Any], instructions: str, out: _Collector) -> Question | None:
+    criteria = q.get("criteria")
+    if criteria is None:
+        out.schema.append(missing([*loc, "criteria"], q))
+        return None
+    before = len(out.schema)
+    if isinstance(criteria, list):
+        for i, item in enumerate(criteria):
+            if not isinstance(item, str):
+                out.schema.append(field_error("string_type", [*loc, "criteria", i], "Input should be a valid string",
+                                              item))
+    elif isinstance(criteria, dict):
+        for key, desc in criteria.items():
+            _check_text(desc, [*loc, "criteria", key], out)
+    else:
+        out.schema.append(field_error("dict_type", [*loc, "criteria"], "Input should be a valid dictionary", criteria))
+    numbers_ok = all([_number(q, "threshold", loc, out), _number(q, "max", loc, out, True),
+                      _number(q, "min", loc, out, True)])
+    if len(out.schema) != before or not numbers_ok:
+        return None
+    keys, labels = labels_of(criteria)  # type: ignore[misc]
+    if not keys:
+        out.usage.append(f"Multi question must have at least one label: {qid}")
+        return None
+    threshold = q.get("threshold")
+    spec = MultiSpec(0.5 if threshold is None else float(threshold), truncate_count(q.get("max")),
+                     truncate_count(q.get("min")))
+    return Question(qid, "multi", instructions, tuple(keys), tuple(labels), "noul", spec=spec)
+
+
+def _act(qid: str, q: dict, loc: list[Any], instructions: str, out: _Collector) -> Question | None:
+    mode = q.get("option_keys") if q.get("option_keys") in ("show", "hide") else "show"
+    criteria = q.get("criteria")
+    try:
+        base = act_base(criteria, q.get("base"))
+    except ActError as exc:
+        out.schema.append(field_error(exc.kind, [*loc, "base"], exc.msg, q.get("base")))
+        return None
+    if base == "noul":
+        _option_keys(q, loc, out)
+        question = _noul_outcomes(qid, criteria if isinstance(criteria, dict) else None, loc, instructions, out)
+    else:
+        question = _choice(qid, {**q, "criteria": criteria}, loc, instructions, out)
+    if question is None:
+        return None
+    outcomes = list(question.keys)
+    if len(outcomes) == 1:
+        out.unsupported.append(("unsupported_single_option", ["body", "questions", qid],
+                                "act questions need at least 2 outcomes (got 1)"))
+        return None
+    if len(outcomes) > MAX_OPTIONS:
+        out.unsupported.append(("unsupported_option_count", ["body", "questions", qid],
+                                f"act questions support at most {MAX_OPTIONS} outcomes (got {len(outcomes)})"))
+        return None
+    try:
+        actions, rows, defer = parse_costs(q.get("costs"), outcomes, q.get("defer_action"))
+        check_max_error(q.get("max_error"))
+    except ActError as exc:
+        value = q if exc.kind == "missing" else q.get(exc.field or "")
+        out.schema.append(field_error(exc.kind, [*loc, exc.field], exc.msg, value))
+        return None
+    spec = ActSpec(base, tuple(actions), tuple(tuple(r) for r in rows), defer, q.get("max_error"), mode)
+    return replace(question, qtype="act", calibration_key=base, spec=spec, legend=None)
+
+
+def _noul_outcomes(qid: str, criteria: dict | None, loc: list[Any], instructions: str,
+                   out: _Collector) -> Question | None:
+    """true/false outcomes of a noul-based act; a missing or null description is the language default."""
+    criteria = criteria or {}
+    before = len(out.schema)
+    for side in ("true", "false"):
+        _check_text(criteria.get(side), [*loc, "criteria", side], out)
+    if len(out.schema) != before:
+        return None
+    true_desc, false_desc = criteria.get("true"), criteria.get("false")
+    texts = ("" if true_desc is None else to_text(true_desc), "" if false_desc is None else to_text(false_desc))
+    return Question(qid, "noul", instructions, ("true", "false"), texts, "noul",
+                    default_yes_no=(true_desc is None, false_desc is None))
+
+
 def _question(qid: str, q: Any, out: _Collector) -> Question | None:
     qloc: list[Any] = ["body", "questions", qid]
     if not isinstance(q, dict):
@@ -183,19 +273,17 @@ def _question(qid: str, q: Any, out: _Collector) -> Question | None:
     raw_instructions = q.get("instructions")
     _check_text(raw_instructions, [*loc, "instructions"], out)
     instructions = "" if raw_instructions is None or not is_text_value(raw_instructions) else to_text(raw_instructions)
-    if qtype in EXTENSION_TYPES:
-        if qtype == "multi" and bool(q.get("evidence")):
-            out.schema.append(field_error("value_error", [*qloc, "evidence"], "evidence is not supported for multi",
-                                          q.get("evidence")))
-            return None
-        out.unsupported.append(("unsupported_feature", qloc,
-                                f"question type {qtype} is not supported yet by basal-local"))
+    if qtype == "multi" and bool(q.get("evidence")):
+        out.schema.append(field_error("value_error", [*qloc, "evidence"], "evidence is not supported for multi",
+                                      q.get("evidence")))
         return None
-    builder = {"choice": _choice, "noul": _noul, "score": _score}[qtype]
+    builder = {"choice": _choice, "noul": _noul, "score": _score, "multi": _multi, "act": _act}[qtype]
     question = builder(qid, q, loc, instructions, out)
     if question is not None and bool(q.get("evidence")):
-        out.unsupported.append(("unsupported_feature", qloc,
-                                "evidence is not available for this model (no evidence_head.pt)"))
+        if not 2 <= len(question.keys) <= MAX_OPTIONS:
+            out.unsupported.append(("unsupported_feature", qloc, "evidence needs 2 to 10 options"))
+            return None
+        question = replace(question, evidence=True)
     return question
 
 
@@ -235,15 +323,20 @@ def validate_systemone(body: Any, model_name: str) -> DecisionRequest:
         out.schema.append(field_error("literal_error", ["body", "facts"], 'facts must be "off" or "auto"', facts))
     if out.schema:
         raise validation_error(out.schema)
+    state_text = to_text(state)
+    limit = None
+    if facts == "auto":
+        try:
+            injected = inject_facts(state_text)
+        except (ArithmeticError, ValueError) as exc:
+            raise validation_error([field_error("value_error", ["body", "state"], str(exc), state)]) from None
+        state_text, limit = injected, len(state_text)
     if out.usage:
         raise usage_error(out.usage[0])
-    if facts == "auto":
-        out.unsupported.insert(0, ("unsupported_feature", ["body", "facts"],
-                                   'facts "auto" is not supported yet by basal-local'))
     if out.unsupported:
         kind, loc, msg = out.unsupported[0]
         raise unsupported(kind, loc, msg)
-    return DecisionRequest("systemone", model_name, to_text(state), questions)
+    return DecisionRequest("systemone", model_name, state_text, questions, limit)
 
 
 def check_model_field(body: Any, served: dict[str, Any], default: str) -> str:

@@ -1,4 +1,11 @@
-"""Planning (on arrival): render, tokenize and size a validated request; turn letter logits into answers."""
+"""Planning (on arrival): render, tokenize and size a validated request; turn letter logits into answers.
+
+A plan is a list of readout units (QuestionPlan): one per ordinary question, one per `multi` label
+(branch), one per group of a large choice (round 1) or its finalists (round 2). The engine only sees
+units and their prompts; `finish` folds the units back into one answer per question. A request with a
+large choice takes two rounds: `finish` of round 1 returns None and `next_round` plans round 2 from the
+round-1 answers (the caller submits it like any plan).
+"""
 
 from __future__ import annotations
 
@@ -9,65 +16,115 @@ from typing import Any
 
 import numpy as np
 
+from ..api.errors import ApiError, basal_error, validation_error
 from ..model.directory import Calibration
 from ..model.tokenizer import BasalTokenizer
+from ..protocol.act import ActError, act_answer
 from ..protocol.answers import answer, usage
 from ..protocol.decision import average_orders, calibrate
 from ..protocol.errors import ContextTooLong
-from ..protocol.questions import DecisionRequest, Question
-from ..protocol.render import render_question
+from ..protocol.large_choice import finalists, fit_joint, groups
+from ..protocol.multi import branch_options, branch_question, multi_answer
+from ..protocol.questions import DecisionRequest, Question, detect_language
+from ..protocol.render import orders, render_prompt, render_question
 from .packer import PromptSpec, TrieSizer
+
+UnitKey = tuple[str, str, int]  # (question id, role, index)
 
 
 @dataclass
 class QuestionPlan:
+    """One readout unit: a question (or a branch/group of one) in one or two option orders."""
+
     question: Question
     lang: str
     perms: list[list[int]]
     prompts: list[str]
     token_ids: list[list[int]]
     letter_ids: list[int]
+    role: str = "main"  # main | branch (multi label) | group (large choice, round 1) | final (round 2)
+    index: int = 0
+    members: list[int] | None = None  # option indices a large-choice unit asks, original order
+
+    @property
+    def key(self) -> UnitKey:
+        return (self.question.qid, self.role, self.index)
 
 
 @dataclass
 class RequestPlan:
     request: DecisionRequest
-    questions: list[QuestionPlan]
-    input_tokens: int
+    questions: list[QuestionPlan]  # the readout units of this round
+    input_tokens: int  # every prompt of every round so far
     packed_tokens: int  # tokens a forward computes for this request alone (cached template excluded)
     arrival: float = field(default_factory=time.perf_counter)
     planning_s: float = 0.0
+    round: int = 1
+    carried: dict[UnitKey, list[float]] = field(default_factory=dict)  # unit probabilities of earlier rounds
+    evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    error: ApiError | None = None  # set by finish when an answer refuses (act max_error without defer)
+    context: tuple[BasalTokenizer, int, dict[str, Sequence[int]]] | None = None
 
     def prompt_specs(self) -> list[PromptSpec]:
         return [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
 
 
-def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positions: int,
-                 prefixes: dict[str, Sequence[int]] | None = None) -> RequestPlan:
-    """Render both orders of every question and tokenize them; raises ContextTooLong for too-long prompts."""
-    started = time.perf_counter()
-    check_size_cheaply(request, tokenizer, max_positions)
-    rendered = []
-    texts: list[str] = []
+def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, str, list[list[int]], list[str], str,
+                                                                    int, list[int] | None]]:
+    """(question, lang, perms, prompts, role, index, members) of every round-1 unit."""
+    state = request.state_text
+    units = []
     for q in request.questions:
         if q.fixed:
             continue
-        lang, perms, prompts = render_question(request.state_text, q, tokenizer.bos)
-        rendered.append((q, lang, perms, prompts))
-        texts.extend(prompts)
+        if q.qtype == "multi":
+            lang = detect_language(state, q.instructions_text)
+            texts = list(branch_options(lang))
+            perms = orders(2)
+            for i, label in enumerate(q.options):
+                text = branch_question(lang, q.instructions_text, label)
+                prompts = [render_prompt(state, text, texts, p, lang, bos) for p in perms]
+                units.append((q, lang, perms, prompts, "branch", i, None))
+        elif q.large:
+            lang = detect_language(state, q.instructions_text)
+            for g, members in enumerate(groups(len(q.keys))):
+                texts = [q.options[i] for i in members]
+                perm = list(range(len(members)))
+                prompt = render_prompt(state, q.instructions_text, texts, perm, lang, bos)
+                units.append((q, lang, [perm], [prompt], "group", g, members))
+        else:
+            lang, perms, prompts = render_question(state, q, bos)
+            units.append((q, lang, perms, prompts, "main", 0, None))
+    return units
+
+
+def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalTokenizer,
+                    max_positions: int) -> tuple[list[QuestionPlan], int]:
+    texts = [p for unit in units for p in unit[3]]
     ids: list[list[int]] = []
-    if rendered and len(request.state_text) > max_positions:
-        # a long state is in every prompt: measure the first question's two prompts alone before the rest
-        ids = tokenizer.encode_batch(rendered[0][3])
-        _check_context(rendered[0][0], ids, max_positions, request.model)
+    if units and len(request.state_text) > max_positions:
+        # a long state is in every prompt: measure the first unit's prompts alone before the rest
+        ids = tokenizer.encode_batch(units[0][3])
+        _check_context(units[0][0], ids, max_positions, request.model)
     if len(texts) > len(ids):
         ids += tokenizer.encode_batch(texts[len(ids):])
-    plans = []
-    for n, (q, lang, perms, prompts) in enumerate(rendered):
-        token_ids = ids[2 * n: 2 * n + len(prompts)]
+    plans, at = [], 0
+    for q, lang, perms, prompts, role, index, members in units:
+        token_ids = ids[at: at + len(prompts)]
+        at += len(prompts)
         _check_context(q, token_ids, max_positions, request.model)
-        plans.append(QuestionPlan(q, lang, perms, prompts, token_ids, tokenizer.letter_ids[: len(q.keys)]))
-    plan = RequestPlan(request, plans, sum(len(t) for t in ids), 0)
+        plans.append(QuestionPlan(q, lang, perms, prompts, token_ids, tokenizer.letter_ids[: len(perms[0])],
+                                  role, index, members))
+    return plans, sum(len(t) for t in ids)
+
+
+def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positions: int,
+                 prefixes: dict[str, Sequence[int]] | None = None) -> RequestPlan:
+    """Render and tokenize every round-1 unit; raises ContextTooLong for too-long prompts."""
+    started = time.perf_counter()
+    check_size_cheaply(request, tokenizer, max_positions)
+    plans, tokens = _tokenize_units(request, _render_units(request, tokenizer.bos), tokenizer, max_positions)
+    plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, dict(prefixes or {})))
     plan.packed_tokens = packed_size(plan.prompt_specs(), prefixes or {})
     plan.planning_s = time.perf_counter() - started
     return plan
@@ -90,7 +147,9 @@ def check_size_cheaply(request: DecisionRequest, tokenizer: BasalTokenizer, max_
     for q in request.questions:
         if q.fixed:
             continue
-        chars = state + len(q.instructions_text) + sum(len(t) for t in q.options)
+        # every prompt holds all options, except multi branches (one label) and large-choice groups (some)
+        options = 0 if q.qtype == "multi" or q.large else sum(len(t) for t in q.options)
+        chars = state + len(q.instructions_text) + options
         if chars > max_positions * per_token:
             raise ContextTooLong(q.qid, chars // per_token, max_positions, request.model, at_least=True)
 
@@ -100,19 +159,87 @@ def packed_size(specs: Sequence[PromptSpec], prefixes: dict[str, Sequence[int]])
     return TrieSizer(prefixes).add(specs)
 
 
-def finish(plan: RequestPlan, logits: Sequence[Sequence[np.ndarray]], calibration: Calibration,
-           latency_ms: float) -> dict[str, Any]:
-    """The response body from the letter logits of each question's orders."""
+def _large_groups(q: Question, results: dict[UnitKey, list[float]]) -> tuple[list[list[int]], list[list[float]]]:
+    members = groups(len(q.keys))
+    return members, [results[(q.qid, "group", g)] for g in range(len(members))]
+
+
+def next_round(plan: RequestPlan) -> RequestPlan | None:
+    """Round 2 of the large choices (their finalists in both orders), or None when the request is complete."""
     request = plan.request
-    by_qid = {qp.question.qid: (qp, logits[n]) for n, qp in enumerate(plan.questions)}
+    if plan.round != 1 or not any(q.large for q in request.questions):
+        return None
+    assert plan.context is not None
+    tokenizer, max_positions, prefixes = plan.context
+    started = time.perf_counter()
+    units = []
+    for q in request.questions:
+        if not q.large:
+            continue
+        members, targets = _large_groups(q, plan.carried)
+        chosen = finalists(fit_joint(len(q.keys), members, targets))
+        lang = detect_language(request.state_text, q.instructions_text)
+        texts = [q.options[i] for i in chosen]
+        perms = orders(len(chosen))
+        prompts = [render_prompt(request.state_text, q.instructions_text, texts, p, lang, tokenizer.bos)
+                   for p in perms]
+        units.append((q, lang, perms, prompts, "final", 0, chosen))
+    plans, tokens = _tokenize_units(request, units, tokenizer, max_positions)
+    follow = RequestPlan(request, plans, plan.input_tokens + tokens, 0, arrival=plan.arrival, round=2,
+                         carried=dict(plan.carried), evidence=plan.evidence, context=plan.context)
+    follow.packed_tokens = packed_size(follow.prompt_specs(), prefixes)
+    follow.planning_s = plan.planning_s + time.perf_counter() - started
+    return follow
+
+
+def _refusal(request: DecisionRequest, qid: str, msg: str) -> ApiError:
+    if request.dialect == "systemone":
+        return validation_error([{"type": "value_error", "loc": ["body", "questions", qid], "msg": msg}])
+    return basal_error(f"question '{qid}': {msg}")
+
+
+def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
+            unit: QuestionPlan | None) -> dict[str, Any]:
+    request = plan.request
+    temperature = calibration.temperature(q.calibration_key)
+    if q.fixed:
+        return answer(q, [1.0], request.dialect)
+    if q.qtype == "multi":
+        probs = [calibrate(results[(q.qid, "branch", i)], temperature)[0] for i in range(len(q.keys))]
+        return multi_answer(q.keys, probs, q.spec)
+    if q.large:
+        members, targets = _large_groups(q, results)
+        assert unit is not None and unit.members is not None
+        p = fit_joint(len(q.keys), [*members, unit.members], [*targets, results[(q.qid, "final", 0)]])
+        return answer(q, calibrate(p, temperature), request.dialect)
+    p_cal = calibrate(results[(q.qid, "main", 0)], temperature)
+    if q.qtype == "act":
+        try:
+            return act_answer(q.spec, q.keys, p_cal, calibration.thresholds, bool(calibration.temperatures))
+        except ActError as exc:
+            plan.error = plan.error or _refusal(request, q.qid, exc.msg)
+            return {"type": "act"}
+    return answer(q, p_cal, request.dialect)
+
+
+def finish(plan: RequestPlan, logits: Sequence[Sequence[np.ndarray]], calibration: Calibration,
+           latency_ms: float) -> dict[str, Any] | None:
+    """The response body from the letter logits of each unit's orders; None when another round follows.
+
+    A refusal (act `max_error` without a defer action) is left in `plan.error` for the caller to answer.
+    """
+    request = plan.request
+    results = dict(plan.carried)
+    for n, qp in enumerate(plan.questions):
+        results[qp.key] = average_orders([np.asarray(x, dtype=np.float64).tolist() for x in logits[n]], qp.perms)
+    plan.carried = results
+    if plan.round == 1 and any(q.large for q in request.questions):
+        return None
+    finals = {qp.question.qid: qp for qp in plan.questions if qp.role == "final"}
     answers = {}
     for q in request.questions:
-        if q.fixed:
-            p_cal = [1.0]
-        else:
-            qp, order_logits = by_qid[q.qid]
-            p = average_orders([np.asarray(x, dtype=np.float64).tolist() for x in order_logits], qp.perms)
-            p_cal = calibrate(p, calibration.temperature(q.calibration_key))
-        answers[q.qid] = answer(q, p_cal, request.dialect)
+        answers[q.qid] = _answer(q, results, calibration, plan, finals.get(q.qid))
+        if q.evidence:
+            answers[q.qid]["evidence"] = plan.evidence.get(q.qid, [])
     return {"model": request.model, "answers": answers,
             "usage": usage(plan.input_tokens, request.questions, latency_ms, request.dialect)}

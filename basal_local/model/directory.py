@@ -18,6 +18,7 @@ from ..protocol.constants import (
     USER_FORMAT,
 )
 from .config import ConfigError, LlamaConfig
+from .evidence_head import HEAD_FILE, EvidenceHead, EvidenceHeadError
 from .tokenizer import BasalTokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class ModelDir:
     tokenizer: BasalTokenizer
     calibration: Calibration
     weights_path: Path
+    evidence_head: EvidenceHead | None = None
 
 
 def _read_json(path: Path) -> Any:
@@ -170,4 +172,11 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
                              f"'vocab_size' ({config.vocab_size})")
     if check_weights:
         check_weight_names(config, read_safetensors_header(path / "model.safetensors"))
-    return ModelDir(path, name, version, config, tokenizer, load_calibration(path), path / "model.safetensors")
+    head = None
+    if (path / HEAD_FILE).exists():
+        try:
+            head = EvidenceHead.load(path / HEAD_FILE, config.hidden_size)
+        except EvidenceHeadError as exc:
+            raise ModelLoadError(str(exc)) from None
+    return ModelDir(path, name, version, config, tokenizer, load_calibration(path), path / "model.safetensors",
+                    head)

@@ -117,15 +117,19 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], seed: int, device: str =
 
 
 def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, name: str | None = None,
-                    device: str = "cpu") -> Path:
+                    device: str = "cpu", evidence_head: bool | None = None) -> Path:
+    """A model directory; `evidence_head` (default: for the test presets tiny/small) adds a random head."""
     from safetensors.torch import save_file
 
     from .config import LlamaConfig
+    from .evidence_head import HEAD_FILE, write_random_head
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     out = Path(directory).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    if evidence_head is None:
+        evidence_head = preset in ("tiny", "small")
     arch = dict(PRESETS[preset])
     tokenizer_json = train_tokenizer()
     n_tokens = len(tokenizer_json["model"]["vocab"])
@@ -155,4 +159,6 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     save_file(_random_weights(parsed.weight_shapes(), seed, device), str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    if evidence_head:
+        write_random_head(out / HEAD_FILE, parsed.hidden_size, seed=seed)
     return out

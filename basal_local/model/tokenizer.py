@@ -49,6 +49,11 @@ class BasalTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each token's (start, end) character offsets in `text` (evidence spans)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 

@@ -25,7 +25,14 @@ def answer(question: Question, p_cal: Sequence[float], dialect: str) -> dict[str
             "confidence": confidence}
 
 
+def branches_of(question: Question, dialect: str) -> int:
+    """§1.4: a multi counts its labels, a single-option question 0 (TypeSafe dialect), anything else 1."""
+    if question.qtype == "multi":
+        return len(question.keys)
+    return 0 if (question.fixed and dialect == "systemone") else 1
+
+
 def usage(input_tokens: int, questions: Sequence[Question], latency_ms: float, dialect: str) -> dict[str, Any]:
-    branches = sum(0 if (q.fixed and dialect == "systemone") else 1 for q in questions)
+    branches = sum(branches_of(q, dialect) for q in questions)
     return {"input_tokens": input_tokens, "output_tokens": 0, "questions": len(questions), "branches": branches,
             "latency_ms": round(latency_ms, 2)}

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .constants import PL_CHARS
+from .constants import MAX_OPTIONS, PL_CHARS
 
 Dialect = Literal["systemone", "basal"]
-QuestionType = Literal["choice", "noul", "score"]
+QuestionType = Literal["choice", "noul", "score", "multi", "act"]
 
 
 def detect_language(state_text: str, instructions_text: str) -> str:
@@ -33,11 +33,19 @@ class Question:
     legend: dict[str, Any] | None = None
     # noul without given descriptions: default Tak/Nie or Yes/No depending on the language
     default_yes_no: tuple[bool, bool] = (False, False)
+    # multi: MultiSpec (keys = labels, options = label texts); act: ActSpec (keys = outcomes)
+    spec: Any = None
+    evidence: bool = False
 
     @property
     def fixed(self) -> bool:
         """A single option is answered without the model (p = 1)."""
-        return len(self.keys) == 1
+        return len(self.keys) == 1 and self.qtype != "multi"
+
+    @property
+    def large(self) -> bool:
+        """11-255 options: the grouped luce2-1o strategy (§6.7)."""
+        return self.qtype == "choice" and len(self.keys) > MAX_OPTIONS
 
 
 @dataclass
@@ -48,3 +56,5 @@ class DecisionRequest:
     model: str
     state_text: str
     questions: list[Question] = field(default_factory=list)
+    # character length of the state before facts were appended (evidence spans stay inside it)
+    state_limit: int | None = None

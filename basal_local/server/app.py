@@ -27,7 +27,8 @@ from litestar.exceptions import HTTPException
 from ..api import parse_body, route, validate
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error
 from ..engine.engine import JobResult, ModelEngine
-from ..engine.plan import RequestPlan
+from ..engine.evidence import attach_evidence
+from ..engine.plan import RequestPlan, next_round
 from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import ProtocolError
 from ..telemetry import Telemetry
@@ -148,7 +149,9 @@ async def _plan(call: _Call, engine: ModelEngine, body: Any, size: int) -> Reque
     dialect, model_name = call.dialect, call.model_name
 
     def plan() -> RequestPlan:
-        return engine.plan(validate(body, dialect, model_name))
+        planned = engine.plan(validate(body, dialect, model_name))
+        attach_evidence(planned, engine)
+        return planned
 
     try:
         planned = await asyncio.get_running_loop().run_in_executor(call.pool(size), plan)
@@ -160,13 +163,28 @@ async def _plan(call: _Call, engine: ModelEngine, body: Any, size: int) -> Reque
     return planned
 
 
-async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan) -> JobResult:
-    """Submit the plan and wait for its answer; a client that disconnects meanwhile is dropped unanswered."""
+async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan) -> tuple[RequestPlan, JobResult]:
+    """Submit the plan and wait for its answer; a client that disconnects meanwhile is dropped unanswered.
+
+    A large choice takes a second round planned from the first one's answers: the request's queue and compute
+    times are the sums over its rounds."""
     gone = threading.Event()
     watcher = asyncio.ensure_future(_watch_disconnect(call.request, gone))
+    queue_ms = compute_ms = 0.0
     try:
-        job = engine.submit(planned, gone.is_set, call.request_id)
-        return await asyncio.wrap_future(job.future)
+        while True:
+            job = engine.submit(planned, gone.is_set, call.request_id)
+            result: JobResult = await asyncio.wrap_future(job.future)
+            queue_ms += result.queue_ms
+            compute_ms += result.compute_ms
+            follow = await asyncio.get_running_loop().run_in_executor(call.state.planner, next_round, planned)
+            if follow is None:
+                break
+            planned = follow
+        if planned.error is not None:
+            raise planned.error
+        result.queue_ms, result.compute_ms = queue_ms, compute_ms
+        return planned, result
     finally:
         watcher.cancel()
 
@@ -227,7 +245,7 @@ async def _decide(request: Request, dialect: str) -> Response:
         call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "")
         engine = call.state.engines[call.model_name]
         planned = await _plan(call, engine, body, len(raw))
-        result = await _run_job(call, engine, planned)
+        planned, result = await _run_job(call, engine, planned)
         return _answer(call, planned, result)
     except ApiError as err:
         return _error(call, err)

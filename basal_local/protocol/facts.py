@@ -1,0 +1,268 @@
+"""`facts: "auto"` (PROTOCOL.md §6.6): a block of computed helper facts appended to a Polish state.
+
+Written from the spec's description only. Line kinds, in this order, each capped, 12 lines in all:
+dates with weekday and statutory holiday, gaps between consecutive dates, "N dni temu" against a stated
+today, date + duration (calendar arithmetic, months clamped to the month end), VAT of stated rates,
+comparisons of amounts. Amounts use `decimal.Decimal` (28 digits, ROUND_HALF_UP to 0.01) and print as
+`1 234,56 zł`. Errors of the arithmetic (an amount of 1e26 or more, a date past year 9999, year 0)
+propagate: the dialects turn them into the spec's 422 with the exception's text.
+"""
+
+from __future__ import annotations
+
+import calendar
+import datetime as dt
+import re
+from decimal import ROUND_HALF_UP, Context, Decimal
+
+HEADER = "Fakty pomocnicze (wyliczone automatycznie, bez oceny prawnej):"
+MAX_DATES, MAX_DURATIONS, MAX_AMOUNTS, MAX_TOTAL, MAX_COMPARE, MAX_PLAIN, MAX_EURO = 6, 3, 3, 12, 6, 3, 3
+MAX_RELATIVE = 3  # "N dni temu" lines (one per stated date before today)
+TODAY_WINDOW = 40
+
+MONTHS = ("stycznia", "lutego", "marca", "kwietnia", "maja", "czerwca", "lipca", "sierpnia", "września",
+          "października", "listopada", "grudnia")
+WEEKDAYS = ("poniedziałek", "wtorek", "środa", "czwartek", "piątek", "sobota", "niedziela")
+VAT_RATES = {"23": Decimal("1.23"), "8": Decimal("1.08"), "5": Decimal("1.05")}
+
+_CTX = Context(prec=28, rounding=ROUND_HALF_UP)
+_CENT = Decimal("0.01")
+_TEXT_DATE = re.compile(r"\b(\d{1,2})\s+(" + "|".join(MONTHS) + r")\s+(\d{4})(?:\s*r\.)?")
+_DOTTED_DATE = re.compile(r"\b(\d{1,2})\.(\d{1,2})\.(\d{4})\b")
+_ISO_DATE = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b")
+_TODAY = re.compile(r"\b(?:dziś|dzisiaj)\b", re.IGNORECASE)
+_DURATION = re.compile(r"\b(?:(\d+)\s+)?(dni|dzień|tydzień|tygodnie|tygodni|miesiąc|miesiące|miesięcy|rok|lata|lat)\b")
+_AMOUNT = re.compile(r"(?<![\d,.])(\d{1,3}(?:[ \u00a0]\d{3})+|\d+)(?:[,.](\d{1,2}))?\s?(?:zł|PLN)\b(?!\s*/)")
+_RATE = re.compile(r"(?<![\d,.])(23|8|5)\s?%")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_VAT_WORDS = re.compile(r"VAT|podatek od towarów", re.IGNORECASE)
+_EXCHANGE = re.compile(r"kurs|EUR|€", re.IGNORECASE)
+
+_UNITS = {"dni": "d", "dzień": "d", "tydzień": "w", "tygodnie": "w", "tygodni": "w", "miesiąc": "m", "miesiące": "m",
+          "miesięcy": "m", "rok": "y", "lata": "y", "lat": "y"}
+_UNIT_FORMS = {"d": ("dzień", "dni", "dni"), "w": ("tydzień", "tygodnie", "tygodni"),
+               "m": ("miesiąc", "miesiące", "miesięcy"), "y": ("rok", "lata", "lat")}
+
+
+# ---- calendar -----------------------------------------------------------------------------------------------
+def easter(year: int) -> dt.date:
+    """Gregorian Easter Sunday (the anonymous Gregorian algorithm)."""
+    a, b, c = year % 19, year // 100, year % 100
+    d, e = b // 4, b % 4
+    f = (b + 8) // 25
+    g = (b - f + 1) // 3
+    h = (19 * a + b - d - g + 15) % 30
+    i, k = c // 4, c % 4
+    lw = (32 + 2 * e + 2 * i - h - k) % 7
+    m = (a + 11 * h + 22 * lw) // 451
+    month = (h + lw - 7 * m + 114) // 31
+    day = (h + lw - 7 * m + 114) % 31 + 1
+    return dt.date(year, month, day)
+
+
+def holiday(day: dt.date) -> str | None:
+    """The Polish statutory public holiday on `day` (ustawa o dniach wolnych od pracy), or None."""
+    fixed = {(1, 1): "Nowy Rok", (1, 6): "Święto Trzech Króli", (5, 1): "Święto Pracy",
+             (5, 3): "Święto Konstytucji 3 Maja", (8, 15): "Wniebowzięcie Najświętszej Maryi Panny",
+             (11, 1): "Wszystkich Świętych", (11, 11): "Narodowe Święto Niepodległości",
+             (12, 25): "pierwszy dzień Bożego Narodzenia", (12, 26): "drugi dzień Bożego Narodzenia"}
+    if (day.month, day.day) == (12, 24) and day.year >= 2025:
+        return "Wigilia Bożego Narodzenia"
+    if (day.month, day.day) in fixed:
+        return fixed[(day.month, day.day)]
+    offset = (day - easter(day.year)).days
+    return {0: "Wielkanoc", 1: "Poniedziałek Wielkanocny", 49: "Zielone Świątki", 60: "Boże Ciało"}.get(offset)
+
+
+def format_date(day: dt.date) -> str:
+    return f"{day.day} {MONTHS[day.month - 1]} {day.year} r."
+
+
+def add_months(day: dt.date, months: int) -> dt.date:
+    """Calendar months; a day past the end of the target month is clamped to its last day."""
+    year, month = divmod(day.year * 12 + day.month - 1 + months, 12)
+    month += 1
+    last = calendar.monthrange(year, month)[1] if 1 <= year else 31
+    return dt.date(year, month, min(day.day, last))
+
+
+def add_duration(day: dt.date, count: int, unit: str) -> dt.date:
+    if unit == "d":
+        return day + dt.timedelta(days=count)
+    if unit == "w":
+        return day + dt.timedelta(weeks=count)
+    return add_months(day, count * (12 if unit == "y" else 1))
+
+
+def unit_form(count: int, unit: str) -> str:
+    """Polish agreement: 1 -> singular, 2-4 (not 12-14) -> plural, else genitive plural."""
+    one, few, many = _UNIT_FORMS[unit]
+    if count == 1:
+        return one
+    if 2 <= count % 10 <= 4 and not 12 <= count % 100 <= 14:
+        return few
+    return many
+
+
+# ---- amounts ------------------------------------------------------------------------------------------------
+def format_amount(value: Decimal) -> str:
+    """`1 234,56 zł`: ROUND_HALF_UP to 0.01 in a 28-digit context (InvalidOperation from 1e26 on)."""
+    q = value.quantize(_CENT, context=_CTX)
+    sign = "-" if q < 0 else ""
+    whole, frac = f"{abs(q):f}".split(".")
+    groups = []
+    while len(whole) > 3:
+        groups.insert(0, whole[-3:])
+        whole = whole[:-3]
+    groups.insert(0, whole)
+    return f"{sign}{' '.join(groups)},{frac} zł"
+
+
+def _amounts(text: str) -> list[tuple[int, Decimal]]:
+    found = []
+    for m in _AMOUNT.finditer(text):
+        before = text[max(0, m.start() - 20): m.start()]
+        if _EXCHANGE.search(before):
+            continue  # an exchange rate, not an amount of money
+        whole = re.sub(r"[ \u00a0]", "", m.group(1))
+        found.append((m.start(), Decimal(f"{whole}.{m.group(2) or '0'}")))
+    return found
+
+
+# ---- line kinds ---------------------------------------------------------------------------------------------
+def _make_date(year: str, month: str | int, day: str) -> dt.date | None:
+    month_no = MONTHS.index(month) + 1 if isinstance(month, str) and not month.isdigit() else int(month)
+    y, d = int(year), int(day)
+    if not 1 <= month_no <= 12 or not 1 <= d <= 31:
+        return None
+    try:
+        return dt.date(y, month_no, d)
+    except ValueError as exc:
+        if "year" in str(exc):
+            raise
+        return None  # 31.02 and the like: not a date
+
+
+def find_dates(text: str) -> list[tuple[int, dt.date]]:
+    """(position, date) of every text/dotted/ISO date, in order of appearance."""
+    found = []
+    for m in _TEXT_DATE.finditer(text):
+        found.append((m.start(), _make_date(m.group(3), m.group(2), m.group(1))))
+    for m in _DOTTED_DATE.finditer(text):
+        found.append((m.start(), _make_date(m.group(3), m.group(2), m.group(1))))
+    for m in _ISO_DATE.finditer(text):
+        found.append((m.start(), _make_date(m.group(1), m.group(2), m.group(3))))
+    return sorted((pos, day) for pos, day in found if day is not None)
+
+
+def _date_lines(dates: list[dt.date]) -> list[str]:
+    lines = []
+    for day in dates:
+        line = f"{format_date(day)} to {WEEKDAYS[day.weekday()]}"
+        name = holiday(day)
+        if name:
+            line += f"; dzień ustawowo wolny od pracy ({name})"
+        lines.append(line)
+    return lines
+
+
+def _gap_lines(dates: list[dt.date]) -> list[str]:
+    lines = []
+    for a, b in zip(dates, dates[1:]):
+        days = (b - a).days
+        lines.append(f"Od {format_date(a)} do {format_date(b)}: {abs(days)} dni "
+                     f"({'później' if days > 0 else 'wcześniej'})")
+    return lines
+
+
+def _today(text: str, positions: list[tuple[int, dt.date]]) -> dt.date | None:
+    for m in _TODAY.finditer(text):
+        for pos, day in positions:
+            if m.end() <= pos <= m.end() + TODAY_WINDOW:
+                return day
+    return None
+
+
+def _relative_lines(today: dt.date | None, dates: list[dt.date]) -> list[str]:
+    if today is None:
+        return []
+    lines = [f"{format_date(day)}: {(today - day).days} dni temu" for day in dates if day < today]
+    return lines[:MAX_RELATIVE]
+
+
+def _durations(text: str) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for m in _DURATION.finditer(text):
+        if m.group(1) is None and m.group(2) != "rok":
+            continue  # a bare plural noun is not a duration; a bare "rok" means one year
+        item = (int(m.group(1) or 1), _UNITS[m.group(2)])
+        if item[0] > 0 and item not in found:
+            found.append(item)
+    return found[:MAX_DURATIONS]
+
+
+def _duration_lines(dates: list[dt.date], durations: list[tuple[int, str]]) -> list[str]:
+    lines = []
+    for day in dates[:3]:
+        for count, unit in durations:
+            end = add_duration(day, count, unit)
+            lines.append(f"{format_date(day)} + {count} {unit_form(count, unit)} (kalendarzowo) = "
+                         f"{format_date(end)} ({WEEKDAYS[end.weekday()]})")
+    return lines
+
+
+def _vat_lines(text: str, amounts: list[Decimal]) -> list[str]:
+    rates: list[str] = []
+    for sentence in _SENTENCE.split(text):
+        if not _VAT_WORDS.search(sentence):
+            continue
+        for m in _RATE.finditer(sentence):
+            if m.group(1) not in rates:
+                rates.append(m.group(1))
+    lines = []
+    for rate in rates:
+        factor = VAT_RATES[rate]
+        shown = f"{factor:f}".replace(".", ",")
+        for amount in amounts[:MAX_AMOUNTS]:
+            gross = (amount * factor).quantize(_CENT, context=_CTX)
+            net = _CTX.divide(amount, factor)
+            lines.append(f"{format_amount(amount)} × {shown} = {format_amount(gross)}; "
+                         f"{format_amount(amount)} ÷ {shown} = {format_amount(net)}")
+    return lines
+
+
+def _compare_lines(amounts: list[Decimal]) -> list[str]:
+    lines = []
+    for a, b in zip(amounts, amounts[1:]):
+        if a != b:
+            lines.append(f"{format_amount(a)} {'>' if a > b else '<'} {format_amount(b)}")
+    return lines[:MAX_COMPARE]
+
+
+def facts(text: str) -> list[str]:
+    """The fact lines for a state text (possibly none)."""
+    positions = find_dates(text)
+    dates: list[dt.date] = []
+    for _, day in positions:
+        if day not in dates:
+            dates.append(day)
+    dates = dates[:MAX_DATES]
+    amounts = [value for _, value in _amounts(text)]
+    for value in amounts:
+        format_amount(value)  # an amount the arithmetic cannot hold fails here, like every later use would
+    lines = (_date_lines(dates) + _gap_lines(dates) + _relative_lines(_today(text, positions), dates)
+             + _duration_lines(dates, _durations(text)) + _vat_lines(text, amounts) + _compare_lines(amounts))
+    return lines[:MAX_TOTAL]
+
+
+def inject(text: str) -> str:
+    """The state with the facts block appended, or unchanged when there is nothing to add."""
+    lines = facts(text)
+    if not lines:
+        return text
+    return text + "\n\n" + HEADER + "\n" + "\n".join("- " + line for line in lines)
+
+
+def facts_error_text(exc: Exception) -> str:
+    """The message a failure shows: Python's str() of the exception (e.g. `[<class 'decimal.InvalidOperation'>]`)."""
+    return str(exc)
