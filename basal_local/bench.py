@@ -37,7 +37,8 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
-def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention: str = "auto") -> dict[str, Any]:
+def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention: str = "auto",
+                     backend_name: str = "torch") -> dict[str, Any]:
     from basal_local.backends.select import make_backend
 
     from .api.systemone import validate_systemone
@@ -48,7 +49,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     from .telemetry import Telemetry
 
     model = load_model_dir(model_dir)
-    backend = make_backend("torch", device, attention)
+    backend = make_backend(backend_name, device, attention)
     t0 = time.perf_counter()
     info = backend.load(model.path, dtype)
     load_s = time.perf_counter() - t0
@@ -105,7 +106,8 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
         "decisions": len(latencies),
         "single_ms": {"median": round(statistics.median(latencies), 3), "p95": round(_percentile(latencies, .95), 3)},
         "packed_tokens_p50": statistics.median(packed), "throughput": throughput,
-        "memory": backend.memory(), "python": platform.python_version(), "torch": _torch_version(),
+        "memory": backend.memory(), "python": platform.python_version(),
+        **({"mlx": _mlx_version()} if backend.name == "mlx" else {"torch": _torch_version()}),
     }
 
 
@@ -175,6 +177,12 @@ def _torch_version() -> str:
         return "n/a"
 
 
+def _mlx_version() -> str:
+    import mlx.core as mx
+
+    return f"{mx.__version__} ({'metal' if mx.metal.is_available() else 'cpu'})"
+
+
 def bench_http(url: str, clients: int, total: int) -> dict[str, Any]:
     url = url.rstrip("/")
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
@@ -231,7 +239,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from .model.registry import demo_model_dir, resolve_model
 
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
-        result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention)
+        result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
+                                  getattr(args, "backend", "torch"))
         if args.baseline == "transformers":
             base = bench_transformers_baseline(model_dir, args.device, args.dtype, args.repeat)
             result["baseline"] = base

@@ -60,6 +60,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["models"] = args.model
     try:
         settings = Settings.load(overrides, Path(args.config) if args.config else None)
+        from basal_local.backends.select import check_dtype
+
+        check_dtype(settings.backend, settings.device, settings.dtype)
     except (ValueError, OSError) as exc:
         print(f"basal-local: error: {exc}", file=sys.stderr)
         return 2
@@ -167,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--devices", help="one engine replica per device: cuda:0,cuda:1 or all (overrides --device)")
     p.add_argument("--replicas", type=int, help="engine replicas per device (default 1)")
-    p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32"])
+    p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "q8", "q4"],
+                   help="q8/q4: MLX backend only (quantized once, cached in the user cache folder)")
     p.add_argument("--default-model", dest="default_model")
     p.add_argument("--max-inflight", type=int, dest="max_inflight")
     p.add_argument("--config", help="config.toml (default: the user config folder)")
@@ -211,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure latency and throughput")
     p.add_argument("--model", help="model directory (default: the demo model)")
+    p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repeat", type=int, default=1)

@@ -8,10 +8,13 @@ and `max` have the real architectures (BENCHMARKS.md), for speed measurements; `
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from importlib import resources
 from pathlib import Path
+
+import numpy as np
 
 from ..protocol.constants import CHAT_TEMPLATE, LETTERS, PREFILL, TEMPLATES_1_5
 
@@ -116,11 +119,55 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], seed: int, device: str =
     return out
 
 
-def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, name: str | None = None,
-                    device: str = "cpu", evidence_head: bool | None = None) -> Path:
-    """A model directory; `evidence_head` (default: for the test presets tiny/small) adds a random head."""
-    from safetensors.torch import save_file
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as torch's `.to(torch.bfloat16)`."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():  # a NaN stays a (quiet) NaN instead of rounding into the exponent
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
 
+
+def write_numpy_weights(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
+    """Random bf16 weights drawn with NumPy and written as safetensors without torch (Apple Silicon installs).
+
+    The same distributions as the torch path (other draws: a seed gives other weights than with torch).
+    Written one tensor at a time, so the big presets need one tensor of memory, not the model."""
+    rng = np.random.default_rng(seed)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for name, shape in shapes.items():
+            draw = rng.standard_normal(shape, dtype=np.float32)
+            if name.endswith("norm.weight"):
+                draw = 1.0 + 0.1 * draw
+            elif name.endswith(".bias"):
+                draw = 0.05 * draw
+            elif not name.endswith("embed_tokens.weight"):
+                draw = draw / np.float32(math.sqrt(shape[1]))
+            fh.write(bf16_bits(draw).tobytes())
+
+
+def torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, name: str | None = None,
+                    device: str = "cpu", weights: str = "auto", evidence_head: bool | None = None) -> Path:
+    """weights: "torch" (the torch generator, on `device`), "numpy" (no torch needed), or "auto" (torch when
+    it is installed, as before; NumPy on a torch-less install such as Apple Silicon).
+    `evidence_head` (default: for the test presets tiny/small, where torch can write the file) adds a random
+    evidence head."""
     from .config import LlamaConfig
     from .evidence_head import HEAD_FILE, write_random_head
 
@@ -128,8 +175,8 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     out = Path(directory).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    if evidence_head is None:
-        evidence_head = preset in ("tiny", "small")
+    if evidence_head is None:  # the head file is a torch pickle: written only where torch is installed
+        evidence_head = preset in ("tiny", "small") and torch_installed()
     arch = dict(PRESETS[preset])
     tokenizer_json = train_tokenizer()
     n_tokens = len(tokenizer_json["model"]["vocab"])
@@ -157,8 +204,17 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     for filename, content in files.items():
         (out / filename).write_text(json.dumps(content, ensure_ascii=False, indent=1), encoding="utf-8")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    save_file(_random_weights(parsed.weight_shapes(), seed, device), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    if weights == "auto":
+        weights = "torch" if torch_installed() else "numpy"
+    if weights == "numpy":
+        if device != "cpu":
+            raise ValueError("random weights on a GPU need torch; without torch use --device cpu")
+        write_numpy_weights(out / "model.safetensors", parsed.weight_shapes(), seed)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(_random_weights(parsed.weight_shapes(), seed, device), str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
     if evidence_head:
         write_random_head(out / HEAD_FILE, parsed.hidden_size, seed=seed)
     return out

@@ -1,0 +1,276 @@
+"""Llama forward over a packed prefix tree, in MLX (Apple GPU through Metal; CPU with `mlx[cpu]`).
+
+The same model as `backends/torch/llama.py`: Hugging Face names, q/k/v and gate/up fused at load, strict
+load, tree attention with per-token RoPE positions (angles in float64 on the host), f32 attention and
+letter logits, the last layer only at the readout rows. f32 on the CPU, f16 by default on Metal, bf16 and
+the quantized q8/q4 (MLX's own format, group size 64) on request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..base import ModelInfo, PackedBatch
+from .quantize import QUANTIZED, Quantized, quantized_layers
+from .tree_attention import TreeAttention
+
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+
+
+def resolve_device(device: str) -> str:
+    """`cpu`, or `gpu` (Metal); `auto` is Metal when present."""
+    if device == "auto":
+        return "gpu" if mx.metal.is_available() else "cpu"
+    if device in ("gpu", "mps", "metal"):
+        if not mx.metal.is_available():
+            raise ValueError("--device mps needs Metal (an Apple Silicon Mac); use --device cpu")
+        return "gpu"
+    if device == "cpu":
+        return "cpu"
+    raise ValueError(f"the MLX backend runs on cpu or mps (Metal), not {device!r}")
+
+
+class _Layer:
+    __slots__ = ("input_layernorm", "post_attention_layernorm", "qkv_weight", "qkv_bias", "o_proj_weight",
+                 "o_proj_bias", "gate_up_weight", "gate_up_bias", "down_proj_weight", "down_proj_bias")
+
+
+def _linear(x: mx.array, weight: mx.array | Quantized, bias: mx.array | None) -> mx.array:
+    y = weight.matmul(x) if isinstance(weight, Quantized) else x @ weight.T
+    return y if bias is None else y + bias
+
+
+class MLXBackend:
+    """Backend protocol implementation for MLX (see backends/base.py)."""
+
+    name = "mlx"
+
+    def __init__(self, device: str = "auto", attention: str = "auto") -> None:
+        self.mx_device = mx.gpu if resolve_device(device) == "gpu" else mx.cpu
+        self.device = "metal" if self.mx_device == mx.gpu else "cpu"
+        if attention == "auto":
+            # the kernel is packing-invariant by construction; warmup() checks it against the twin first
+            attention = "metal" if self.device == "metal" else "sdpa"
+        if attention not in ("sdpa", "metal"):
+            raise ValueError(f"unknown attention {attention!r} for the MLX backend (sdpa or metal)")
+        if attention == "metal" and self.device != "metal":
+            raise ValueError("the Metal tree-attention kernel needs --device mps")
+        self.attention = attention
+        self.prefix_kv: dict[str, tuple[int, list[tuple[mx.array, mx.array]]]] = {}
+
+    # ---- loading -------------------------------------------------------------------------------------------
+    def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
+        from basal_local.model.config import LlamaConfig
+
+        model_dir = Path(model_dir)
+        cfg = self.config = LlamaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        if dtype == "auto":
+            dtype = "f32" if self.device == "cpu" else "f16"
+        if dtype not in DTYPES and dtype not in QUANTIZED:
+            raise ValueError(f"unknown dtype {dtype!r} for the MLX backend (f32, f16, bf16, q8 or q4)")
+        self.dtype_name = dtype
+        # quantized weights compute in f16 on Metal and f32 on the CPU
+        self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
+        with mx.stream(self.mx_device):
+            weights = mx.load(str(model_dir / "model.safetensors"))
+            quantized = quantized_layers(model_dir / "model.safetensors", weights, cfg, QUANTIZED[dtype],
+                                         self.dtype) if dtype in QUANTIZED else {}
+
+            def take(key: str) -> mx.array:
+                if key not in weights:
+                    raise ValueError(f"model.safetensors: missing tensor {key!r}")
+                return weights.pop(key).astype(self.dtype)
+
+            self.embed_tokens = take("model.embed_tokens.weight")
+            self.norm = take("model.norm.weight")
+            self.lm_head = take("lm_head.weight")  # only its letter rows are used, as f32 dot products
+            self.layers: list[_Layer] = []
+            for i in range(cfg.num_hidden_layers):
+                p = f"model.layers.{i}."
+                layer = _Layer()
+                layer.input_layernorm = take(p + "input_layernorm.weight")
+                layer.post_attention_layernorm = take(p + "post_attention_layernorm.weight")
+                qkv = mx.concatenate([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], axis=0)
+                layer.qkv_bias = (mx.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                                  if cfg.attention_bias else None)
+                o_proj = take(p + "self_attn.o_proj.weight")
+                layer.o_proj_bias = take(p + "self_attn.o_proj.bias") if cfg.attention_bias else None
+                gate_up = mx.concatenate([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], axis=0)
+                layer.gate_up_bias = (mx.concatenate([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                                      if cfg.mlp_bias else None)
+                down = take(p + "mlp.down_proj.weight")
+                layer.down_proj_bias = take(p + "mlp.down_proj.bias") if cfg.mlp_bias else None
+                fused = {"qkv": qkv, "o_proj": o_proj, "gate_up": gate_up, "down_proj": down}
+                for name, dense in fused.items():
+                    setattr(layer, f"{name}_weight", quantized.get(f"{p}{name}", dense))
+                self.layers.append(layer)
+                mx.eval(*self._layer_tensors(layer))  # one layer at a time in memory twice, not the model
+            if weights:
+                raise ValueError(f"model.safetensors: unknown tensor {next(iter(weights))!r}")
+            mx.eval(self.embed_tokens, self.norm, self.lm_head)
+        half = cfg.head_dim // 2
+        self.inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
+        tensors = list(self._tensors())
+        params = sum(t.parameters for t in tensors)
+        return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, dtype, self.device, params,
+                         sum(t.nbytes for t in tensors))
+
+    @staticmethod
+    def _layer_tensors(layer: _Layer) -> list:
+        out = []
+        for name in _Layer.__slots__:
+            t = getattr(layer, name)
+            if isinstance(t, Quantized):
+                out.extend(t.arrays())
+            elif t is not None:
+                out.append(t)
+        return out
+
+    def _tensors(self) -> Iterator:
+        """Every weight, as objects with `nbytes` and `parameters` (quantized ones count their packed size)."""
+        for t in (self.embed_tokens, self.norm, self.lm_head):
+            yield _Sized(t.nbytes, t.size)
+        for layer in self.layers:
+            for name in _Layer.__slots__:
+                t = getattr(layer, name)
+                if isinstance(t, Quantized):
+                    yield _Sized(t.nbytes, t.parameters)
+                elif t is not None:
+                    yield _Sized(t.nbytes, t.size)
+
+    def memory(self) -> dict[str, int]:
+        out = {"weights_bytes": sum(t.nbytes for t in self._tensors())}
+        out["device_allocated_bytes"] = int(mx.get_active_memory())
+        out["device_peak_bytes"] = int(mx.get_peak_memory())
+        return out
+
+    # ---- pieces --------------------------------------------------------------------------------------------
+    def _rope(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
+        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
+        angles = np.concatenate([angles, angles], axis=1)
+        cos = mx.array(np.cos(angles).astype(np.float32))[:, None, :]
+        sin = mx.array(np.sin(angles).astype(np.float32))[:, None, :]
+        return cos, sin  # [T, 1, D]
+
+    @staticmethod
+    def _apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        half = x.shape[-1] // 2
+        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cos + rotated * sin
+
+    def _rms_norm(self, x: mx.array, weight: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _layer(self, i: int, x: mx.array, cos: mx.array, sin: mx.array, prefixes: list, attention,
+               rows: np.ndarray | None = None, capture: list | None = None) -> mx.array:
+        """One decoder layer; with `rows`, only those rows leave the attention (the last layer)."""
+        cfg = self.config
+        layer = self.layers[i]
+        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_dim, kv_dim = n_heads * d, n_kv * d
+        h = self._rms_norm(x, layer.input_layernorm)
+        qkv = _linear(h, layer.qkv_weight, layer.qkv_bias).astype(mx.float32)
+        # attention in f32: q, k, v after RoPE; q/k/v [T, H, D]
+        q = self._apply_rope(qkv[:, :q_dim].reshape(-1, n_heads, d), cos, sin)
+        k = self._apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(-1, n_kv, d), cos, sin)
+        v = qkv[:, q_dim + kv_dim:].reshape(-1, n_kv, d)
+        if capture is not None:
+            capture.append((k, v))
+        keys = mx.concatenate([p[1][i][0] for p in prefixes] + [k], axis=0) if prefixes else k
+        values = mx.concatenate([p[1][i][1] for p in prefixes] + [v], axis=0) if prefixes else v
+        attn = attention(q, keys, values, rows=rows)
+        if rows is not None:
+            x = x[mx.array(rows.astype(np.int32))]
+        x = x + _linear(attn.reshape(-1, q_dim).astype(x.dtype), layer.o_proj_weight, layer.o_proj_bias)
+        h = self._rms_norm(x, layer.post_attention_layernorm)
+        gate_up = _linear(h, layer.gate_up_weight, layer.gate_up_bias)
+        gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
+        return x + _linear(gate * mx.sigmoid(gate) * up, layer.down_proj_weight, layer.down_proj_bias)
+
+    def _letter_logits(self, x: mx.array, letter_ids: np.ndarray) -> np.ndarray:
+        h = self._rms_norm(x, self.norm).astype(mx.float32)
+        letters = self.lm_head[mx.array(letter_ids.astype(np.int32))].astype(mx.float32)
+        logits = np.array(h @ letters.T)  # [R, L]; np.array evaluates the graph
+        if not np.isfinite(logits).all():
+            raise FloatingPointError("non-finite letter logit")
+        return logits
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def forward(self, batch: PackedBatch) -> np.ndarray:
+        # one lazy graph for the whole forward, evaluated once (no sync between layers)
+        *_, logits = self.forward_steps(batch, _sync=False)
+        assert logits is not None
+        return logits
+
+    def forward_steps(self, batch: PackedBatch, _capture: list | None = None,
+                      _sync: bool = True) -> Iterator[np.ndarray | None]:
+        prefixes = [self.prefix_kv[name] for name in batch.prefixes]
+        with mx.stream(self.mx_device):
+            attention = TreeAttention(batch, [p[0] for p in prefixes], self.attention)
+            cos, sin = self._rope(batch.positions)
+            x = self.embed_tokens[mx.array(batch.token_ids.astype(np.int32))]  # [T, H]
+        last = len(self.layers) - 1
+        for i in range(last):
+            with mx.stream(self.mx_device):
+                x = self._layer(i, x, cos, sin, prefixes, attention, capture=_capture)
+            if _sync:
+                mx.eval(x)  # the work of this layer is done at the yield, so a parked long lane frees the device
+                yield None
+        with mx.stream(self.mx_device):
+            x = self._layer(last, x, cos, sin, prefixes, attention, rows=batch.readout_index, capture=_capture)
+            logits = self._letter_logits(x, batch.letter_ids)
+        yield logits
+
+    def add_prefix(self, key: str, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        captured: list[tuple[mx.array, mx.array]] = []
+        for _ in self.forward_steps(_single_prompt(token_ids), _capture=captured):
+            pass
+        mx.eval(*[a for kv in captured for a in kv])
+        self.prefix_kv[key] = (n, captured)
+
+    def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
+        """The hidden states after the final RMSNorm of one prompt (plain causal forward), f32 [T, hidden]."""
+        batch = _single_prompt(list(np.asarray(token_ids).tolist()))
+        with mx.stream(self.mx_device):
+            attention = TreeAttention(batch, [], "sdpa")
+            cos, sin = self._rope(batch.positions)
+            x = self.embed_tokens[mx.array(batch.token_ids.astype(np.int32))]
+            for i in range(len(self.layers)):
+                x = self._layer(i, x, cos, sin, [], attention)
+            return np.array(self._rms_norm(x, self.norm).astype(mx.float32))
+
+    def warmup(self, max_tokens: int = 0) -> None:
+        """On Metal, check the tree-attention kernel against its twin once; fall back to the twin if it fails."""
+        if self.attention == "metal":
+            from .tree_attention import kernel_matches_twin
+
+            ok, why = kernel_matches_twin(self.config.num_attention_heads, self.config.num_key_value_heads,
+                                          self.config.head_dim)
+            if not ok:
+                import logging
+
+                logging.getLogger(__name__).warning("Metal tree-attention kernel not used (%s); using the "
+                                                    "dense-mask twin", why)
+                self.attention = "sdpa"
+
+
+class _Sized:
+    __slots__ = ("nbytes", "parameters")
+
+    def __init__(self, nbytes: int, parameters: int) -> None:
+        self.nbytes, self.parameters = int(nbytes), int(parameters)
+
+
+def _single_prompt(token_ids: list[int]) -> PackedBatch:
+    n = len(token_ids)
+    return PackedBatch(
+        token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
+        token_block=np.zeros(n, dtype=np.int32), block_parent=np.array([-1], dtype=np.int32),
+        block_prefix=np.array([-1], dtype=np.int32), readout_index=np.array([n - 1], dtype=np.int64),
+        letter_ids=np.array([0], dtype=np.int64), prefixes=[])

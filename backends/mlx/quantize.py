@@ -1,0 +1,125 @@
+"""Quantized weights for the MLX backend: `--dtype q8|q4` in MLX's own format (group size 64).
+
+The fused matrices (qkv, o_proj, gate_up, down_proj) are quantized once from the checkpoint and kept in the
+user cache folder (`home_dirs()["cache"]/mlx-quantized`), keyed by the SHA-256 of model.safetensors, so a
+model is converted on its first start only. Nothing is written into the model directory. Embeddings, norms,
+biases and the letter rows of lm_head stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+QUANTIZED = {"q8": 8, "q4": 4}
+GROUP_SIZE = 64
+FUSED = ("qkv", "o_proj", "gate_up", "down_proj")
+log = logging.getLogger(__name__)
+
+
+class Quantized:
+    """One quantized weight matrix [out, in]: packed values, per-group scales and biases."""
+
+    __slots__ = ("weight", "scales", "biases", "bits", "shape")
+
+    def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array, bits: int, shape: tuple[int, int]):
+        self.weight, self.scales, self.biases, self.bits, self.shape = weight, scales, biases, bits, shape
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """x @ W.T for x [T, in]."""
+        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                   group_size=GROUP_SIZE, bits=self.bits)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.weight, self.scales, self.biases]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def parameters(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def cache_dir() -> Path:
+    from basal_local.server.settings import home_dirs
+
+    return home_dirs()["cache"] / "mlx-quantized"
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a weight file, remembered per (path, size, mtime) so a restart does not read it again."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    memo_file = cache_dir() / "hashes.json"
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if key in memo:
+        return memo[key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            digest.update(chunk)
+    memo[key] = digest.hexdigest()
+    memo_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(memo, indent=1))
+    os.replace(tmp, memo_file)
+    return memo[key]
+
+
+def cache_path(weights_path: Path, bits: int) -> Path:
+    return cache_dir() / f"{file_sha256(weights_path)}-q{bits}-g{GROUP_SIZE}.safetensors"
+
+
+def _fused(weights: dict[str, mx.array], prefix: str, name: str) -> mx.array:
+    parts = {"qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"], "o_proj": ["self_attn.o_proj.weight"],
+             "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down_proj": ["mlp.down_proj.weight"]}[name]
+    return mx.concatenate([weights[prefix + p].astype(mx.float32) for p in parts], axis=0)
+
+
+def quantized_layers(weights_path: Path, weights: dict[str, mx.array], config, bits: int,
+                     dtype: mx.Dtype) -> dict[str, Quantized]:
+    """{"model.layers.{i}.{qkv|o_proj|gate_up|down_proj}": Quantized} from the cache, converting on a miss.
+
+    A matrix whose input size is not a multiple of 64 stays dense (absent here)."""
+    path = cache_path(weights_path, bits)
+    if path.exists():
+        stored = mx.load(str(path))
+    else:
+        stored = {}
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}."
+            for name in FUSED:
+                dense = _fused(weights, prefix, name)
+                if dense.shape[1] % GROUP_SIZE:
+                    continue
+                packed, scales, biases = mx.quantize(dense, group_size=GROUP_SIZE, bits=bits)
+                stored.update({f"{prefix}{name}.weight": packed, f"{prefix}{name}.scales": scales,
+                               f"{prefix}{name}.biases": biases})
+                mx.eval(packed, scales, biases)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.safetensors")
+        mx.save_safetensors(str(tmp), stored, metadata={"source_sha256": path.name.split("-")[0],
+                                                        "bits": str(bits), "group_size": str(GROUP_SIZE)})
+        os.replace(tmp, path)
+        log.info("quantized %s to q%d once; cached at %s", weights_path, bits, path)
+    out = {}
+    for i in range(config.num_hidden_layers):
+        for name in FUSED:
+            key = f"model.layers.{i}.{name}"
+            if key + ".weight" in stored:
+                in_features = stored[key + ".scales"].shape[1] * GROUP_SIZE
+                out[key] = Quantized(stored[key + ".weight"], stored[key + ".scales"].astype(dtype),
+                                     stored[key + ".biases"].astype(dtype), bits,
+                                     (stored[key + ".weight"].shape[0], in_features))
+    return out

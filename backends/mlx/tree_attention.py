@@ -1,0 +1,155 @@
+"""Tree attention over a packed batch in MLX: the plain twin everywhere, the Metal kernel on Apple GPUs.
+
+Visibility (ENGINE.md §1): query t of block b sees the cached prefix keys of its row, every key of an ancestor
+block, and the keys of its own block up to itself. The twin evaluates that rule as a dense [T, S] boolean mask
+for `mx.fast.scaled_dot_product_attention`. The kernel (`basal_local.metal_shaders`) reads the same rule as a
+short list of key ranges per block, in prompt-position order, so it visits only visible keys.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+from ..base import PackedBatch, ancestor_matrix
+
+log = logging.getLogger(__name__)
+
+
+def block_key_ranges(batch: PackedBatch, prefix_lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the key ranges a query of it may see, in prompt-position order.
+
+    ranges [B, R, 3] int32: (first key, end key, prompt position of the first key) into the key array
+    [prefix 0 keys, prefix 1 keys, ..., batch tokens]; n_ranges [B]. The own block is the last range
+    (the kernel stops it at the query itself).
+    """
+    parent = batch.block_parent
+    n_blocks = len(parent)
+    n = batch.num_tokens
+    start = np.searchsorted(batch.token_block, np.arange(n_blocks)).astype(np.int64)
+    end = np.append(start[1:], n)
+    offsets = np.concatenate([[0], np.cumsum(prefix_lengths)]).astype(np.int64)
+    total_prefix = int(offsets[-1])
+    chains: list[list[tuple[int, int, int]]] = []
+    for b in range(n_blocks):
+        own = (total_prefix + int(start[b]), total_prefix + int(end[b]), int(batch.positions[start[b]]))
+        if parent[b] >= 0:
+            chains.append(chains[parent[b]] + [own])
+        else:
+            j = int(batch.block_prefix[b])
+            head = [(int(offsets[j]), int(offsets[j + 1]), 0)] if j >= 0 and prefix_lengths[j] > 0 else []
+            chains.append(head + [own])
+    width = max(len(c) for c in chains)
+    ranges = np.zeros((n_blocks, width, 3), dtype=np.int32)
+    for b, chain in enumerate(chains):
+        ranges[b, : len(chain)] = chain
+    return ranges, np.array([len(c) for c in chains], dtype=np.int32)
+
+
+class TreeAttention:
+    """Built once per forward; called per layer with f32 q [T, Hq, D], keys/values [S, Hkv, D] -> [T', Hq, D].
+
+    impl "sdpa" is the twin; "metal" the kernel (Apple GPU only)."""
+
+    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], impl: str = "sdpa") -> None:
+        n_blocks = len(batch.block_parent)
+        ext = np.zeros((n_blocks, n_blocks + len(prefix_lengths)), dtype=bool)
+        ext[:, :n_blocks] = ancestor_matrix(batch.block_parent)
+        for j in range(len(prefix_lengths)):
+            ext[:, n_blocks + j] = batch.block_prefix == j
+        prefix_blocks = [np.full(n, n_blocks + j, dtype=np.int32) for j, n in enumerate(prefix_lengths)]
+        total_prefix = sum(prefix_lengths)
+        n = batch.num_tokens
+        self.impl = impl
+        self.num_queries = n
+        self.total_prefix = total_prefix
+        self.ext = mx.array(ext)
+        self.q_block = batch.token_block.astype(np.int32)
+        self.k_block = mx.array(np.concatenate(prefix_blocks + [batch.token_block.astype(np.int32)]))
+        self.k_order = mx.array(np.concatenate([np.full(total_prefix, -1, dtype=np.int32),
+                                                np.arange(n, dtype=np.int32)]))
+        self.positions = batch.positions.astype(np.int32)
+        self._dense: mx.array | None = None
+        self._ranges = block_key_ranges(batch, prefix_lengths) if impl == "metal" else None
+
+    def dense_mask(self, rows: np.ndarray | None = None) -> mx.array:
+        """The [T, S] (or [len(rows), S]) boolean mask of the twin."""
+        if rows is None and self._dense is not None:
+            return self._dense
+        queries = np.arange(self.num_queries, dtype=np.int32) if rows is None else rows.astype(np.int32)
+        q_block = mx.array(self.q_block[queries])
+        mask = self.ext[q_block][:, self.k_block] & (self.k_order[None, :] <= mx.array(queries)[:, None])
+        if rows is None:
+            self._dense = mask
+        return mask
+
+    def __call__(self, q: mx.array, keys: mx.array, values: mx.array, rows: np.ndarray | None = None) -> mx.array:
+        if rows is not None:
+            q = q[mx.array(rows.astype(np.int32))]
+        if self.impl == "metal":
+            from basal_local.metal_shaders import tree_attention_metal
+
+            queries = np.arange(self.num_queries, dtype=np.int32) if rows is None else rows.astype(np.int32)
+            ranges, n_ranges = self._ranges
+            return tree_attention_metal(q, keys, values, self.q_block[queries], self.total_prefix + queries,
+                                        self.positions[queries], ranges, n_ranges)
+        return sdpa_twin(q, keys, values, self.dense_mask(rows))
+
+
+def sdpa_twin(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
+    """Dense-mask attention: q [T, Hq, D], keys/values [S, Hkv, D] (GQA native), mask [T, S] -> [T, Hq, D]."""
+    scale = 1.0 / float(np.sqrt(q.shape[-1]))
+    out = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None],
+                                               values.transpose(1, 0, 2)[None], scale=scale, mask=mask[None, None])
+    return out[0].transpose(1, 0, 2)
+
+
+def random_tree_batch(rng: np.random.Generator, prefix_lengths: list[int], n_roots: int = 3,
+                      children: int = 2) -> PackedBatch:
+    """A small packed batch of random blocks (roots continuing the given prefixes, one level of children)."""
+    parents, prefix_of, lengths = [], [], []
+    for r in range(n_roots):
+        root = len(parents)
+        parents.append(-1)
+        prefix = r % len(prefix_lengths) if prefix_lengths else -1
+        prefix_of.append(prefix)
+        lengths.append(int(rng.integers(3, 40)))
+        for _ in range(children):
+            parents.append(root)
+            prefix_of.append(prefix)  # every block of a row continues the row's prefix
+            lengths.append(int(rng.integers(1, 40)))
+    token_block = np.concatenate([np.full(n, b, dtype=np.int32) for b, n in enumerate(lengths)])
+    positions = []
+    for b, n in enumerate(lengths):
+        if parents[b] >= 0:
+            first = int(positions[parents[b]][-1]) + 1
+        else:
+            first = prefix_lengths[prefix_of[b]] if prefix_of[b] >= 0 else 0
+        positions.append(np.arange(first, first + n, dtype=np.int64))
+    n_tokens = len(token_block)
+    return PackedBatch(token_ids=np.zeros(n_tokens, dtype=np.int64), positions=np.concatenate(positions),
+                       token_block=token_block, block_parent=np.array(parents, dtype=np.int32),
+                       block_prefix=np.array(prefix_of, dtype=np.int32),
+                       readout_index=np.array([n_tokens - 1], dtype=np.int64), letter_ids=np.array([0]),
+                       prefixes=[f"p{j}" for j in range(len(prefix_lengths))])
+
+
+def kernel_matches_twin(n_heads: int, n_kv: int, head_dim: int, tolerance: float = 1e-4) -> tuple[bool, str]:
+    """Run the Metal kernel and the twin on one random tree; (agree, why not)."""
+    rng = np.random.default_rng(0)
+    prefix_lengths = [37, 21]
+    batch = random_tree_batch(rng, prefix_lengths)
+    s = sum(prefix_lengths) + batch.num_tokens
+    q = mx.array(rng.standard_normal((batch.num_tokens, n_heads, head_dim)).astype(np.float32))
+    k = mx.array(rng.standard_normal((s, n_kv, head_dim)).astype(np.float32))
+    v = mx.array(rng.standard_normal((s, n_kv, head_dim)).astype(np.float32))
+    try:
+        with mx.stream(mx.gpu):
+            kernel = np.array(TreeAttention(batch, prefix_lengths, "metal")(q, k, v))
+            twin = np.array(TreeAttention(batch, prefix_lengths, "sdpa")(q, k, v))
+    except Exception as exc:  # a compiler failure must not fail requests; the twin is exact
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    diff = float(np.abs(kernel - twin).max())
+    return diff <= tolerance, f"max |kernel - twin| = {diff:.3g}"
