@@ -54,6 +54,7 @@ class FastPath:
         self.prefix_rows: dict[str, tuple[int, int]] = {}
         self.prefix_k: list[torch.Tensor] = []
         self.prefix_v: list[torch.Tensor] = []
+        self.set_prefixes({})
         cfg = backend.config
         half = cfg.head_dim // 2
         angles = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * backend.inv_freq[None, :half]
