@@ -16,11 +16,6 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has kernels; then
   timeout 240 python3 tools/kernel_bench.py "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" | tail -40
 fi
-if has tests; then
-  rm -rf /tmp/t && cp -r tests /tmp/t
-  (cd /tmp && timeout 300 python3 -m pytest -q -s -x -p no:cacheprovider t/test_cuda.py 2>&1 | grep -v "it/s" > "$OUT/cuda_tests.txt")
-  grep -E "passed|failed|error|vs|invariance|Error|assert" "$OUT/cuda_tests.txt" | tail -30
-fi
 if has bench || has compiled || has gemm-triton || has profile; then
   t0=$(date +%s)
   [ -d /tmp/m-$PRESET ] || (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-$PRESET --preset $PRESET --device cuda) || exit 1
@@ -34,8 +29,13 @@ run_bench() {  # name, extra args...
 }
 has bench && run_bench tree --baseline ${BASELINE:-transformers} --invariance ${INVARIANCE:-8} ${LONG:---long-doc}
 has gemm-triton && BASAL_LOCAL_GEMM=triton run_bench tree-triton-gemm --invariance ${INVARIANCE:-8} ${LONG:---long-doc}
-has compiled && run_bench compiled --baseline transformers-compiled
+has compiled && BENCH_TIMEOUT=${COMPILED_TIMEOUT:-400} run_bench compiled --baseline transformers-compiled
 has profile && timeout 200 python3 tools/profile_forward.py /tmp/m-$PRESET "$OUT/profile.txt"
+if has tests; then
+  rm -rf /tmp/t && cp -r tests /tmp/t
+  (cd /tmp && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -s -x -p no:cacheprovider t/test_cuda.py 2>&1 | grep -v "it/s" > "$OUT/cuda_tests.txt")
+  grep -E "passed|failed|error|vs|invariance|Error|assert" "$OUT/cuda_tests.txt" | tail -30
+fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
