@@ -165,6 +165,17 @@ def bench_transformers_baseline(model_dir, device: str, dtype: str, repeat: int)
             "throughput": {"batch32": {"decisions_per_s": round(n / (time.perf_counter() - t), 2)}}}
 
 
+def _save_partial(result: dict[str, Any]) -> None:
+    """With BASAL_BENCH_PARTIAL=FILE, the figures so far are written there after each stage (a run cut off by
+    a time limit keeps them)."""
+    import os
+
+    path = os.environ.get("BASAL_BENCH_PARTIAL")
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+
+
 def _cuda_memory_now() -> dict[str, float]:
     import torch
 
@@ -239,18 +250,21 @@ def run_bench(args: argparse.Namespace) -> int:
 
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention)
+        _save_partial(result)
         if result["device"].startswith("cuda"):
             result["memory_after_bench"] = _cuda_memory_now()
         if getattr(args, "long_doc", False) or getattr(args, "invariance", 0):
             result["extras"] = bench_extras(model_dir, args.device, args.dtype, args.attention,
                                             long_doc=getattr(args, "long_doc", False),
                                             invariance=getattr(args, "invariance", 0), repeat=args.repeat)
+            _save_partial(result)
         if args.baseline in ("transformers-compiled", "both"):
             try:
                 comp = bench_transformers_compiled(model_dir, args.device, args.dtype, args.repeat)
             except Exception as exc:  # a compiler failure is a figure we could not take, not a crash
                 comp = {"mode": "transformers-compiled", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             result["baseline_compiled"] = comp
+            _save_partial(result)
             if "single_ms" in comp:
                 result["speedup_single_median_vs_compiled"] = round(
                     comp["single_ms"]["median"] / result["single_ms"]["median"], 2)
@@ -397,9 +411,10 @@ def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", lo
     return out
 
 
-def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int,
-                                width_step: int = 128) -> dict[str, Any]:
-    """transformers under torch.compile(mode="reduce-overhead") (CUDA graphs), padded to fixed widths."""
+def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int) -> dict[str, Any]:
+    """transformers under torch.compile(mode="reduce-overhead") (CUDA graphs) with fixed shapes: every prompt
+    padded to the sample set's longest (rounded up to 64), so one compile serves the single decisions (2 rows)
+    and one the batches of 32 (64 rows)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -411,13 +426,15 @@ def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int,
     torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
                    "auto": torch.bfloat16}[dtype]
     hf = LlamaForCausalLM.from_pretrained(model.path, dtype=torch_dtype, attn_implementation="sdpa").to("cuda").eval()
-    forward = torch.compile(hf.forward, mode="reduce-overhead")
+    forward = torch.compile(hf.forward, mode="reduce-overhead", dynamic=False)
     plans = [plan_request(validate_systemone(r, model.name), model.tokenizer, 10**9)
              for r in single_question_requests(model.name)]
+    longest = max(len(ids) for p in plans for qp in p.questions for ids in qp.token_ids)
+    fixed_width = -(-longest // 64) * 64
 
     def run(group) -> None:
         prompts = [(ids, qp.letter_ids) for p in group for qp in p.questions for ids in qp.token_ids]
-        width = -(-max(len(ids) for ids, _ in prompts) // width_step) * width_step
+        width = fixed_width
         tokens = torch.zeros((len(prompts), width), dtype=torch.long)
         mask = torch.zeros_like(tokens)
         for i, (ids, _) in enumerate(prompts):
@@ -432,12 +449,11 @@ def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int,
         torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    for p in plans:  # compile and record every width once (not timed)
-        run([p])
     size = 32
     groups = [plans[i:i + size] for i in range(0, len(plans) - size + 1, size)]
-    for g in groups:
-        run(g)
+    for _ in range(3):  # compile and record both shapes (not timed)
+        run(plans[:1])
+        run(groups[0])
     compile_s = time.perf_counter() - t0
     latencies = []
     for _ in range(repeat):
@@ -452,7 +468,7 @@ def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int,
             run(g)
             n += size
     return {"mode": "transformers-compiled", "dtype": str(torch_dtype).replace("torch.", ""), "device": "cuda",
-            "compile_s": round(compile_s, 1), "width_step": width_step,
+            "compile_s": round(compile_s, 1), "padded_width": fixed_width,
             "single_ms": {"median": round(statistics.median(latencies), 3),
                           "p95": round(_percentile(latencies, .95), 3)},
             "throughput": {"batch32": {"decisions_per_s": round(n / (time.perf_counter() - t), 2)}}}

@@ -2,7 +2,8 @@
 # Issue 9 in one device call: kernels vs twins and timings (tools/kernel_bench.py), the CUDA tests, then the
 # 4.5B bench with the figures of the issue's table. Results land in $OUT; a short table prints last.
 # Here: rm -rf .whl && .venv/bin/pip wheel -q --no-deps -w .whl . platformdirs   (then carry .whl)
-# STAGES (default "kernels tests bench"): any of kernels, tests, bench, compiled, gemm-triton, profile.
+# STAGES (default "kernels tests bench"): any of kernels, tests, bench, final (ours + extras + both transformers
+# baselines in one JSON), compiled, gemm-triton, profile.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,21 +17,22 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has kernels; then
   timeout 240 python3 tools/kernel_bench.py "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" | tail -40
 fi
-if has bench || has compiled || has gemm-triton || has profile; then
+if has bench || has final || has compiled || has gemm-triton || has profile; then
   t0=$(date +%s)
   [ -d /tmp/m-$PRESET ] || (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-$PRESET --preset $PRESET --device cuda) || exit 1
   echo "make-test-model $PRESET: $(( $(date +%s) - t0 )) s"
 fi
 run_bench() {  # name, extra args...
   local name=$1; shift
-  (cd /tmp && timeout ${BENCH_TIMEOUT:-400} python3 -m basal_local.cli bench --model /tmp/m-$PRESET --device cuda \
+  (cd /tmp && BASAL_BENCH_PARTIAL="$OUT/partial-$name.json" timeout ${BENCH_TIMEOUT:-400} python3 -m basal_local.cli bench --model /tmp/m-$PRESET --device cuda \
      --repeat 2 --json "$@" > "$OUT/bench-$PRESET-$name.json" 2> "$OUT/bench-$PRESET-$name.err")
   tail -3 "$OUT/bench-$PRESET-$name.err"; cat "$OUT/bench-$PRESET-$name.json"; echo
 }
 has bench && run_bench tree --baseline ${BASELINE:-transformers} --invariance ${INVARIANCE:-8} ${LONG:---long-doc}
 has gemm-triton && BASAL_LOCAL_GEMM=triton run_bench tree-triton-gemm --invariance ${INVARIANCE:-8} ${LONG:---long-doc}
+has final && run_bench final --baseline both --invariance ${INVARIANCE:-8} --long-doc
 has compiled && BENCH_TIMEOUT=${COMPILED_TIMEOUT:-400} run_bench compiled --baseline transformers-compiled
-has profile && timeout 200 python3 tools/profile_forward.py /tmp/m-$PRESET "$OUT/profile.txt"
+has profile && timeout ${PROFILE_TIMEOUT:-200} python3 tools/profile_forward.py /tmp/m-$PRESET "$OUT/profile.txt"
 if has tests; then
   rm -rf /tmp/t && cp -r tests /tmp/t
   (cd /tmp && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -s -x -p no:cacheprovider t/test_cuda.py 2>&1 | grep -v "it/s" > "$OUT/cuda_tests.txt")
@@ -38,11 +40,12 @@ if has tests; then
 fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
-for f in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
+for f in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")) + sorted(pathlib.Path(sys.argv[1]).glob("partial-*.json")):
     try:
         r = json.loads(f.read_text())
     except Exception:
         print(f.name, "no JSON"); continue
+    if "single_ms" not in r: continue
     b = r.get("baseline", {}); c = r.get("baseline_compiled", {}); x = r.get("extras", {})
     print(f"{f.name}: single {r['single_ms']['median']} ms (p95 {r['single_ms']['p95']}), "
           f"batch32 {r['throughput']['batch32']['decisions_per_s']} dec/s, batch16 {r['throughput']['batch16']['decisions_per_s']}, "

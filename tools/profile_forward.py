@@ -17,8 +17,8 @@ from basal_local.engine.packer import PromptSpec, pack_prompts
 from basal_local.model import load_model_dir
 from basal_local.protocol.render import render_question
 
-FAMILIES = (("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "ampere", "cublas")),
-            ("attention", ("attn", "fmha", "flash", "attention")),
+FAMILIES = (("attention", ("attn", "fmha", "flash", "attention")),
+            ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "ampere", "cublas")),
             ("copy/cast", ("copy", "cat", "to_copy", "convert", "CatArray")),
             ("norm/rope/swiglu/elementwise", ("rms", "rope", "silu", "elementwise", "vectorized", "mul", "add",
                                               "reduce", "pow", "mean", "rsqrt", "letter")),
