@@ -167,6 +167,24 @@ def bench_transformers_baseline(model_dir, device: str, dtype: str, repeat: int)
             "throughput": {"batch32": {"decisions_per_s": round(n / (time.perf_counter() - t), 2)}}}
 
 
+def _save_partial(result: dict[str, Any]) -> None:
+    """With BASAL_BENCH_PARTIAL=FILE, the figures so far are written there after each stage (a run cut off by
+    a time limit keeps them)."""
+    import os
+
+    path = os.environ.get("BASAL_BENCH_PARTIAL")
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+
+
+def _cuda_memory_now() -> dict[str, float]:
+    import torch
+
+    return {"peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
+            "allocated_gb": round(torch.cuda.memory_allocated() / 1e9, 3)}
+
+
 def _torch_version() -> str:
     try:
         import torch
@@ -241,7 +259,28 @@ def run_bench(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
                                   getattr(args, "backend", "torch"))
-        if args.baseline == "transformers":
+        _save_partial(result)
+        if result["device"].startswith("cuda"):
+            result["memory_after_bench"] = _cuda_memory_now()
+        if getattr(args, "long_doc", False) or getattr(args, "invariance", 0):
+            result["extras"] = bench_extras(model_dir, args.device, args.dtype, args.attention,
+                                            long_doc=getattr(args, "long_doc", False),
+                                            invariance=getattr(args, "invariance", 0), repeat=args.repeat)
+            _save_partial(result)
+        if args.baseline in ("transformers-compiled", "both"):
+            try:
+                comp = bench_transformers_compiled(model_dir, args.device, args.dtype, args.repeat)
+            except Exception as exc:  # a compiler failure is a figure we could not take, not a crash
+                comp = {"mode": "transformers-compiled", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            result["baseline_compiled"] = comp
+            _save_partial(result)
+            if "single_ms" in comp:
+                result["speedup_single_median_vs_compiled"] = round(
+                    comp["single_ms"]["median"] / result["single_ms"]["median"], 2)
+                result["speedup_batch32_vs_compiled"] = round(
+                    result["throughput"]["batch32"]["decisions_per_s"]
+                    / comp["throughput"]["batch32"]["decisions_per_s"], 2)
+        if args.baseline in ("transformers", "both"):
             base = bench_transformers_baseline(model_dir, args.device, args.dtype, args.repeat)
             result["baseline"] = base
             result["speedup_single_median"] = round(base["single_ms"]["median"] / result["single_ms"]["median"], 2)
@@ -253,3 +292,192 @@ def run_bench(args: argparse.Namespace) -> int:
         for key, value in result.items():
             print(f"{key:>20}: {value}")
     return 0
+
+
+# ---- issue 9 figures: long documents, batch invariance, the compiled transformers baseline ------------------
+LONG_DOC_QUESTIONS = {
+    "party": {"type": "choice", "instructions": "Which party bears the cost of the annual audit?",
+              "criteria": {"supplier": "The Supplier", "customer": "The Customer", "shared": "Both, in equal shares",
+                           "none": "The contract does not say"}},
+    "renewal": {"type": "noul", "instructions": "Does the contract renew automatically at the end of the term?",
+                "criteria": {"true": "Yes, it renews automatically", "false": "No, it needs a written renewal"}},
+    "risk": {"type": "score", "instructions": "How risky is this contract for the Customer?",
+             "criteria": ["very low", "low", "moderate", "high", "very high"]},
+    "law": {"type": "choice", "instructions": "Which law governs the contract?",
+            "criteria": {"pl": "Polish law", "en": "English law", "de": "German law", "other": "Another law"}},
+    "penalty": {"type": "noul", "instructions": "Is there a contractual penalty for late delivery?"},
+}
+
+
+def long_document(tokenizer, target_tokens: int) -> str:
+    """A deterministic synthetic contract of about `target_tokens` tokens (numbered clauses from the corpus)."""
+    corpus = resources.files("basal_local.assets").joinpath("corpus_en.txt").read_text(encoding="utf-8")
+    sentences = [s.strip() for s in corpus.replace("\n", " ").split(". ") if len(s.strip()) > 20]
+    parts = ["FRAMEWORK SERVICES AGREEMENT between Northwind Analytics (the Supplier) and Contoso Retail "
+             "(the Customer)."]
+    clause = 0
+    step = 40
+    while True:
+        for _ in range(step):
+            clause += 1
+            s = sentences[(clause * 7) % len(sentences)]
+            parts.append(f"§{clause}. Clause {clause} ({['scope', 'fees', 'audit', 'term', 'liability'][clause % 5]})"
+                         f": {s}.")
+        text = "\n".join(parts)
+        n = len(tokenizer.encode(text))
+        if n >= target_tokens:
+            return text
+        step = max(1, min(40, int((target_tokens - n) / max(1, n / clause))))
+
+
+def _cuda_memory(backend) -> dict[str, float]:
+    if not backend.device.startswith("cuda"):
+        return {}
+    import torch
+
+    weights = backend.memory().get("weights_bytes", 0)
+    out = {"peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
+           "peak_minus_weights_gb": round((torch.cuda.max_memory_allocated() - weights) / 1e9, 3),
+           "allocated_gb": round(torch.cuda.memory_allocated() / 1e9, 3),
+           "reserved_gb": round(torch.cuda.memory_reserved() / 1e9, 3)}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", long_doc: bool = False,
+                 invariance: int = 0, repeat: int = 1) -> dict[str, Any]:
+    """The long-document figures and the alone-vs-amid-31-others bitwise check, in-process."""
+    import random
+
+    import numpy as np
+
+    from basal_local.backends.select import make_backend
+
+    from .api.systemone import validate_systemone
+    from .engine.engine import EngineSettings, ModelEngine
+    from .engine.gate import DeviceGate
+    from .engine.packer import pack_prompts
+    from .model.directory import load_model_dir
+    from .telemetry import Telemetry
+
+    model = load_model_dir(model_dir)
+    backend = make_backend("torch", device, attention)
+    backend.load(model.path, dtype)
+    engine = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    out: dict[str, Any] = {"attention": getattr(backend, "attention", ""), "memory_after_load": _cuda_memory(backend)}
+
+    def sync():
+        if backend.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
+    def logits_of(reqs):
+        plans = [engine.plan(r) for r in reqs]
+        specs = [s for p in plans for s in p.prompt_specs()]
+        pack = pack_prompts(specs, engine.prefixes)
+        outputs = [backend.forward(b) for b in pack.batches]
+        sync()
+        return [outputs[b][r, cols] for b, r, cols in pack.readouts], pack
+
+    if invariance:
+        requests = [validate_systemone(r, model.name) for r in single_question_requests(model.name)]
+        rng = random.Random(0)
+        bitwise, worst = 0, 0.0
+        for _ in range(invariance):
+            target = rng.choice(requests)
+            alone, _ = logits_of([target])
+            others = rng.sample([r for r in requests if r is not target], 31)
+            position = rng.randint(0, 31)
+            mixed, _ = logits_of(others[:position] + [target] + others[position:])
+            n_before = sum(len(engine.plan(r).prompt_specs()) for r in others[:position])
+            mine = mixed[n_before:n_before + len(alone)]
+            worst = max(worst, max(float(np.abs(a - b).max()) for a, b in zip(alone, mine)))
+            bitwise += all(np.array_equal(a, b) for a, b in zip(alone, mine))
+        out["invariance_alone_vs_amid_31"] = {"trials": invariance, "bitwise_equal": bitwise,
+                                              "max_abs_dlogit": worst}
+        out["memory_after_invariance"] = _cuda_memory(backend)
+    if long_doc:
+        for target in (4200, 16500):
+            text = long_document(model.tokenizer, target)
+            request = validate_systemone({"model": model.name, "state": text, "questions": LONG_DOC_QUESTIONS},
+                                         model.name)
+            times = []
+            for _ in range(max(1, repeat)):
+                t = time.perf_counter()
+                _, pack = logits_of([request])
+                times.append(time.perf_counter() - t)
+            out[f"long_doc_{target}"] = {"state_tokens": len(model.tokenizer.encode(text)),
+                                         "packed_tokens": pack.packed_tokens, "forwards": len(pack.batches),
+                                         "seconds": [round(x, 3) for x in times],
+                                         "memory": _cuda_memory(backend)}
+            if backend.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.empty_cache()
+                out[f"long_doc_{target}"]["allocated_after_empty_cache_gb"] = round(
+                    torch.cuda.memory_allocated() / 1e9, 3)
+    return out
+
+
+def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int) -> dict[str, Any]:
+    """transformers under torch.compile(mode="reduce-overhead") (CUDA graphs) with fixed shapes: every prompt
+    padded to the sample set's longest (rounded up to 64), so one compile serves the single decisions (2 rows)
+    and one the batches of 32 (64 rows)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from .api.systemone import validate_systemone
+    from .engine.plan import plan_request
+    from .model.directory import load_model_dir
+
+    model = load_model_dir(model_dir)
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+                   "auto": torch.bfloat16}[dtype]
+    hf = LlamaForCausalLM.from_pretrained(model.path, dtype=torch_dtype, attn_implementation="sdpa").to("cuda").eval()
+    forward = torch.compile(hf.forward, mode="reduce-overhead", dynamic=False)
+    plans = [plan_request(validate_systemone(r, model.name), model.tokenizer, 10**9)
+             for r in single_question_requests(model.name)]
+    longest = max(len(ids) for p in plans for qp in p.questions for ids in qp.token_ids)
+    fixed_width = -(-longest // 64) * 64
+
+    def run(group) -> None:
+        prompts = [(ids, qp.letter_ids) for p in group for qp in p.questions for ids in qp.token_ids]
+        width = fixed_width
+        tokens = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(tokens)
+        for i, (ids, _) in enumerate(prompts):
+            tokens[i, : len(ids)] = torch.tensor(ids)
+            mask[i, : len(ids)] = 1
+        with torch.inference_mode():
+            logits = forward(input_ids=tokens.cuda(), attention_mask=mask.cuda()).logits
+            rows = torch.tensor([len(ids) - 1 for ids, _ in prompts], device="cuda")
+            last = logits[torch.arange(len(prompts), device="cuda"), rows].float()
+            for i, (_, letters) in enumerate(prompts):
+                last[i, letters].cpu()
+        torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    size = 32
+    groups = [plans[i:i + size] for i in range(0, len(plans) - size + 1, size)]
+    for _ in range(3):  # compile and record both shapes (not timed)
+        run(plans[:1])
+        run(groups[0])
+    compile_s = time.perf_counter() - t0
+    latencies = []
+    for _ in range(repeat):
+        for p in plans:
+            t = time.perf_counter()
+            run([p])
+            latencies.append((time.perf_counter() - t) * 1000.0)
+    t = time.perf_counter()
+    n = 0
+    for _ in range(repeat):
+        for g in groups:
+            run(g)
+            n += size
+    return {"mode": "transformers-compiled", "dtype": str(torch_dtype).replace("torch.", ""), "device": "cuda",
+            "compile_s": round(compile_s, 1), "padded_width": fixed_width,
+            "single_ms": {"median": round(statistics.median(latencies), 3),
+                          "p95": round(_percentile(latencies, .95), 3)},
+            "throughput": {"batch32": {"decisions_per_s": round(n / (time.perf_counter() - t), 2)}}}

@@ -223,10 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=1)
     p.add_argument("--requests", type=int, default=0, help="HTTP requests to send (default: the sample set)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
-                   help="tree attention: the dense-mask SDPA twin (default) or the FlexAttention kernel")
-    p.add_argument("--baseline", choices=["none", "transformers"], default="none",
-                   help="also time Hugging Face transformers on the same decisions (side by side)")
+    p.add_argument("--attention", choices=["auto", "tree", "sdpa", "flex"], default="auto",
+                   help="tree attention: the Triton kernel (CUDA default), the dense-mask SDPA twin (CPU default) "
+                        "or the FlexAttention kernel")
+    p.add_argument("--baseline", choices=["none", "transformers", "transformers-compiled", "both"], default="none",
+                   help="also time Hugging Face transformers on the same decisions (side by side): eager, "
+                        "under torch.compile(mode='reduce-overhead'), or both")
+    p.add_argument("--long-doc", action="store_true", dest="long_doc",
+                   help="also time a synthetic ~4.2k- and ~16.5k-token contract with 5 questions")
+    p.add_argument("--invariance", type=int, default=0, metavar="N",
+                   help="also check N times that a request alone and amid 31 others gets bitwise equal logits")
     p.set_defaults(func=cmd_bench)
     return parser
 

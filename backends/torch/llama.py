@@ -2,8 +2,9 @@
 
 Attribute names follow the Hugging Face checkpoint; loading fuses q/k/v and gate/up once. Tree attention
 here is the plain twin: SDPA with a dense boolean mask built from the block tree, which is exactly
-equivalent to one causal forward per prompt. The last layer runs o_proj, MLP, final norm and the letter
-logits only at the readout rows.
+equivalent to one causal forward per prompt. `attention="tree"` (the CUDA default where Triton exists) runs
+the whole forward through `fast.FastPath`: the Triton tree-attention kernel and fused kernels. The last
+layer runs o_proj, MLP, final norm and the letter logits only at the readout rows.
 """
 
 from __future__ import annotations
@@ -42,20 +43,24 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, device: str = "auto", attention: str = "auto", cuda_graphs: bool = True) -> None:
+    def __init__(self, device: str = "auto", attention: str = "auto", cuda_graphs: bool = True,
+                 gemm: str = "auto") -> None:
         self.device = resolve_device(device)
+        self.gemm = gemm
+        self.fast = None  # the FastPath of attention "tree", made at load
         # one CUDA graph per bucket replays layers 0..L-2 with a single launch; the last layer runs eagerly
         self.cuda_graphs = cuda_graphs and self.device.startswith("cuda")
         self._graphs: dict[tuple, tuple] = {}
         self._graph_pool = None
         if attention == "auto":
-            # measured on an H200 (docs/PERFORMANCE.md): the f32 FlexAttention kernel is still slower than the
-            # fused SDPA twin, so the twin is the default until a faster tree kernel lands
-            attention = "sdpa"
+            # CUDA: the Triton tree kernel and fused path (docs/PERFORMANCE.md); CPU: the f32 reference twin
+            from basal_local.cuda_kernels import triton_available
+
+            attention = "tree" if self.device.startswith("cuda") and triton_available() else "sdpa"
         if attention == "flex" and not flex_available():
             raise ValueError("attention 'flex' needs a torch with FlexAttention")
-        if attention not in ("sdpa", "flex"):
-            raise ValueError(f"unknown attention {attention!r} (sdpa or flex)")
+        if attention not in ("sdpa", "flex", "tree"):
+            raise ValueError(f"unknown attention {attention!r} (tree, sdpa or flex)")
         self.attention = attention
         self.prefix_kv: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
@@ -105,6 +110,10 @@ class TorchBackend:
         half = cfg.head_dim // 2
         self.inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
         params = sum(t.numel() for t in self._tensors())
+        if self.attention == "tree":
+            from .fast import FastPath
+
+            self.fast = FastPath(self, use_triton=self.device.startswith("cuda"), gemm=self.gemm)
         return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, dtype, self.device, params,
                          sum(t.numel() * t.element_size() for t in self._tensors()))
 
@@ -184,6 +193,9 @@ class TorchBackend:
         return logits.cpu().numpy()
 
     def forward(self, batch: PackedBatch) -> np.ndarray:
+        if self.fast is not None:
+            with torch.inference_mode():
+                return self.fast.forward(batch)
         attention = None
         if self.cuda_graphs and self.attention == "sdpa" and batch.num_tokens <= GRAPH_BUCKETS[-1]:
             # small forwards are launch-bound: graphs; bigger ones that split into independent subtree
@@ -201,6 +213,9 @@ class TorchBackend:
     @torch.inference_mode()
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None,
                       _attention: TreeAttention | None = None) -> Iterator[np.ndarray | None]:
+        if self.fast is not None:
+            yield from self.fast.forward_steps(batch, capture=_capture)
+            return
         prefixes = [self.prefix_kv[name] for name in batch.prefixes]
         attention = _attention or TreeAttention(batch, [p[0] for p in prefixes], self.device, self.attention)
         cos, sin = self._rope(batch.positions)
@@ -267,6 +282,10 @@ class TorchBackend:
     @torch.inference_mode()
     def warmup(self, max_tokens: int = GRAPH_BUCKETS[-1]) -> None:
         """Capture the CUDA graphs of every bucket up to `max_tokens` now, not on the first request."""
+        if self.fast is not None:
+            if self.cuda_graphs:
+                self.fast.warmup(max_tokens)
+            return
         if self.cuda_graphs and self.attention == "sdpa":
             for size in GRAPH_BUCKETS:
                 if size <= max(max_tokens, GRAPH_BUCKETS[0]):
@@ -300,6 +319,8 @@ class TorchBackend:
         for _ in self.forward_steps(batch, _capture=captured):
             pass
         self.prefix_kv[key] = (n, captured)
+        if self.fast is not None:
+            self.fast.set_prefixes(self.prefix_kv)
 
     @torch.inference_mode()
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
@@ -310,7 +331,8 @@ class TorchBackend:
             token_block=np.zeros(n, dtype=np.int32), block_parent=np.array([-1], dtype=np.int32),
             block_prefix=np.array([-1], dtype=np.int32), readout_index=np.array([n - 1], dtype=np.int64),
             letter_ids=np.array([0], dtype=np.int64), prefixes=[])
-        attention = TreeAttention(batch, [], self.device, self.attention)
+        # the plain twin: one prompt, no tree (the evidence forward is not on the hot path)
+        attention = TreeAttention(batch, [], self.device, "flex" if self.attention == "flex" else "sdpa")
         cos, sin = self._rope(batch.positions)
         x = self.embed_tokens[torch.from_numpy(batch.token_ids).to(self.device)]
         for i in range(len(self.layers)):

@@ -1,0 +1,255 @@
+"""The f16/bf16 GPU forward: Triton tree attention and fused kernels, one CUDA graph per (tokens, readouts).
+
+Per layer: fused residual+RMSNorm, the q/k/v GEMM, RoPE in place (f32 math), tree attention reading f16 q/k/v
+straight from the fused projection (no f32 copies, no concatenation of the cached prefix K/V: the kernel reads
+the prefix from its own buffer by row), o GEMM, residual+RMSNorm, gate/up GEMM, SwiGLU, down GEMM. The last
+layer runs attention, o_proj and the MLP at the readout rows only. Every kernel has a twin
+(`basal_local.cuda_kernels.twins`), so the same code runs on the CPU in tests.
+
+A forward's host-side inputs (token ids, positions, the attention tile tables) travel as ONE int32 buffer. A
+CUDA graph is captured per (token bucket, readout bucket): the tile tables live in device memory, and the
+attention kernel walks them with a persistent grid, so one graph serves any tree of that size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from basal_local.cuda_kernels import plan as tplan
+from basal_local.cuda_kernels import triton_available, triton_kernels, twins
+
+from ..base import PackedBatch
+
+TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+READOUT_BUCKETS = (4, 16, 64, 256)
+MAX_GRAPHS = 96
+
+
+def _tile_cap(size: int) -> int:
+    """Tile records a graph of `size` tokens holds: one per 64 queries plus one per (partial) block."""
+    return size // 64 + size // 4 + 8
+
+
+class FastPath:
+    def __init__(self, backend, use_triton: bool, gemm: str = "auto") -> None:
+        self.b = backend
+        self.use_triton = use_triton and triton_available()
+        self.ops = triton_kernels() if self.use_triton else twins
+        if gemm == "auto":
+            gemm = os.environ.get("BASAL_LOCAL_GEMM", "cublas")
+        if gemm not in ("cublas", "triton"):
+            raise ValueError(f"unknown GEMM {gemm!r} (cublas or triton)")
+        if gemm == "triton" and (not self.use_triton or backend.dtype == torch.float32):
+            gemm = "cublas"  # the f32 path keeps cuBLAS (exact f32; no TF32)
+        self.gemm = gemm
+        self.linear = self.ops.linear if gemm == "triton" else twins.linear
+        self.block_m = self.ops.ATTN_BLOCK_M if self.use_triton else 64
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self._pool = None
+        self.prefix_names: list[str] = []
+        self.prefix_rows: dict[str, tuple[int, int]] = {}
+        self.prefix_k: list[torch.Tensor] = []
+        self.prefix_v: list[torch.Tensor] = []
+        self.set_prefixes({})
+        cfg = backend.config
+        half = cfg.head_dim // 2
+        angles = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * backend.inv_freq[None, :half]
+        self.cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(backend.device)
+        self.sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(backend.device)
+
+    # ---- cached prefixes ---------------------------------------------------------------------------------
+    def set_prefixes(self, prefix_kv: dict) -> None:
+        """Lay the cached prefixes' K/V out as one [P, Hkv, D] buffer per layer (rows by prefix)."""
+        self.prefix_names = list(prefix_kv)
+        offset = 0
+        for name in self.prefix_names:
+            n = prefix_kv[name][0]
+            self.prefix_rows[name] = (offset, n)
+            offset += n
+        layers = len(self.b.layers)
+        cfg = self.b.config
+        empty = torch.zeros(0, cfg.num_key_value_heads, cfg.head_dim, dtype=self.b.dtype, device=self.b.device)
+        self.prefix_k = [torch.cat([prefix_kv[n][1][i][0] for n in self.prefix_names]) if self.prefix_names
+                         else empty for i in range(layers)]
+        self.prefix_v = [torch.cat([prefix_kv[n][1][i][1] for n in self.prefix_names]) if self.prefix_names
+                         else empty for i in range(layers)]
+        self.graphs.clear()  # captured graphs read the old buffers
+
+    # ---- inputs --------------------------------------------------------------------------------------------
+    def _host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int) -> tuple[np.ndarray, dict]:
+        n = batch.num_tokens
+        rows = [self.prefix_rows[name] for name in batch.prefixes]
+        full = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
+                               self.block_m)
+        last = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
+                               self.block_m, rows=batch.readout_index)
+        if full.num_tiles > tile_cap or last.num_tiles > r_cap:
+            raise OverflowError("plan larger than the graph's tables")
+        rec = tplan.RECORD
+        fields = {"ids": size, "pos": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
+                  "qrows_last": r_cap, "tiles_last": r_cap * rec, "readout": r_cap}
+        layout, offset = {}, 0
+        for name, length in fields.items():
+            layout[name] = (offset, length)
+            offset += length
+        buf = np.zeros(offset, dtype=np.int32)
+
+        def put(name: str, values: np.ndarray) -> None:
+            o = layout[name][0]
+            flat = np.asarray(values, dtype=np.int32).ravel()
+            buf[o:o + flat.size] = flat
+
+        put("ids", batch.token_ids)
+        put("pos", batch.positions)
+        put("nt", [full.num_tiles])
+        put("qrows", full.q_rows)
+        put("tiles", full.tiles)
+        put("nt_last", [last.num_tiles])
+        put("qrows_last", last.q_rows)
+        put("tiles_last", last.tiles)
+        put("readout", batch.readout_index)
+        assert n <= size
+        return buf, layout
+
+    @staticmethod
+    def _views(dev_buf: torch.Tensor, layout: dict, plans: tuple[tplan.TilePlan, tplan.TilePlan] | None = None):
+        v = {name: dev_buf[o:o + n] for name, (o, n) in layout.items()}
+        v["tiles"] = v["tiles"].view(-1, tplan.RECORD)
+        v["tiles_last"] = v["tiles_last"].view(-1, tplan.RECORD)
+        return v
+
+    def _upload(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int, into: torch.Tensor | None = None):
+        buf, layout = self._host_inputs(batch, size, tile_cap, r_cap)
+        host = torch.from_numpy(buf)
+        if into is None:
+            into = host.to(self.b.device, non_blocking=False)
+        else:
+            into.copy_(host.pin_memory() if into.is_cuda else host, non_blocking=into.is_cuda)
+        return into, layout
+
+    # ---- the layers ------------------------------------------------------------------------------------------
+    def _attention(self, i: int, qkv: torch.Tensor, v: dict, last: bool) -> torch.Tensor:
+        cfg = self.b.config
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        t = qkv.shape[0]
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+        val = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        tiles, q_rows, nt = (v["tiles_last"], v["qrows_last"], v["nt_last"]) if last else \
+            (v["tiles"], v["qrows"], v["nt"])
+        rows = q_rows.shape[0] if last else t
+        if self.use_triton:
+            out = torch.empty(rows, hq * d, dtype=qkv.dtype, device=qkv.device)
+            return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
+                                           nt, out, compact=last)
+        n_tiles = int(nt[0])
+        p = tplan.TilePlan(tiles[:n_tiles].cpu().numpy(), q_rows.cpu().numpy())
+        out = twins.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], p, rows, compact=last)
+        return out.view(rows, hq * d)
+
+    def layers(self, v: dict, capture: list | None = None, sync: bool = False) -> Iterator[torch.Tensor | None]:
+        """Run every layer; yields None after each but the last, then the final-normed readout rows."""
+        b, cfg, ops = self.b, self.b.config, self.ops
+        hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        x = b.embed_tokens.index_select(0, v["ids"])
+        delta = None
+        n_layers = len(b.layers)
+        for i, layer in enumerate(b.layers):
+            last = i == n_layers - 1
+            h, x = ops.add_rms_norm(x, delta, layer.input_layernorm, eps)
+            qkv = self.linear(h, layer.qkv_weight, layer.qkv_bias)
+            ops.rope_(qkv, v["pos"], self.cos, self.sin, hq, hkv, d)
+            if capture is not None:
+                t = qkv.shape[0]
+                capture.append((qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d).clone(),
+                                qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).clone()))
+            attn = self._attention(i, qkv, v, last)
+            if last:
+                x = x.index_select(0, v["readout"])
+            o = self.linear(attn, layer.o_proj_weight, layer.o_proj_bias)
+            h, x = ops.add_rms_norm(x, o, layer.post_attention_layernorm, eps)
+            delta = self.linear(ops.silu_mul(self.linear(h, layer.gate_up_weight, layer.gate_up_bias)),
+                                layer.down_proj_weight, layer.down_proj_bias)
+            if not last:
+                if sync and x.is_cuda:
+                    torch.cuda.synchronize()  # the device is idle at a yield: a parked long lane hands it over
+                yield None
+        h, _ = ops.add_rms_norm(x, delta, b.norm, eps)
+        yield h
+
+    def _logits(self, h: torch.Tensor, batch: PackedBatch) -> np.ndarray:
+        letters = torch.from_numpy(batch.letter_ids.astype(np.int64)).to(self.b.device)
+        r = len(batch.readout_index)
+        logits = self.ops.letter_logits(h[:r], self.b.lm_head, letters)
+        out = logits.cpu().numpy()
+        if not np.isfinite(out).all():
+            raise FloatingPointError("non-finite letter logit")
+        return out
+
+    # ---- forwards ---------------------------------------------------------------------------------------------
+    def forward_steps(self, batch: PackedBatch, capture: list | None = None) -> Iterator[np.ndarray | None]:
+        n_tiles_hint = batch.num_tokens // self.block_m + len(batch.block_parent) + 1
+        dev_buf, layout = self._upload(batch, batch.num_tokens, n_tiles_hint, max(1, len(batch.readout_index)))
+        v = self._views(dev_buf, layout)
+        for out in self.layers(v, capture, sync=True):
+            if out is None:
+                yield None
+            else:
+                yield self._logits(out, batch)
+
+    def forward(self, batch: PackedBatch) -> np.ndarray:
+        if self.b.cuda_graphs and batch.num_tokens <= TOKEN_BUCKETS[-1] and \
+                len(batch.readout_index) <= READOUT_BUCKETS[-1]:
+            size = next(s for s in TOKEN_BUCKETS if s >= batch.num_tokens)
+            r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))
+            if (size, r_cap) in self.graphs or len(self.graphs) < MAX_GRAPHS:
+                try:
+                    graph, static, layout, out = self._graph(size, r_cap)
+                    self._upload(batch, size, _tile_cap(size), r_cap, into=static)
+                except OverflowError:
+                    pass
+                else:
+                    graph.replay()
+                    return self._logits(out, batch)
+        *_, logits = self.forward_steps(batch)
+        return logits
+
+    def _graph(self, size: int, r_cap: int) -> tuple:
+        key = (size, r_cap)
+        if key not in self.graphs:
+            # a valid dummy forward: `size` tokens in one prefix-less block, r_cap readouts
+            n = size
+            dummy = PackedBatch(token_ids=np.zeros(n, np.int64), positions=np.arange(n, dtype=np.int64),
+                                token_block=np.zeros(n, np.int32), block_parent=np.array([-1], np.int32),
+                                block_prefix=np.array([-1], np.int32),
+                                readout_index=np.arange(n - r_cap, n, dtype=np.int64) if r_cap <= n
+                                else np.arange(n, dtype=np.int64),
+                                letter_ids=np.zeros(1, np.int64), prefixes=[])
+            static, layout = self._upload(dummy, size, _tile_cap(size), r_cap)
+            v = self._views(static, layout)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, cuBLAS handles)
+                for _ in range(2):
+                    for _ in self.layers(v):
+                        pass
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                *_, out = self.layers(v)
+            self.graphs[key] = (graph, static, layout, out)
+        return self.graphs[key]
+
+    def warmup(self, max_tokens: int) -> None:
+        for size in TOKEN_BUCKETS:
+            if size > max(max_tokens, TOKEN_BUCKETS[0]):
+                break
+            for r_cap in READOUT_BUCKETS:
+                if r_cap <= max(4, size // 32):
+                    self._graph(size, r_cap)

@@ -1,0 +1,295 @@
+"""Triton kernels (imported only where Triton and a GPU exist); each has a twin in `twins.py`.
+
+Every kernel's reduction order is fixed by compile-time constants and never by the number of rows, so a
+row's result is the same bits alone or in any batch (DESIGN.md "Numerics and reproducibility"):
+- tree attention: keys in tiles of BLOCK_N *positions* (plan.py), online softmax in f32, f16/bf16 operands;
+- GEMM: one tile configuration per (N, K) weight shape, a sequential K loop, no split-K;
+- norms, RoPE, SwiGLU, letter logits: one program per row (or element block), fixed-width reductions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan import RECORD
+
+ATTN_BLOCK_M = 64
+ATTN_BLOCK_N = 64  # the key tile: part of the numerics contract, never changed per call
+
+
+@functools.cache
+def num_sms(device_index: int = 0) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# ---- tree attention ----------------------------------------------------------------------------------------
+@triton.jit
+def _tree_attn_kernel(Q, K, V, PK, PV, O, POS, TILES, QROWS, NT,
+                      stride_qt, stride_kt, stride_vt, stride_pt, stride_ot, qk_scale,
+                      N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
+                      COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr):
+    pid = tl.program_id(0)
+    n_work = tl.load(NT) * N_HEADS
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for w in range(pid, n_work, NPROG):
+        tile = w // N_HEADS
+        head = w % N_HEADS
+        kvh = head // REP
+        rec = TILES + tile * REC
+        q_off = tl.load(rec)
+        n_q = tl.load(rec + 1)
+        n_keys = tl.load(rec + 2)
+        n_pre = tl.load(rec + 3)
+        pre_off = tl.load(rec + 4)
+        n_r = tl.load(rec + 5)
+        m_valid = offs_m < n_q
+        rows = tl.load(QROWS + q_off + offs_m, mask=m_valid, other=0)
+        q_pos = tl.load(POS + rows, mask=m_valid, other=0)
+        q = tl.load(Q + rows[:, None] * stride_qt + head * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None],
+                    other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start in range(0, n_keys, BLOCK_N):
+            p = start + offs_n
+            # token index of each forward key: its range's first token + offset in the range
+            addr = tl.zeros([BLOCK_N], tl.int32)
+            for r in range(0, n_r):
+                ps = tl.load(rec + 8 + 3 * r)
+                ts = tl.load(rec + 9 + 3 * r)
+                ln = tl.load(rec + 10 + 3 * r)
+                addr = tl.where((p >= ps) & (p < ps + ln), ts + p - ps, addr)
+            is_pre = p < n_pre
+            is_fwd = (p >= n_pre) & (p < n_keys)
+            kf = tl.load(K + addr[:, None] * stride_kt + kvh * HEAD_DIM + offs_d[None, :], mask=is_fwd[:, None],
+                         other=0.0)
+            kp = tl.load(PK + (pre_off + p)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :],
+                         mask=is_pre[:, None], other=0.0)
+            k = tl.where(is_pre[:, None], kp, kf)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = p[None, :] <= q_pos[:, None]
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            pr = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            vf = tl.load(V + addr[:, None] * stride_vt + kvh * HEAD_DIM + offs_d[None, :], mask=is_fwd[:, None],
+                         other=0.0)
+            vp = tl.load(PV + (pre_off + p)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :],
+                         mask=is_pre[:, None], other=0.0)
+            v = tl.where(is_pre[:, None], vp, vf)
+            acc = acc * alpha[:, None]
+            if IEEE:
+                acc = tl.dot(pr, v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(pr.to(v.dtype), v, acc)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        if COMPACT:
+            dest = q_off + offs_m
+        else:
+            dest = rows
+        tl.store(O + dest[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=m_valid[:, None])
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
+                   prefix_v: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, q_rows: torch.Tensor,
+                   n_tiles: torch.Tensor, out: torch.Tensor, compact: bool, nprog: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D] and k/v [T, Hkv, D] (row-strided views of the fused qkv), prefix_k/v [P, Hkv, D].
+
+    tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
+    of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work."""
+    n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
+    assert q.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d and q.stride(1) == d
+    assert prefix_k.stride(0) == prefix_v.stride(0) and out.stride(1) == 1
+    if prefix_k.shape[0] == 0:  # no cached prefix: any valid pointer (never read)
+        prefix_k, prefix_v = k, v
+    nprog = nprog or 4 * num_sms(q.device.index or 0)
+    ieee = q.dtype == torch.float32
+    _tree_attn_kernel[(nprog,)](
+        q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles,
+        q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
+        N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
+        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD,
+        num_warps=4, num_stages=1 if ieee else 2)
+    return out
+
+
+# ---- residual + RMSNorm, RoPE, SwiGLU, letter logits -------------------------------------------------------
+@triton.jit
+def _add_rms_norm_kernel(X, DELTA, W, H, XOUT, stride_x, stride_d, stride_h, N, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = x + tl.load(DELTA + row * stride_d + cols, mask=mask, other=0.0)
+        tl.store(XOUT + row * stride_x + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    y = (xf * r).to(x.dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(H + row * stride_h + cols, w * y, mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, n = x.shape
+    h = torch.empty_like(x)
+    xout = torch.empty_like(x) if delta is not None else x
+    if delta is not None:
+        assert delta.stride(0) == x.stride(0) or True
+    _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, h, xout, x.stride(0),
+                                  delta.stride(0) if delta is not None else 0, h.stride(0), n, eps,
+                                  HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    return h, xout
+
+
+@triton.jit
+def _rope_kernel(QKV, POS, COS, SIN, stride_t, N_ROT: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(POS + t)
+    h = tl.arange(0, HP)
+    j = tl.arange(0, HALF)
+    mask = (h < N_ROT)[:, None]
+    base = QKV + t * stride_t + h[:, None] * (2 * HALF) + j[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    c = tl.load(COS + pos * HALF + j)[None, :]
+    s = tl.load(SIN + pos * HALF + j)[None, :]
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base, (a1 * c - a2 * s).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, (a2 * c + a1 * s).to(x1.dtype), mask=mask)
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+          n_kv: int, head_dim: int) -> torch.Tensor:
+    n_rot = n_heads + n_kv
+    _rope_kernel[(qkv.shape[0],)](qkv, positions, cos, sin, qkv.stride(0), N_ROT=n_rot,
+                                  HP=triton.next_power_of_2(n_rot), HALF=head_dim // 2, num_warps=4)
+    return qkv
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_g, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(GU + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_g + N + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(OUT + row * stride_o + cols, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
+                                                   BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _letter_kernel(H, W, LETTERS, OUT, stride_h, stride_w, N, n_letters, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    letter = tl.load(LETTERS + j)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        h = tl.load(H + r * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + letter * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += h * w
+    tl.store(OUT + r * n_letters + j, tl.sum(acc, 0))
+
+
+def letter_logits(h: torch.Tensor, lm_head: torch.Tensor, letters: torch.Tensor) -> torch.Tensor:
+    rows, n = h.shape
+    out = torch.empty(rows, letters.shape[0], dtype=torch.float32, device=h.device)
+    if rows and letters.shape[0]:
+        _letter_kernel[(rows, letters.shape[0])](h, lm_head, letters, out, h.stride(0), lm_head.stride(0), n,
+                                                 letters.shape[0], BLOCK=512, num_warps=4)
+    return out
+
+
+# ---- GEMM with a fixed tiling per weight shape ------------------------------------------------------------
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(A, W, C, BIAS, M, N, K, stride_am, stride_wn, stride_cm, HAS_BIAS: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % in_group) % size_m)
+    pid_n = (pid % in_group) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    m_mask = offs_m[:, None] < M
+    n_mask = offs_n[None, :] < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for _ in range(0, K, BK):  # K % BK == 0 (checked by the launcher)
+        a = tl.load(a_ptrs, mask=m_mask, other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask, other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BK
+        w_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
+             mask=m_mask & n_mask)
+
+
+# (BM, BN, BK, warps, stages) per weight shape, chosen once by measurement (docs/PERFORMANCE.md), never by M
+DEFAULT_GEMM_CONFIG = (64, 128, 64, 4, 4)
+GEMM_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    # 4.5B (H200, tools/kernel_bench.py: the best sum of time at 320 and 8192 rows relative to cuBLAS)
+    (2560, 2048): (64, 128, 64, 4, 4), (2048, 2048): (64, 128, 64, 4, 4), (22016, 2048): (128, 256, 64, 8, 3),
+    (2048, 11008): (64, 64, 64, 4, 4),
+}
+
+
+def gemm_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    if (n, k) in GEMM_CONFIGS:
+        return GEMM_CONFIGS[(n, k)]
+    bm, bn, bk, warps, stages = DEFAULT_GEMM_CONFIG
+    while k % bk and bk > 16:  # a K tile that divides K (a property of the weight shape, not of M)
+        bk //= 2
+    return bm, bn, bk, warps, stages
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) with a tiling that depends on (N, K) only."""
+    m, k = x.shape
+    n = weight.shape[0]
+    bm, bn, bk, warps, stages = config or gemm_config(n, k)
+    if k % bk or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"GEMM shape {m}x{k} @ {n}x{k} does not fit the fixed tiling (K % {bk})")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _gemm_kernel[grid](x, weight, out, bias if bias is not None else weight, m, n, k, x.stride(0),
+                       weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                       num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,83 @@
+"""Plain-torch twins of the Triton kernels: the same function, written for clarity (and CPU tests).
+
+Each twin takes the same arguments as its kernel launcher in `kernels.py` and computes in f32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .plan import TilePlan
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
+                   prefix_v: torch.Tensor, positions: torch.Tensor, plan: TilePlan, out_rows: int,
+                   compact: bool = False) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D], prefix_k/v [P, Hkv, D] -> [out_rows, Hq, D] in q's dtype.
+
+    With `compact`, output row i is the i-th query of the plan (q_rows order), else the token q_rows[i]."""
+    n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
+    out = torch.zeros(out_rows, n_heads, d, dtype=q.dtype, device=q.device)
+    for rec in plan.tiles:
+        q_off, n_q, n_keys, n_pre, pre_off, n_r = (int(x) for x in rec[:6])
+        rows = torch.as_tensor(plan.q_rows[q_off:q_off + n_q], dtype=torch.long, device=q.device)
+        key_rows = [torch.arange(n_keys, device=q.device)]
+        keys = [prefix_k[pre_off:pre_off + n_pre]]
+        values = [prefix_v[pre_off:pre_off + n_pre]]
+        for r in range(n_r):
+            ps, ts, ln = (int(x) for x in rec[8 + 3 * r: 11 + 3 * r])
+            keys.append(k[ts:ts + ln])
+            values.append(v[ts:ts + ln])
+        kk = torch.cat(keys)[:n_keys].float().transpose(0, 1)  # [Hkv, S, D]
+        vv = torch.cat(values)[:n_keys].float().transpose(0, 1)
+        assert kk.shape[1] == n_keys, "key ranges do not cover the tile's positions"
+        qq = q[rows].float().transpose(0, 1)  # [Hq, n_q, D]
+        kk = kk.repeat_interleave(n_heads // n_kv, 0)
+        vv = vv.repeat_interleave(n_heads // n_kv, 0)
+        mask = key_rows[0][None, :] <= positions[rows].long()[:, None]
+        o = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mask)[0]
+        dest = torch.arange(q_off, q_off + n_q, device=q.device) if compact else rows
+        out[dest] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + delta), x + delta), the sum rounded to x's dtype as the residual stream is."""
+    if delta is not None:
+        x = x + delta
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+          n_kv: int, head_dim: int) -> torch.Tensor:
+    """Rotate-half RoPE in place on the q and k heads of a fused qkv [T, (Hq + 2 Hkv) * D] (f32 math).
+
+    cos/sin: [max_position, D/2] f32 tables (computed in f64 on the host)."""
+    t = qkv.shape[0]
+    heads = qkv.view(t, -1, head_dim)[:, : n_heads + n_kv]
+    half = head_dim // 2
+    c = cos[positions.long()][:, None, :]
+    s = sin[positions.long()][:, None, :]
+    x1, x2 = heads[..., :half].float(), heads[..., half:].float()
+    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    heads.copy_(rotated.to(qkv.dtype))
+    return qkv
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [T, 2I] gate/up, in f32, rounded once."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def letter_logits(h: torch.Tensor, lm_head: torch.Tensor, letters: torch.Tensor) -> torch.Tensor:
+    """f32 dot products of the readout rows with the letters' lm_head rows: [R, L]."""
+    return h.float() @ lm_head[letters].float().T
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)

@@ -1,0 +1,156 @@
+"""The CUDA kernels' plain twins on the CPU (CI), and the Triton kernels themselves under TRITON_INTERPRET=1.
+
+The tree-attention twin walks the same tile table as the kernel (cuda_kernels/plan.py), so comparing it with
+the dense-mask SDPA path checks the table: key ranges, prefix rows and positions. The whole fast forward
+(`attention="tree"`) then runs on the twins against the reference forward. `tests/test_cuda.py` compares the
+compiled kernels with these twins on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from basal_local.cuda_kernels import plan as tplan
+from basal_local.cuda_kernels import twins
+from basal_local.engine.packer import pack_prompts
+from basal_local.model import load_model_dir
+
+from .conftest import load_backend, readout_logits
+from .test_packer import random_specs
+
+
+def _packed(md, seeds, use_prefix=True):
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    specs = [s for seed in seeds for s in random_specs(md, random.Random(seed))]
+    return pack_prompts(specs, prefixes if use_prefix else None).batches[0], prefixes
+
+
+def _random_qkv(batch, prefixes, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [len(prefixes[name]) for name in batch.prefixes]
+    n, p = batch.num_tokens, sum(lengths)
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    k, v = (torch.randn(n, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    pk, pv = (torch.randn(p, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+    rows = [(int(offsets[j]), lengths[j]) for j in range(len(lengths))]
+    return q, k, v, pk, pv, rows, lengths
+
+
+def _dense(batch, q, k, v, pk, pv, lengths, rows=None):
+    from basal_local.backends.torch.tree_attention import TreeAttention
+
+    attention = TreeAttention(batch, lengths, "cpu", segment=False)
+    keys = torch.cat([pk, k]).transpose(0, 1).float()
+    values = torch.cat([pv, v]).transpose(0, 1).float()
+    rows_t = None if rows is None else torch.as_tensor(rows)
+    return attention(q.transpose(0, 1).float(), keys, values, rows=rows_t).transpose(0, 1)
+
+
+@pytest.mark.parametrize("use_prefix", [True, False])
+def test_tile_table_twin_equals_dense_mask(tiny_model, use_prefix):
+    md = load_model_dir(tiny_model)
+    batch, prefixes = _packed(md, range(3), use_prefix)
+    q, k, v, pk, pv, rows, lengths = _random_qkv(batch, prefixes)
+    pos = torch.from_numpy(batch.positions)
+    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 8)
+    assert plan.num_tiles > len(batch.block_parent) // 2 and sorted(plan.q_rows) == list(range(batch.num_tokens))
+    got = twins.tree_attention(q, k, v, pk, pv, pos, plan, batch.num_tokens)
+    want = _dense(batch, q, k, v, pk, pv, lengths)
+    assert (got - want).abs().max().item() <= 1e-5
+    # the readout rows alone (the last layer): compact output in readout order
+    last = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 8,
+                           rows=batch.readout_index)
+    got = twins.tree_attention(q, k, v, pk, pv, pos, last, len(batch.readout_index), compact=True)
+    want = _dense(batch, q, k, v, pk, pv, lengths, rows=batch.readout_index)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_tile_keys_are_the_prompt_positions(tiny_model):
+    """Every tile visits keys 0..max position of its queries, and its ranges tile them without gaps."""
+    md = load_model_dir(tiny_model)
+    batch, prefixes = _packed(md, range(4))
+    lengths = [len(prefixes[name]) for name in batch.prefixes]
+    rows = [(sum(lengths[:j]), n) for j, n in enumerate(lengths)]
+    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 16)
+    assert list(plan.tiles[:, 2]) == sorted(plan.tiles[:, 2], reverse=True)
+    for rec in plan.tiles:
+        q_off, n_q, n_keys, n_pre, _, n_r = rec[:6]
+        queries = plan.q_rows[q_off:q_off + n_q]
+        assert n_keys == batch.positions[queries].max() + 1
+        covered = n_pre
+        for r in range(n_r):
+            ps, ts, ln = rec[8 + 3 * r: 11 + 3 * r]
+            assert ps == covered and batch.positions[ts] == ps
+            covered += ln
+        assert covered >= n_keys
+
+
+def test_fused_twins_match_plain_torch():
+    gen = torch.Generator().manual_seed(1)
+    x, delta, w = (torch.randn(5, 32, generator=gen) for _ in range(3))
+    h, s = twins.add_rms_norm(x, delta, w[0], 1e-6)
+    ref = (x + delta) * torch.rsqrt((x + delta).pow(2).mean(-1, keepdim=True) + 1e-6) * w[0]
+    assert torch.allclose(s, x + delta) and torch.allclose(h, ref, atol=1e-6)
+    gu = torch.randn(4, 20, generator=gen)
+    assert torch.allclose(twins.silu_mul(gu), torch.nn.functional.silu(gu[:, :10]) * gu[:, 10:])
+    # RoPE on the q and k heads only, v untouched; position 0 is the identity
+    qkv = torch.randn(3, (4 + 2 + 2) * 8, generator=gen)
+    pos = torch.tensor([0, 1, 7])
+    inv = 10000.0 ** (-torch.arange(4, dtype=torch.float64) * 2 / 8)
+    ang = torch.arange(16, dtype=torch.float64)[:, None] * inv[None]
+    out = twins.rope_(qkv.clone(), pos, ang.cos().float(), ang.sin().float(), 4, 2, 8)
+    assert torch.equal(out[0], qkv[0]) and torch.equal(out[:, 48:], qkv[:, 48:])
+    heads = qkv.view(3, 8, 8)[1, :6]
+    c, s_ = ang[1].cos().float(), ang[1].sin().float()
+    want = torch.cat([heads[:, :4] * c - heads[:, 4:] * s_, heads[:, 4:] * c + heads[:, :4] * s_], -1)
+    assert torch.allclose(out.view(3, 8, 8)[1, :6], want, atol=1e-6)
+
+
+def test_fast_forward_on_twins_equals_reference(tiny_model):
+    """attention='tree' (the fused GPU forward, here on its twins) gives the reference logits on the CPU."""
+    md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
+    _, fast, _ = load_backend(tiny_model, attention="tree")
+    assert fast.fast is not None and not fast.fast.use_triton
+    for seed in range(2):
+        pack = pack_prompts(random_specs(md, random.Random(seed)), prefixes)
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(ref, pack), readout_logits(fast, pack)))
+        assert worst <= 1e-5, worst
+    # the long-lane path (one yield per layer) gives the same logits
+    batch = pack_prompts(random_specs(md, random.Random(5)), prefixes).batches[0]
+    steps = list(fast.forward_steps(batch))
+    assert len(steps) == md.config.num_hidden_layers and np.array_equal(steps[-1], fast.forward(batch))
+
+
+def _interpret_ready() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    from basal_local.cuda_kernels import triton_available
+
+    return triton_available()
+
+
+@pytest.mark.skipif(not _interpret_ready(), reason="set TRITON_INTERPRET=1 with Triton installed to run the "
+                    "kernels on the CPU")
+def test_triton_kernels_interpreted_match_twins(tiny_model):
+    from basal_local.cuda_kernels import triton_kernels
+
+    kernels = triton_kernels()
+    md = load_model_dir(tiny_model)
+    batch, prefixes = _packed(md, range(2))
+    q, k, v, pk, pv, rows, lengths = _random_qkv(batch, prefixes, dtype=torch.float32)
+    pos = torch.from_numpy(batch.positions.astype(np.int32))
+    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
+                           kernels.ATTN_BLOCK_M)
+    tiles = torch.from_numpy(plan.tiles)
+    q_rows = torch.from_numpy(plan.q_rows)
+    nt = torch.tensor([plan.num_tiles], dtype=torch.int32)
+    out = torch.full((batch.num_tokens, q.shape[1] * q.shape[2]), float("nan"))
+    kernels.tree_attention(q, k, v, pk, pv, pos, tiles, q_rows, nt, out, compact=False, nprog=3)
+    want = twins.tree_attention(q, k, v, pk, pv, pos, plan, batch.num_tokens).view_as(out)
+    assert (out - want).abs().max().item() <= 1e-4
