@@ -23,6 +23,7 @@ from ..telemetry import BatchRecord, Telemetry
 from .gate import DeviceGate
 from .packer import pack_prompts
 from .plan import RequestPlan, finish, plan_request
+from .pretty import batch_tree
 from .scheduler import RATE_START, Cancelled, Job, form_batch
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class ModelEngine:
             job.future.set_result(JobResult(body, 0.0, 0.0, 1, 0))
             return job
         long_lane = self.long is not None and plan.packed_tokens > self.settings.long_tokens
+        self.telemetry.emit("queued", id=request_id, model=self.model.name, lane="long" if long_lane else "main")
         (self.long if long_lane else self.main).put(job)
         return job
 
@@ -186,6 +188,9 @@ class ModelEngine:
             specs.extend(job.specs)
         s = self.settings
         pack = pack_prompts(specs, self.prefixes, s.max_row_tokens, s.max_forward_tokens)
+        batch_id = self.telemetry.next_batch_id()
+        self.telemetry.batch_started(batch_id, self.model.name, lane.name, [j.request_id for j in jobs],
+                                     pack.packed_tokens)
         outputs = [self._forward(b, lane) for b in pack.batches]
         logits: list[list[list[np.ndarray]]] = [[[None] * len(qp.token_ids) for qp in job.plan.questions]
                                                 for job in jobs]  # type: ignore[misc]
@@ -194,14 +199,13 @@ class ModelEngine:
         elapsed = time.perf_counter() - started
         if elapsed > 0.001:
             lane.rate = 0.8 * lane.rate + 0.2 * pack.packed_tokens / elapsed
-        batch_id = self.telemetry.next_batch_id()
         compute_ms = elapsed * 1000.0
         # the batch is on record before any of its answers leaves, so /api/stats always knows it
         self.telemetry.record_batch(BatchRecord(
             batch_id, self.model.name, lane.name, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
-            tree=[{"lang": r.lang, "prefix": r.prefix, "tokens": r.trie.num_tokens, "prompts": r.trie.num_prompts}
-                  for r in pack.rows]))
+            tree=batch_tree(pack, [(jobs[j].request_id, jobs[j].plan.questions[q].question.qid, o) for j, q, o in owners]),
+            request_ids=[j.request_id for j in jobs]))
         for j, job in enumerate(jobs):
             body = finish(job.plan, logits[j], self.model.calibration,
                           (time.perf_counter() - job.plan.arrival) * 1000.0)

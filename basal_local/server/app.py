@@ -1,4 +1,4 @@
-"""The litestar app: `/v1/systemone`, `/v1/basal`, `/v1/models`, `/health`, `/api/stats`.
+"""The litestar app: `/v1/systemone`, `/v1/basal`, `/v1/models`, `/health`, `/api/stats` (+ events.py routes).
 
 Handlers decode (zstd/gzip), parse, route, validate and plan in a worker thread, then wait for the
 engine's future; inference never runs on the event loop. Error bodies are exactly the spec's.
@@ -24,6 +24,7 @@ from ..api.errors import ApiError, internal, overloaded
 from ..engine.engine import JobResult, ModelEngine
 from ..engine.scheduler import Cancelled
 from ..telemetry import Telemetry
+from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
 
 log = logging.getLogger("basal_local.server")
 DESCRIPTION = "basal typed-decision model (choice / noul / score / act / multi), Polish and English"
@@ -96,6 +97,8 @@ async def _decide(request: Request, dialect: str) -> Response:
     model_name = ""
     status = 500
     timing = ""
+    error = ""
+    state.telemetry.request_received(request_id, dialect, request.headers.get("user-agent", ""))
     try:
         if not state.ready:
             retry = {"retry-after": "5", **id_headers}
@@ -105,7 +108,6 @@ async def _decide(request: Request, dialect: str) -> Response:
         # order of checks (PROTOCOL.md §1.1): overload before the unknown-model error
         with state.lock:
             if state.inflight >= state.max_inflight:
-                state.telemetry.count("rejected_overload")
                 raise overloaded(dialect)
             state.inflight += 1
             admitted = True
@@ -118,6 +120,7 @@ async def _decide(request: Request, dialect: str) -> Response:
 
         planned = await loop.run_in_executor(state.planner, plan)
         planned.arrival = arrived
+        state.telemetry.emit("planned", **planned_event(request_id, model_name, planned))
         gone = threading.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
         try:
@@ -129,35 +132,34 @@ async def _decide(request: Request, dialect: str) -> Response:
         headers = {**id_headers, "x-basal-queue-ms": f"{result.queue_ms:.3f}",
                    "x-basal-compute-ms": f"{result.compute_ms:.3f}",
                    "x-basal-batch-requests": str(result.batch_requests)}
-        state.telemetry.count("answered")
         state.telemetry.record_request(id=request_id, model=model_name, dialect=dialect,
                                        questions=len(planned.request.questions),
                                        planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(result.queue_ms, 3),
                                        compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
                                        batch_requests=result.batch_requests,
-                                       input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens)
+                                       input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens,
+                                       total_ms=result.body["usage"]["latency_ms"], **request_detail(planned, result))
         status = 200
         timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
                   f"batch {result.batch_requests})")
         return _json_response(200, result.body, headers)
     except ApiError as err:
         status = err.status
-        if status >= 500:
-            state.telemetry.count("failed")
+        error = json.dumps(err.body, ensure_ascii=False)
         return _json_response(err.status, err.body, {**id_headers, **(err.headers or {})})
     except Cancelled:
         status = 499
         return _json_response(499, {"error": "client closed request"}, id_headers)
     except Exception as exc:  # a bug must not take the daemon down; the answer says what happened
         log.exception("request %s failed", request_id)
-        state.telemetry.count("failed")
-        err = internal(f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        err = internal(error)
         return _json_response(err.status, err.body, id_headers)
     finally:
         if admitted:
             with state.lock:
                 state.inflight -= 1
-        state.telemetry.count("requests")
+        state.telemetry.request_finished(request_id, status, error)
         if state.access_log:
             log.info("[POST] %d /v1/%s %.0f ms%s", status, dialect, (time.perf_counter() - arrived) * 1e3, timing)
 
@@ -196,15 +198,12 @@ async def health(request: Request) -> Response:
 @get("/api/stats")
 async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
-    snap = state.telemetry.snapshot()
-    snap["inflight"] = state.inflight
-    snap["queues"] = {name: e.waiting() for name, e in state.engines.items()}
-    snap["ready"] = state.ready
-    return _json_response(200, snap)
+    return _json_response(200, stats_snapshot(state))
 
 
 def create_app(state: AppState) -> Litestar:
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats], request_max_body_size=MAX_BODY_BYTES,
+    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES],
+                   request_max_body_size=MAX_BODY_BYTES,
                    openapi_config=None)
     app.state.basal = state
     return app

@@ -15,6 +15,7 @@ from ..engine.engine import ModelEngine
 from ..engine.gate import DeviceGate
 from ..model.directory import load_model_dir
 from .app import AppState, create_app
+from .events import BusLogHandler
 from .settings import Settings
 
 log = logging.getLogger("basal_local.daemon")
@@ -32,6 +33,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
             info = backend.load(model.path, settings.dtype)
             state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
             engine = ModelEngine(model, backend, gate, state.telemetry, settings.engine)
+            state.telemetry.memory_probe = backend.memory  # one device: the last backend's view of it
             engine.start()
             state.engines[model.name] = engine
             log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
@@ -64,6 +66,7 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
                      access_log=settings.access_log)
     app = create_app(state)
+    logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
     if settings.access_log:
         logging.getLogger("basal_local.server").setLevel(logging.INFO)
     loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
