@@ -91,6 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if not banner:
         banner = f"basal-local: serving on http://{settings.host}:{settings.port} (loading models...)"
+    if args.tui or args.demo_traffic:
+        from .server.tuimode import serve_with_options
+
+        return serve_with_options(settings, dirs, banner, args.tui, args.demo_traffic)
     serve(settings, dirs, banner)
     return 0
 
@@ -150,6 +154,23 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from .server.settings import Settings
+    from .server.tuimode import local_url
+
+    url = args.url
+    if not url:
+        try:
+            settings = Settings.load({}, Path(args.config) if args.config else None)
+        except (ValueError, OSError) as exc:
+            print(f"basal-local: error: {exc}", file=sys.stderr)
+            return 2
+        url = local_url(settings.host, settings.port)
+    from .tui.run import run_top
+
+    return run_top(url)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
@@ -190,8 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close a connection whose request body has not arrived in this time (default 10)")
     p.add_argument("--drain", type=float, dest="drain_s", metavar="SECONDS",
                    help="on SIGTERM, wait this long for requests in flight (default 10)")
+    p.add_argument("--tui", action="store_true", help="show the live dashboard (basal-local top) in this terminal")
+    p.add_argument("--demo-traffic", action="store_true", dest="demo_traffic",
+                   help="send the bundled sample requests in a loop (to watch the dashboard move)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("top", help="live dashboard of a running daemon")
+    p.add_argument("--url", help="the daemon's address (default: the configured host and port)")
+    p.add_argument("--config", help="config.toml (default: the user config folder)")
+    p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("prompts", help="show exactly what the model reads for a request on stdin")
     p.add_argument("--model", required=True, help="model directory")

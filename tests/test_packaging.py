@@ -27,11 +27,13 @@ def test_wheel_installs_under_one_namespace(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"basal_local"}
     assert "basal_local/backends/torch/llama.py" in names and "basal_local/assets/sample_requests.jsonl" in names
+    assert "basal_local/tui/dashboard.tcss" in names and "basal_local/tui/screens/requests.py" in names
     target = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(target)
-    code = ("import basal_local.backends.torch, basal_local.bench as b; "
+    code = ("import basal_local.backends.torch, basal_local.bench as b, basal_local.tui.app as t; "
             "from importlib import resources; "
+            "assert resources.files('basal_local.tui').joinpath(t.DashboardApp.CSS_PATH).is_file(); "
             "assert len(b.sample_requests()) == 48; "
             "assert resources.files('basal_local.assets').joinpath('corpus_pl.txt').is_file(); "
             "import importlib.util as u; assert u.find_spec('backends') is None and u.find_spec('tui') is None; "

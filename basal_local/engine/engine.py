@@ -23,6 +23,7 @@ from ..telemetry import BatchRecord, Telemetry
 from .gate import DeviceGate
 from .packer import pack_prompts
 from .plan import RequestPlan, finish, plan_request
+from .pretty import batch_tree
 from .scheduler import RATE_START, Cancelled, EngineStopped, Job, form_batch
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ class ModelEngine:
     def put(self, job: Job) -> None:
         """Queue a job in the lane its size calls for."""
         long_lane = self.long is not None and job.tokens > self.settings.long_tokens
+        self.telemetry.emit("queued", id=job.request_id, model=self.model.name, lane="long" if long_lane else "main")
         (self.long if long_lane else self.main).put(job)
 
     def probe(self) -> None:
@@ -251,6 +253,9 @@ class ModelEngine:
             specs.extend(job.specs)
         s = self.settings
         pack = pack_prompts(specs, self.prefixes, s.max_row_tokens, s.max_forward_tokens)
+        batch_id = self.telemetry.next_batch_id()
+        self.telemetry.batch_started(batch_id, self.model.name, lane.name, [j.request_id for j in jobs],
+                                     pack.packed_tokens)
         outputs = [self._forward(b, lane) for b in pack.batches]
         logits: list[list[list[np.ndarray]]] = [[[None] * len(qp.token_ids) for qp in job.plan.questions]
                                                 for job in jobs]  # type: ignore[misc]
@@ -259,15 +264,15 @@ class ModelEngine:
         elapsed = time.perf_counter() - started
         if elapsed > 0.001:
             lane.rate = 0.8 * lane.rate + 0.2 * pack.packed_tokens / elapsed
-        batch_id = self.telemetry.next_batch_id()
         self.batches += 1
         compute_ms = elapsed * 1000.0
         # the batch is on record before any of its answers leaves, so /api/stats always knows it
         self.telemetry.record_batch(BatchRecord(
             batch_id, self.model.name, lane.name, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
-            tree=[{"lang": r.lang, "prefix": r.prefix, "tokens": r.trie.num_tokens, "prompts": r.trie.num_prompts}
-                  for r in pack.rows], replica=self.replica, device=self.backend.device))
+            tree=batch_tree(pack, [(jobs[j].request_id, jobs[j].plan.questions[q].question.qid, o)
+                                   for j, q, o in owners]),
+            request_ids=[j.request_id for j in jobs], replica=self.replica, device=self.backend.device))
         for j, job in enumerate(jobs):
             try:
                 body = finish(job.plan, logits[j], self.model.calibration,

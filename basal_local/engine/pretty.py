@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .packer import PackPlan
 
 
@@ -25,3 +27,44 @@ def format_pack(pack: PackPlan, tokenizer=None, width: int = 60) -> str:
             owners = f"  -> prompts {block.readouts}" if block.readouts else ""
             lines.append(f"{'  ' * (depth + 1)}block {i}: {len(block.tokens)} tok @pos {block.start}{text}{owners}")
     return "\n".join(lines)
+
+
+def batch_tree(pack: PackPlan, owners: list[tuple[str, str, int]]) -> list[dict[str, Any]]:
+    """The batch's real tries as JSON for telemetry: one node per row, its blocks nested below.
+
+    `owners[p]` = (request id, question id, order) of input prompt p. A block's `kind` says what it holds:
+    "template" (the chat template, when it is not cached), "state" (shared by several questions),
+    "question" (both orders of one question) or "order" (one prompt's own tail, where it reads out).
+    """
+    rows = []
+    for row in pack.rows:
+        blocks = row.trie.blocks()
+        children: list[list[dict[str, Any]]] = [[] for _ in blocks]
+        below: list[set[tuple[str, str]]] = [set() for _ in blocks]
+        nodes: list[dict[str, Any]] = []
+        for block, _parent in blocks:
+            node: dict[str, Any] = {"tokens": len(block.tokens), "start": block.start}
+            if block.readouts:
+                node["owners"] = [list(owners[p]) for p in block.readouts]
+            nodes.append(node)
+        # blocks come parent-first, so a reverse walk sees every child before its parent
+        for i in range(len(blocks) - 1, -1, -1):
+            block, parent = blocks[i]
+            node = nodes[i]
+            below[i].update((owners[p][0], owners[p][1]) for p in block.readouts)
+            if children[i]:
+                node["children"] = children[i][::-1]
+            if not block.children:
+                node["kind"] = "order"
+            elif row.prefix is None and block.start == 0 and parent < 0:
+                node["kind"] = "template"
+            else:
+                node["kind"] = "question" if len(below[i]) == 1 else "state"
+            if parent >= 0:
+                children[parent].append(node)
+                below[parent] |= below[i]
+        top = [nodes[i] for i, (_b, parent) in enumerate(blocks) if parent < 0]
+        prefix_tokens = row.trie.root.start  # the cached template's length (0 when not cached)
+        rows.append({"lang": row.lang, "prefix": row.prefix, "prefix_tokens": prefix_tokens,
+                     "tokens": row.trie.num_tokens, "prompts": row.trie.num_prompts, "children": top})
+    return rows

@@ -1,4 +1,4 @@
-"""The litestar app: `/v1/systemone`, `/v1/basal`, `/v1/models`, `/health`, `/api/stats`.
+"""The litestar app: `/v1/systemone`, `/v1/basal`, `/v1/models`, `/health`, `/api/stats` (+ events.py routes).
 
 A decision request goes through small steps, each below: read the body (`body.py`: size limit, read
 deadline, decompression in a worker thread), parse it in a worker thread, take an in-flight slot (529 when
@@ -33,6 +33,7 @@ from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import ProtocolError
 from ..telemetry import Telemetry
 from .body import BodyError, BodyLimits, ClientGone, read_body
+from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
 
 log = logging.getLogger("basal_local.server")
 DESCRIPTION = "basal typed-decision model (choice / noul / score / act / multi), Polish and English"
@@ -97,6 +98,7 @@ class _Call:
     status: int = 500
     timing: str = ""
     admitted: bool = False
+    error: str = ""
 
     @property
     def id_headers(self) -> dict[str, str]:
@@ -132,7 +134,6 @@ def _admit(call: _Call) -> None:
     state = call.state
     with state.lock:
         if state.inflight >= state.max_inflight:
-            state.telemetry.count("rejected_overload")
             raise overloaded(call.dialect)
         state.inflight += 1
         call.admitted = True
@@ -160,6 +161,7 @@ async def _plan(call: _Call, engine: ModelEngine, body: Any, size: int) -> Reque
             raise EngineStopped() from None
         raise
     planned.arrival = call.arrived
+    call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
     return planned
 
 
@@ -195,13 +197,13 @@ def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
                "x-basal-compute-ms": f"{result.compute_ms:.3f}",
                "x-basal-batch-requests": str(result.batch_requests)}
     telemetry = call.state.telemetry
-    telemetry.count("answered")
     telemetry.record_request(id=call.request_id, model=call.model_name, dialect=call.dialect,
                              questions=len(planned.request.questions),
                              planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(result.queue_ms, 3),
                              compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
                              batch_requests=result.batch_requests,
-                             input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens)
+                             input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens,
+                             total_ms=result.body["usage"]["latency_ms"], **request_detail(planned, result))
     call.status = 200
     call.timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
                    f"batch {result.batch_requests})")
@@ -210,8 +212,7 @@ def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
 
 def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
     call.status = err.status
-    if err.status >= 500 and err.status != 503:
-        call.state.telemetry.count("failed")
+    call.error = json.dumps(err.body, ensure_ascii=False)
     headers = {**call.id_headers, **(err.headers or {})}
     if close:
         headers["connection"] = "close"
@@ -237,6 +238,7 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
 async def _decide(request: Request, dialect: str) -> Response:
     call = _Call(request, dialect, request.app.state.basal)
     call.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    call.state.telemetry.request_received(call.request_id, dialect, request.headers.get("user-agent", ""))
     try:
         _check_ready(call)
         raw = await _read(call)
@@ -255,8 +257,6 @@ async def _decide(request: Request, dialect: str) -> Response:
         return _error(call, http_error(exc.status, exc.code, exc.message, dialect), close=exc.close)
     except (ClientGone, Cancelled) as exc:
         call.status = 499
-        if isinstance(exc, ClientGone):  # a job dropped in the queue is counted by its lane
-            call.state.telemetry.count("cancelled")
         where = "mid-body" if isinstance(exc, ClientGone) else "before its answer"
         log.info("request %s: client disconnected %s (cancelled)", call.request_id, where)
         return _json_response(499, {"error": "client closed request"}, call.id_headers)
@@ -266,7 +266,7 @@ async def _decide(request: Request, dialect: str) -> Response:
         return _error(call, _failure(call, exc))
     finally:
         _release(call)
-        call.state.telemetry.count("requests")
+        call.state.telemetry.request_finished(call.request_id, call.status, call.error)
         if call.state.access_log:
             log.info("[POST] %d /v1/%s %.0f ms%s", call.status, dialect,
                      (time.perf_counter() - call.arrived) * 1e3, call.timing)
@@ -322,10 +322,7 @@ async def health(request: Request) -> Response:
 @get("/api/stats")
 async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
-    snap = state.telemetry.snapshot()
-    snap["inflight"] = state.inflight
-    snap["queues"] = {name: e.waiting() for name, e in list(state.engines.items())}
-    snap["ready"] = state.ready
+    snap = stats_snapshot(state)
     snap["replicas"] = replicas(state)
     return _json_response(200, snap)
 
@@ -346,7 +343,8 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def create_app(state: AppState) -> Litestar:
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats], request_max_body_size=MAX_BODY_BYTES,
-                   openapi_config=None, exception_handlers={Exception: _http_exception})
+    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES],
+                   request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
+                   exception_handlers={Exception: _http_exception})
     app.state.basal = state
     return app

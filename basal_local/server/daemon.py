@@ -16,6 +16,7 @@ from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
 from .app import AppState, create_app
 from .body import BodyLimits
+from .events import BusLogHandler
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 
@@ -47,6 +48,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
                     log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
                              backend.device)
             engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
+            state.telemetry.memory_probe = replicas[-1].backend.memory  # the last backend's view of its device
             engine.start()
             state.engines = {**state.engines, model.name: engine}
         default = settings.default_model or next(iter(state.engines))
@@ -126,6 +128,7 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
     if settings.insecure_public and not is_loopback(settings.host) and not settings.api_key:
         print(f"basal-local: warning: serving on {settings.host} without an API key (--insecure-public): anyone "
               "who can reach this machine can use the daemon", flush=True)
+    logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
     loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
     loader.start()
     if banner:

@@ -1,0 +1,170 @@
+"""Routes for dashboards: `GET /api/events` (server-sent events), `GET /api/requests/{id}`, the stats snapshot.
+
+`/api/events` sends one JSON object per event (`data:` line, the sequence number as `id:`). A client that
+reconnects with `Last-Event-ID` (or `?since=N`) first gets the events after N still in the bounded history.
+A reader that falls behind gets `{"kind": "dropped", "count": n}` in place of what it lost, and should
+re-read `/api/stats`. Nothing here waits on the engine: the bus hands events over without blocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request, Response, get
+from litestar.response import Stream
+
+from .. import __version__
+
+if TYPE_CHECKING:
+    from .app import AppState
+
+KEEPALIVE_S = 15.0
+MAX_TEXT = 300  # instructions and option texts kept for the detail view are cut to this many characters
+
+
+def _cut(text: Any) -> str:
+    text = str(text)
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 1] + "\u2026"
+
+
+def planned_event(request_id: str, model: str, planned: Any) -> dict[str, Any]:
+    """Fields of the `planned` event from a RequestPlan."""
+    return {"id": request_id, "model": model, "questions": len(planned.request.questions),
+            "input_tokens": planned.input_tokens, "packed_tokens": planned.packed_tokens,
+            "planning_ms": round(planned.planning_s * 1000.0, 3)}
+
+
+def request_detail(planned: Any, result: Any) -> dict[str, Any]:
+    """Questions (type, instructions, options) and answers of a request, for the detail view. No state text."""
+    questions = [{"id": q.qid, "type": q.qtype, "instructions": _cut(q.instructions_text),
+                  "options": [[k, _cut(t)] for k, t in zip(q.keys, q.options)]}
+                 for q in planned.request.questions]
+    return {"questions": questions, "answers": result.body.get("answers", {})}
+
+
+def _queues(state: AppState) -> dict[str, dict[str, Any]]:
+    now = time.perf_counter()
+    running = state.telemetry.running
+    out: dict[str, dict[str, Any]] = {}
+    for name, engine in state.engines.items():
+        lanes = {}
+        for lane in (engine.main, engine.long):
+            if lane is None:
+                continue
+            jobs = list(lane.queue)  # a copy; the lane replaces the list, it never blocks us
+            oldest = max((now - j.arrival for j in jobs), default=0.0)
+            lanes[lane.name] = {"waiting": len(jobs), "waiting_tokens": sum(j.tokens for j in jobs),
+                                "oldest_wait_ms": round(oldest * 1000.0, 1),
+                                "running": dict(running.get(f"{name}/{lane.name}") or {})}
+        out[name] = lanes
+    return out
+
+
+def _models(state: AppState) -> list[dict[str, Any]]:
+    out = []
+    for name, engine in state.engines.items():
+        cfg = engine.model.config
+        s = engine.settings
+        out.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
+                    "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                    "max_positions": cfg.max_position_embeddings, "default": name == state.default_model,
+                    "calibration": {"present": engine.model.calibration.present,
+                                    "temperatures": engine.model.calibration.temperatures,
+                                    "thresholds": engine.model.calibration.thresholds},
+                    "engine": {"max_batch_tokens": s.max_batch_tokens, "schedule": s.schedule,
+                               "long_tokens": s.long_tokens, "long_slice_ms": s.long_slice_ms,
+                               "max_row_tokens": s.max_row_tokens, "max_forward_tokens": s.max_forward_tokens,
+                               "prefix_cache": s.prefix_cache}})
+    return out
+
+
+def stats_snapshot(state: AppState) -> dict[str, Any]:
+    """Everything a dashboard needs at start: identity, limits, counters, percentiles, queues, recent history."""
+    from .app import MAX_BODY_BYTES
+
+    snap = state.telemetry.snapshot()
+    snap.update({"version": __version__, "ready": state.ready, "load_error": state.load_error,
+                 "backend": state.backend_name, "device": state.device, "dtype": state.dtype,
+                 "models": _models(state), "default_model": state.default_model,
+                 "limits": {"max_inflight": state.max_inflight, "max_body_bytes": MAX_BODY_BYTES},
+                 "inflight": state.inflight, "queues": _queues(state),
+                 "subscribers": state.telemetry.bus.subscribers})
+    return snap
+
+
+def _sse(event: dict[str, Any]) -> str:
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    seq = event.get("seq")
+    return (f"id: {seq}\n" if seq else "") + f"data: {data}\n\n"
+
+
+async def _stream(state: AppState, since: int | None) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+    sub = state.telemetry.bus.subscribe(since=since)
+    sub.waker = lambda: loop.call_soon_threadsafe(wake.set)
+    try:
+        yield ": basal-local events\n\n"
+        while True:
+            items, dropped = sub.drain()
+            if items or dropped:
+                lost = [{"kind": "dropped", "count": dropped, "ts": round(time.time(), 6)}] if dropped else []
+                yield "".join(_sse(e) for e in lost + items)
+                continue  # events that came while we sent are drained before we sleep
+            # nothing between the empty drain and this clear can run: the next event's wake-up comes after it
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), KEEPALIVE_S)
+            except TimeoutError:
+                yield ": keepalive\n\n"
+    finally:
+        sub.close()
+
+
+@get("/api/events")
+async def events(request: Request) -> Stream:
+    state: AppState = request.app.state.basal
+    since: int | None = None
+    raw = request.query_params.get("since") or request.headers.get("last-event-id")
+    if raw:
+        try:
+            since = int(raw)
+        except ValueError:
+            since = None
+    return Stream(_stream(state, since), media_type="text/event-stream",
+                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+@get("/api/requests/{request_id:str}")
+async def request_record(request: Request, request_id: str) -> Response:
+    state: AppState = request.app.state.basal
+    record = state.telemetry.request(request_id)
+    if record is None:
+        return Response(content={"error": f"no request {request_id!r} in the recent history", "code": "NOT_FOUND"},
+                        status_code=404)
+    return Response(content=record, status_code=200)
+
+
+EVENT_ROUTES = [events, request_record]
+
+
+class BusLogHandler(logging.Handler):
+    """Log records as `log` events, so a dashboard's log pane shows the daemon's log (never the state text)."""
+
+    def __init__(self, state: AppState, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.state = state
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.exc_info and record.exc_info[1] is not None:
+                message += f" ({type(record.exc_info[1]).__name__}: {record.exc_info[1]})"
+            self.state.telemetry.emit("log", level=record.levelname, logger=record.name, message=message[:1000])
+        except Exception:  # logging must never raise into the caller
+            self.handleError(record)

@@ -1,0 +1,147 @@
+"""Canned daemon data for the dashboard tests: a stats snapshot, an event stream, request details.
+
+Shapes are those of the daemon's `/api/stats`, `/api/events` and `/api/requests/{id}` (test_events.py checks
+the live daemon against the same keys). Times are fixed: the app gets `clock=lambda: NOW`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+T0 = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
+NOW = T0 + 10.0
+MODEL = "basal-demo"
+
+
+def _order(rid: str, qid: str, order: int, tokens: int = 6) -> dict[str, Any]:
+    return {"tokens": tokens, "start": 0, "kind": "order", "owners": [[rid, qid, order]]}
+
+
+def _question(rid: str, qid: str, tokens: int) -> dict[str, Any]:
+    return {"tokens": tokens, "start": 0, "kind": "question", "children": [_order(rid, qid, 0), _order(rid, qid, 1)]}
+
+
+def batch_event(batch_id: int, ts: float, rids: list[str]) -> dict[str, Any]:
+    """A computed batch: one Polish row, one state per request, two questions per state."""
+    states = [{"tokens": 100 + 10 * n, "start": 0, "kind": "state",
+               "children": [_question(rid, "kind", 14), _question(rid, "urgent", 9)]} for n, rid in enumerate(rids)]
+    packed = sum(s["tokens"] + 14 + 9 + 4 * 6 for s in states)
+    unpacked = sum(4 * (57 + s["tokens"]) + 2 * 14 + 2 * 9 + 4 * 6 for s in states)
+    return {"kind": "computed", "ts": ts, "batch_id": batch_id, "model": MODEL, "lane": "main",
+            "requests": len(rids), "questions": 2 * len(rids), "prompts": 4 * len(rids), "forwards": 1,
+            "packed_tokens": packed, "unpacked_tokens": unpacked, "compute_ms": 42.5 + batch_id, "started": ts,
+            "request_ids": rids, "memory": {"host_rss_bytes": 512 * 2**20},
+            "tree": [{"lang": "pl", "prefix": "pl", "prefix_tokens": 57, "tokens": packed, "prompts": 4 * len(rids),
+                      "children": states}]}
+
+
+def request_events(rid: str, ts: float, client: str, batch: int, size: int, status: int = 200) -> list[dict]:
+    out = [{"kind": "received", "ts": ts, "id": rid, "endpoint": "systemone", "client": client}]
+    if status != 200:
+        kind = "rejected" if status < 500 or status == 529 else "failed"
+        return out + [{"kind": kind, "ts": ts + 0.002, "id": rid, "status": status, "endpoint": "systemone",
+                       "client": client, "error": '{"detail": "bad"}' if status == 422 else "overloaded"}]
+    out += [{"kind": "planned", "ts": ts + 0.001, "id": rid, "model": MODEL, "questions": 2, "input_tokens": 480,
+             "packed_tokens": 180, "planning_ms": 1.25},
+            {"kind": "queued", "ts": ts + 0.002, "id": rid, "model": MODEL, "lane": "main"},
+            {"kind": "answered", "ts": ts + 0.2, "id": rid, "status": 200, "model": MODEL, "endpoint": "systemone",
+             "client": client, "questions": 2, "input_tokens": 480, "packed_tokens": 180, "planning_ms": 1.25,
+             "queue_ms": 12.0 + batch, "compute_ms": 42.5 + batch, "total_ms": 60.0 + batch, "batch_id": batch,
+             "batch_requests": size}]
+    return out
+
+
+def canned_events() -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    clients = ["typesafe-sdk/0.7.5", "basal-client-python", "jev-cli/0.7.0"]
+    for n in range(3):
+        events += request_events(f"req-{n:04d}", T0 + n * 0.01, clients[n], 1, 3)
+    events.append({"kind": "batched", "ts": T0 + 0.05, "batch_id": 1, "model": MODEL, "lane": "main",
+                   "requests": ["req-0000", "req-0001", "req-0002"], "tokens": 500})
+    events.append(batch_event(1, T0 + 0.1, ["req-0000", "req-0001", "req-0002"]))
+    for n in range(3, 5):
+        events += request_events(f"req-{n:04d}", T0 + 5 + n * 0.01, "python-httpx/0.28.1", 2, 2)
+    events.append(batch_event(2, T0 + 5.1, ["req-0003", "req-0004"]))
+    events += request_events("req-0005", T0 + 6, "curl/8.5.0", 0, 0, status=422)
+    events += request_events("req-0006", T0 + 7, "curl/8.5.0", 0, 0, status=529)
+    events.append({"kind": "log", "ts": T0 + 8, "level": "INFO", "logger": "basal_local.daemon",
+                   "message": "loaded basal-demo from /models/demo: 2 layers, f32 on cpu"})
+    events.sort(key=lambda e: e["ts"])
+    for seq, event in enumerate(events, 1):
+        event["seq"] = seq
+    return events
+
+
+STATS: dict[str, Any] = {
+    "version": "0.1.0", "ready": True, "load_error": None, "uptime_s": 3725.0, "backend": "torch", "device": "cpu",
+    "dtype": "f32", "default_model": MODEL, "inflight": 1, "subscribers": 1, "last_seq": 0,
+    "limits": {"max_inflight": 1024, "max_body_bytes": 32 * 2**20},
+    "totals": {"received": 8, "answered": 5, "failed": 0, "rejected": 1, "overloaded": 1, "cancelled": 0,
+               "in_flight": 1},
+    "counters": {"batches": 2, "forwards": 2, "cancelled": 0},
+    "running": {}, "percentiles": {},
+    "memory": {"host_rss_bytes": 512 * 2**20, "weights_bytes": 3 * 2**20},
+    "queues": {MODEL: {"main": {"waiting": 2, "waiting_tokens": 360, "oldest_wait_ms": 35.0,
+                                "running": {"batch_id": 3, "requests": 4, "tokens": 700}},
+                       "long": {"waiting": 0, "waiting_tokens": 0, "oldest_wait_ms": 0.0, "running": {}}}},
+    "models": [{"name": MODEL, "path": "/models/demo", "version": "1.5", "layers": 2, "hidden_size": 64,
+                "vocab_size": 512, "max_positions": 4096, "default": True,
+                "calibration": {"present": True, "temperatures": {"choice": 1.1388, "noul": 1.394},
+                                "thresholds": {"0.01": 0.955, "0.05": 0.763}},
+                "engine": {"max_batch_tokens": 8192, "schedule": "hrrn", "long_tokens": 4096, "long_slice_ms": 100.0,
+                           "max_row_tokens": 32768, "max_forward_tokens": 8192, "prefix_cache": True}}],
+    "requests": [], "batches": [],
+}
+
+
+def detail(request_id: str) -> dict[str, Any]:
+    return {"id": request_id, "status": 200, "model": MODEL, "endpoint": "systemone", "client": "typesafe-sdk/0.7.5",
+            "ts": T0, "input_tokens": 480, "packed_tokens": 180, "planning_ms": 1.25,
+            "queue_ms": 13.0, "compute_ms": 43.5, "total_ms": 61.0, "batch_id": 1, "batch_requests": 3,
+            "questions": [{"id": "kind", "type": "choice", "instructions": "Jaki jest rodzaj zgłoszenia?",
+                           "options": [["damage", "Uszkodzenie"], ["late", "Opóźnienie"]]},
+                          {"id": "urgent", "type": "noul", "instructions": "Is it urgent?",
+                           "options": [["true", "Yes"], ["false", "No"]]}],
+            "answers": {"kind": {"type": "choice", "choice": "damage",
+                                 "probabilities": {"damage": 0.97, "late": 0.03}, "confidence": 0.97},
+                        "urgent": {"type": "noul", "noul": 0.3}}}
+
+
+class CannedSource:
+    """A Source for DashboardApp: the snapshot, then the events, then silence (or a disconnect)."""
+
+    url = "http://127.0.0.1:8000"
+
+    def __init__(self, events: list[dict[str, Any]] | None = None, connected: bool = True) -> None:
+        self.events = canned_events() if events is None else events
+        self.connected = connected
+        self.asked: list[str] = []
+
+    async def run(self, sink) -> None:
+        if not self.connected:
+            sink.daemon_connection(False, "connection refused (is the daemon running?)")
+        else:
+            sink.daemon_stats(copy.deepcopy(STATS))
+            sink.daemon_connection(True)
+            for event in self.events:
+                sink.daemon_event(copy.deepcopy(event))
+        await asyncio.Event().wait()
+
+    async def request(self, request_id: str) -> dict[str, Any] | None:
+        self.asked.append(request_id)
+        return detail(request_id)
+
+
+def screen_text(app) -> str:
+    """What the terminal shows now, as plain text (the same render as Textual's SVG screenshots)."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True, color_system="truecolor",
+                      record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text(styles=False)

@@ -1,0 +1,257 @@
+"""The dashboard driven by Pilot on canned daemon data: every view and every key, no server, no clock."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("textual")
+
+from basal_local.tui.app import REFRESH_STEPS, DashboardApp  # noqa: E402
+from basal_local.tui.data import DashboardData, client_name  # noqa: E402
+from basal_local.tui.screens.batches import BatchesScreen  # noqa: E402
+from basal_local.tui.screens.detail import RequestDetailScreen  # noqa: E402
+from basal_local.tui.screens.help import HelpScreen  # noqa: E402
+from basal_local.tui.screens.log import LogScreen  # noqa: E402
+from basal_local.tui.screens.models import ModelsScreen  # noqa: E402
+from basal_local.tui.screens.overview import OverviewScreen  # noqa: E402
+from basal_local.tui.screens.requests import RequestsScreen  # noqa: E402
+
+from .dashboard_canned import NOW, T0, CannedSource, canned_events, screen_text  # noqa: E402
+
+SIZE = (100, 32)
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def make_app(**kw) -> tuple[DashboardApp, CannedSource]:
+    source = CannedSource(**kw)
+    return DashboardApp(source, clock=lambda: NOW), source
+
+
+async def settle(pilot, app) -> None:
+    await pilot.pause()
+    app.redraw(force=True)
+    await pilot.pause()
+
+
+async def test_overview_header_kpis_queue_and_memory():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        assert isinstance(app.screen, OverviewScreen)
+        text = screen_text(app)
+        assert "ready" in text and "torch/cpu/f32" in text and "basal-demo" in text and "up 1h02m" in text
+        assert "http://127.0.0.1:8000" in text
+        # requests/s over the last 5 whole seconds, counted here from the canned events
+        answered = [e for e in canned_events() if e["kind"] == "answered" and NOW - 5 <= e["ts"] < int(NOW)]
+        assert f"{len(answered) / 5:.1f}" == app.screen.query_one("#kpi-rps").query_one("Label").content
+        decisions = sum(e["questions"] for e in answered) / 5
+        assert f"{decisions:.1f}" in text
+        assert "1 / 1024" in text  # in flight vs limit
+        assert "batch 3: 4 req" in text and "35 ms" in text  # the running batch and the oldest wait
+        assert "host RSS 512.0 MiB" in text and "weights 3.0 MiB" in text
+        assert "529 overloaded" in text
+
+
+async def test_number_keys_switch_views_and_back():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        for key, kind in [("2", RequestsScreen), ("3", BatchesScreen), ("4", ModelsScreen), ("5", LogScreen),
+                          ("1", OverviewScreen)]:
+            await pilot.press(key)
+            await pilot.pause()
+            assert isinstance(app.screen, kind), key
+
+
+async def test_requests_table_newest_first_sort_and_filter():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("2")
+        await settle(pilot, app)
+        screen = app.screen
+        table = screen.query_one("#requests")
+        ids = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+        assert ids == [f"req-{n:04d}" for n in range(6, -1, -1)]  # newest first
+        row = {c.key.value: str(v) for c, v in zip(table.ordered_columns, table.get_row_at(ids.index("req-0003")))}
+        assert row["client"] == "httpx" and row["model"] == "basal-demo" and row["batch_id"] == "2"
+        assert row["queue_ms"] == "14" and row["compute_ms"] == "44" and row["status"] == "200"
+        assert row["input_tokens"] == "480" and row["questions"] == "2"
+        await pilot.press("s")  # by queue ms, largest first
+        await pilot.pause()
+        assert "sorted by queue ms" in screen_text(app)
+        first = [str(table.get_row_at(i)[0]) for i in range(2)]
+        assert set(first) == {"req-0003", "req-0004"}  # queue 14 ms beat 13 ms
+        await pilot.press("slash")
+        await pilot.pause()
+        assert screen.query_one("#filter").has_focus
+        await pilot.press(*"curl")
+        await pilot.pause()
+        assert table.row_count == 2  # the two curl requests
+        await pilot.press("enter")  # keep the filter, back to the table
+        await pilot.pause()
+        assert table.has_focus and table.row_count == 2
+        await pilot.press("escape")  # clears it
+        await pilot.pause()
+        assert table.row_count == 7
+        await pilot.press("slash", *">61", "enter")
+        await pilot.pause()
+        assert sorted(str(table.get_row_at(i)[0]) for i in range(table.row_count)) == ["req-0003", "req-0004"]
+
+
+async def test_enter_opens_a_request_with_bars_confidence_and_timings():
+    app, source = make_app()
+    async with app.run_test(size=(110, 40)) as pilot:
+        await pilot.press("2")
+        await settle(pilot, app)
+        await pilot.press("down", "down", "down", "down")  # req-0002
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, RequestDetailScreen)
+        assert source.asked == ["req-0002"]
+        text = screen_text(app)
+        assert "Uszkodzenie" in text and "97.0 %" in text and "3.0 %" in text
+        assert "30.0 %" in text and "70.0 %" in text  # noul 0.3: yes and no
+        assert "confidence 0.970" in text and "\u2713 1 % error needs 0.955" in text
+        assert "\u2717 1 % error needs 0.955" in text  # the noul answer, confidence 0.7, meets neither
+        assert "queue 13" in text and "compute 44" in text and "total 61" in text
+        await pilot.press("escape")
+        await pilot.pause()
+        assert isinstance(app.screen, RequestsScreen)
+
+
+async def test_batches_view_shows_the_tree_with_tokens_and_owners():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("3")
+        await settle(pilot, app)
+        tree = app.screen.query_one("#tree")
+        assert tree.root.label.plain.startswith("batch 2")
+        batch = next(e for e in canned_events() if e.get("batch_id") == 2 and e["kind"] == "computed")
+        assert f"{batch['packed_tokens']}/{batch['unpacked_tokens']:,} tok" in tree.root.label.plain
+        row = tree.root.children[0]
+        assert "cached template 57 tok" in row.label.plain
+        states = row.children
+        assert [s.label.plain for s in states] == ["state 100 tok", "state 110 tok"]
+        question = states[0].children[0]
+        assert question.label.plain == "question 14 tok"
+        assert [leaf.label.plain for leaf in question.children] == ["order 6 tok  \u2190 req-0003:kind#0",
+                                                                   "order 6 tok  \u2190 req-0003:kind#1"]
+        saved = 100 * (1 - batch["packed_tokens"] / batch["unpacked_tokens"])
+        assert f"{saved:.0f} % saved" in screen_text(app)
+        await pilot.press("down")  # the older batch
+        await pilot.pause()
+        assert tree.root.label.plain.startswith("batch 1")
+        assert len(tree.root.children[0].children) == 3
+
+
+async def test_models_and_log_views():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("4")
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "/models/demo" in text and "8192 tokens/batch" in text and "1 % error: 0.955" in text
+        await pilot.press("5")
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "loaded basal-demo" in text and "req-0005 422" in text and "req-0006 529" in text
+
+
+async def test_pause_freezes_the_display_and_resume_catches_up():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("2")
+        await settle(pilot, app)
+        table = app.screen.query_one("#requests")
+        await pilot.press("p")
+        assert app.paused
+        app.daemon_event({"kind": "received", "ts": T0 + 9, "id": "req-late", "endpoint": "basal", "client": ""})
+        app.tick()
+        await pilot.pause()
+        assert table.row_count == 7 and "PAUSED" in screen_text(app)
+        await pilot.press("p")
+        app.tick()
+        await pilot.pause()
+        assert not app.paused and table.row_count == 8
+
+
+async def test_plus_minus_change_the_refresh_period():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.refresh_s == 0.5
+        await pilot.press("plus")
+        assert app.refresh_s == 0.25
+        await pilot.press("plus")
+        assert app.refresh_s == REFRESH_STEPS[0]
+        await pilot.press("minus", "minus", "minus")
+        assert app.refresh_s == 2.0
+
+
+async def test_help_opens_and_closes_and_q_quits():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen) and "filter requests" in screen_text(app)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert isinstance(app.screen, OverviewScreen)
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.return_code == 0 and not app.is_running
+
+
+async def test_disconnected_daemon_is_said_in_words():
+    app, _ = make_app(connected=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "DISCONNECTED" in text and "retrying" in text
+        app.daemon_connection(True)
+        await pilot.pause()
+        assert "DISCONNECTED" not in screen_text(app)
+
+
+async def test_every_view_fits_80x24():
+    app, _ = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        for key in "12345":
+            await pilot.press(key)
+            await settle(pilot, app)
+            lines = screen_text(app).splitlines()
+            assert len(lines) == 24 and "quit" in lines[-1], key  # the footer is on screen
+
+
+def test_no_color_is_respected(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    app, _ = make_app()
+    assert app.no_color
+
+
+def test_client_names_from_user_agents():
+    assert client_name("typesafe-sdk/0.7.5") == "typesafe-sdk"
+    assert client_name("basal-client-python") == "basal-client"
+    assert client_name("jev-cli/0.7.0") == "jev-cli"
+    assert client_name("Python/3.11 aiohttp/3.9.5") == "aiohttp"
+    assert client_name("python-httpx/0.28.1") == "httpx"
+    assert client_name("") == "-"
+
+
+def test_data_rates_and_percentiles_from_event_times():
+    data = DashboardData(clock=lambda: NOW)
+    for event in canned_events():
+        data.apply(event)
+    assert data.series("requests", 10) == [3, 0, 0, 0, 0, 2, 0, 0, 0, 0]
+    assert data.series("overloaded", 10)[7] == 1
+    assert data.latency(0, 50) == 13.0 and data.latency(1, 95) == 44.5
+    assert data.requests["req-0001"]["status"] == 200 and data.requests["req-0005"]["status"] == 422

@@ -1,0 +1,189 @@
+"""What the dashboard knows: the last stats snapshot plus everything the event stream said since.
+
+Plain Python, no Textual: `DashboardData.apply(event)` folds one event in, `load_stats(snapshot)` takes a
+`/api/stats` answer. Rates come from per-second buckets keyed by the events' own timestamps, so canned
+events give the same picture every time. Everything is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_REQUESTS = 500
+MAX_BATCHES = 40
+MAX_LOG = 1000
+SERIES_S = 120  # seconds of sparkline history
+TERMINAL = {"answered", "failed", "rejected", "cancelled"}
+KNOWN_CLIENTS = {"python-httpx": "httpx", "python-urllib": "urllib", "basal-client-python": "basal-client",
+                 "python-requests": "requests"}
+
+
+def client_name(user_agent: str) -> str:
+    """A short client name from a User-Agent: `typesafe-sdk/0.7.5` -> `typesafe-sdk`."""
+    ua = (user_agent or "").strip()
+    if not ua:
+        return "-"
+    if "aiohttp" in ua:
+        return "aiohttp"
+    first = ua.split()[0].split("/")[0]
+    return KNOWN_CLIENTS.get(first.lower(), first)[:20]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile, as the daemon computes it."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(min(rank, len(ordered))) - 1]
+
+
+@dataclass
+class LogLine:
+    ts: float
+    level: str
+    source: str
+    message: str
+
+
+@dataclass
+class DashboardData:
+    clock: Callable[[], float] = time.time
+    url: str = ""
+    connected: bool = False
+    error: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+    stats_at: float = 0.0
+    requests: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
+    batches: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_BATCHES))
+    running: dict[str, dict[str, Any]] = field(default_factory=dict)
+    log: deque[LogLine] = field(default_factory=lambda: deque(maxlen=MAX_LOG))
+    # second -> {"requests", "decisions", "tokens", "errors", "overloaded"}
+    buckets: dict[int, dict[str, float]] = field(default_factory=dict)
+    latencies: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=500))
+    last_seq: int = 0
+    events_seen: int = 0
+    version: int = 0  # bumped on every change, so views redraw only when something happened
+
+    # ---- input -------------------------------------------------------------------------------------------
+    def load_stats(self, snap: dict[str, Any]) -> None:
+        first = not self.stats
+        self.stats = snap
+        self.stats_at = self.clock()
+        if first:  # history from before we attached: the table and the batch view are not empty
+            for record in snap.get("requests", []):
+                row = self._row(record["id"], record.get("ts", 0.0))
+                row.update({k: v for k, v in record.items() if k != "id"})
+                if record.get("status") == 200 and "queue_ms" in record:
+                    self.latencies.append((record["queue_ms"], record.get("compute_ms", 0.0)))
+            for batch in snap.get("batches", []):
+                self.batches.append(batch)
+            self.last_seq = max(self.last_seq, int(snap.get("last_seq", 0)))
+        self.version += 1
+
+    def set_connected(self, connected: bool, error: str = "") -> None:
+        if connected != self.connected:
+            text = f"connected to {self.url}" if connected else f"disconnected from {self.url}: {error}"
+            self.log.append(LogLine(self.clock(), "INFO" if connected else "WARNING", "dashboard", text))
+        self.connected = connected
+        self.error = error
+        self.version += 1
+
+    def apply(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind", "")
+        ts = float(event.get("ts", 0.0))
+        self.events_seen += 1
+        self.last_seq = max(self.last_seq, int(event.get("seq", 0) or 0))
+        self.version += 1
+        if kind == "received":
+            row = self._row(event["id"], ts)
+            row.update(endpoint=event.get("endpoint", ""), client=event.get("client", ""), status="received")
+        elif kind == "planned":
+            row = self._row(event["id"], ts)
+            row.update({k: event[k] for k in ("model", "questions", "input_tokens", "packed_tokens", "planning_ms")
+                        if k in event})
+            row["status"] = "planned"
+        elif kind == "queued":
+            row = self._row(event["id"], ts)
+            row.update(lane=event.get("lane", ""), model=event.get("model", row.get("model")), status="queued")
+        elif kind == "batched":
+            self.running[f"{event.get('model')}/{event.get('lane')}"] = event
+            for rid in event.get("requests", []):
+                row = self.requests.get(rid)
+                if row is not None and row.get("status") not in TERMINAL:
+                    row.update(batch_id=event.get("batch_id"), status="computing")
+        elif kind == "computed":
+            self.running.pop(f"{event.get('model')}/{event.get('lane')}", None)
+            self.batches.append(event)
+            self._bucket(ts)["tokens"] += event.get("packed_tokens", 0)
+        elif kind in TERMINAL:
+            row = self._row(event["id"], ts)
+            row.update({k: v for k, v in event.items() if k not in ("kind", "seq", "ts", "id")})
+            row["done_ts"] = ts
+            status = int(event.get("status", 0))
+            bucket = self._bucket(ts)
+            if kind == "answered":
+                bucket["requests"] += 1
+                bucket["decisions"] += int(event.get("questions", 0) or 0)
+                queue_ms, compute_ms = float(event.get("queue_ms", 0.0)), float(event.get("compute_ms", 0.0))
+                self.latencies.append((queue_ms, compute_ms))
+                bucket["queue_ms"] = max(bucket["queue_ms"], queue_ms)  # the sparklines show each second's worst
+                bucket["compute_ms"] = max(bucket["compute_ms"], compute_ms)
+            elif status == 529:
+                bucket["overloaded"] += 1
+            elif kind == "failed":
+                bucket["errors"] += 1
+            if kind in ("failed", "rejected"):
+                level = "ERROR" if kind == "failed" else "WARNING"
+                self.log.append(LogLine(ts, level, "request", f"{event['id']} {status} {event.get('error', '')}"))
+        elif kind == "log":
+            self.log.append(LogLine(ts, event.get("level", "INFO"), event.get("logger", ""), event.get("message", "")))
+        elif kind == "dropped":
+            self.log.append(LogLine(ts, "WARNING", "dashboard",
+                                    f"the dashboard fell behind: {event.get('count')} events lost"))
+
+    def _row(self, request_id: str, ts: float) -> dict[str, Any]:
+        row = self.requests.get(request_id)
+        if row is None:
+            row = {"id": request_id, "ts": ts}
+            self.requests[request_id] = row
+            while len(self.requests) > MAX_REQUESTS:
+                self.requests.popitem(last=False)
+        return row
+
+    def _bucket(self, ts: float) -> dict[str, float]:
+        second = int(ts)
+        bucket = self.buckets.get(second)
+        if bucket is None:
+            bucket = self.buckets[second] = {"requests": 0, "decisions": 0, "tokens": 0, "errors": 0,
+                                             "overloaded": 0, "queue_ms": 0.0, "compute_ms": 0.0}
+            for old in [s for s in self.buckets if s < second - SERIES_S]:
+                del self.buckets[old]
+        return bucket
+
+    # ---- views -------------------------------------------------------------------------------------------
+    def series(self, name: str, seconds: int = 60) -> list[float]:
+        """Per-second values of the last `seconds` complete seconds (oldest first)."""
+        now = int(self.clock())
+        return [self.buckets.get(s, {}).get(name, 0) for s in range(now - seconds, now)]
+
+    def rate(self, name: str, seconds: int = 5) -> float:
+        return sum(self.series(name, seconds)) / seconds
+
+    def latency(self, which: int, q: float) -> float | None:
+        return percentile([lat[which] for lat in self.latencies], q)
+
+    def uptime(self) -> float | None:
+        if "uptime_s" not in self.stats:
+            return None
+        return float(self.stats["uptime_s"]) + (self.clock() - self.stats_at if self.connected else 0.0)
+
+    def thresholds(self, model: str) -> dict[str, float]:
+        for entry in self.stats.get("models", []):
+            if entry.get("name") == model:
+                return entry.get("calibration", {}).get("thresholds", {})
+        return {}

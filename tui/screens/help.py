@@ -1,0 +1,42 @@
+"""`?`: what every key does."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+HELP = """\
+[b]basal-local top[/b]: a live view of a basal-local daemon
+
+[b]1[/b] overview   KPIs, queue per model and lane, memory
+[b]2[/b] requests   every recent request; [b]Enter[/b] opens one
+[b]3[/b] batches    the last batches as prefix trees
+[b]4[/b] models     models, engine settings, calibration, device
+[b]5[/b] log        the daemon's log
+
+[b]/[/b]  filter requests (words; [b]>200[/b] = slower than 200 ms)
+[b]s[/b]  sort requests (time, queue, compute, status, model, client)
+[b]p[/b]  pause / resume the display (data keeps coming)
+[b]+ -[/b] refresh faster / slower
+[b]Esc[/b] back / clear the filter      [b]q[/b] quit
+
+Rates are per second over the last 5 s; sparklines show the last minute.
+Counters add up: received = answered + failed + rejected + 529 + cancelled + in flight."""
+
+
+class HelpScreen(ModalScreen):
+    BINDINGS = [Binding("escape", "dismiss", "Back"), Binding("question_mark", "dismiss", "Back", show=False),
+                Binding("q", "dismiss", "Back", show=False)]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 76; max-width: 100%; height: auto; max-height: 100%;
+                                  border: round $accent; padding: 0 1; background: $surface; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll() as box:
+            box.border_title = "keys"
+            yield Static(HELP)

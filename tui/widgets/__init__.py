@@ -1,0 +1,1 @@
+"""Reusable dashboard widgets; each keeps its own DEFAULT_CSS."""

@@ -1,0 +1,84 @@
+"""A batch as the engine packed it: rows (one prefix trie per language) -> template -> state -> question -> orders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.widgets import Tree
+from textual.widgets.tree import TreeNode
+
+from .format import ms, short_id
+
+KIND_STYLE = {"template": "magenta", "state": "cyan", "question": "yellow", "order": "green"}
+
+
+def batch_label(batch: dict[str, Any]) -> Text:
+    packed, unpacked = batch.get("packed_tokens", 0), batch.get("unpacked_tokens", 0)
+    saved = 100.0 * (1 - packed / unpacked) if unpacked else 0.0
+    text = Text()
+    text.append(f"batch {batch.get('batch_id')}", style="bold")
+    text.append(f"  {batch.get('model')}/{batch.get('lane')}  {batch.get('requests')} req "
+                f"{batch.get('questions')} q  {packed:,}/{unpacked:,} tok ({saved:.0f} % saved)  "
+                f"{ms(batch.get('compute_ms'))} ms")
+    return text
+
+
+def row_label(n: int, row: dict[str, Any]) -> Text:
+    text = Text(f"row {n} [{row.get('lang')}] ", style="bold")
+    if row.get("prefix"):
+        text.append(f"cached template {row.get('prefix_tokens', 0)} tok + ", style=KIND_STYLE["template"])
+    text.append(f"{row.get('tokens', 0):,} tok, {row.get('prompts', 0)} prompts")
+    return text
+
+
+def block_label(block: dict[str, Any]) -> Text:
+    kind = block.get("kind", "block")
+    text = Text()
+    text.append(f"{kind} ", style=KIND_STYLE.get(kind, ""))
+    text.append(f"{block.get('tokens', 0)} tok")
+    owners = block.get("owners") or []
+    if owners:
+        names = ", ".join(f"{short_id(str(o[0]))}:{o[1]}#{o[2]}" for o in owners[:3])
+        more = f" +{len(owners) - 3}" if len(owners) > 3 else ""
+        text.append(f"  \u2190 {names}{more}", style="dim")
+    return text
+
+
+def _add_blocks(node: TreeNode, blocks: list[dict[str, Any]], expand_depth: int) -> None:
+    for block in blocks:
+        children = block.get("children") or []
+        if children:
+            child = node.add(block_label(block), expand=expand_depth > 0)
+            _add_blocks(child, children, expand_depth - 1)
+        else:
+            node.add_leaf(block_label(block))
+
+
+def fill_tree(tree: Tree, batch: dict[str, Any] | None, expand_depth: int = 3) -> None:
+    tree.clear()
+    if batch is None:
+        tree.root.set_label(Text("no batch yet"))
+        return
+    tree.root.set_label(batch_label(batch))
+    for n, row in enumerate(batch.get("tree") or []):
+        node = tree.root.add(row_label(n, row), expand=True)
+        _add_blocks(node, row.get("children") or [], expand_depth)
+    tree.root.expand()
+
+
+class BatchTree(Tree):
+    DEFAULT_CSS = """
+    BatchTree { height: 1fr; }
+    """
+
+    def __init__(self, id: str | None = None) -> None:
+        super().__init__("no batch yet", id=id)
+        self.shown: int | None = None
+
+    def show(self, batch: dict[str, Any] | None) -> None:
+        batch_id = None if batch is None else batch.get("batch_id")
+        if batch_id == self.shown and batch is not None:
+            return
+        self.shown = batch_id
+        fill_tree(self, batch)
