@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import http
+from .conftest import Daemon, http
 
 M = "basal-test-tiny"
 TEMPS = {"choice": 1.1387886347566916, "noul": 1.3939382634489992, "score": 1.5422108254079405}
@@ -79,6 +79,17 @@ def calibrate(p, t):
 
 
 @pytest.fixture(scope="module")
+def daemon(tiny_model):
+    """The daemon over a real socket; a generous start-up wait (a loaded 2-core CI box), never left running."""
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu"])
+    try:
+        d.wait_ready(timeout=300)
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
 def ref(tiny_model):
     return Reference(tiny_model)
 
@@ -135,7 +146,9 @@ def test_act_matches_reference(daemon, ref, dialect):
     ans = out["answers"]["refund"]
     expected = {a: sum(pi * c for pi, c in zip(p, row.values())) for a, row in costs.items()}
     assert ans["expected_costs"].keys() == expected.keys()
-    assert all(abs(ans["expected_costs"][a] - round(v, 6)) <= 2e-6 for a, v in expected.items())
+    # probabilities agree to ~1e-5, so expected costs agree to ~1e-5 x the largest cost
+    assert all(abs(ans["expected_costs"][a] - round(v, 6)) <= 2e-5 * 1240 for a, v in expected.items())
+    assert all(ans["expected_costs"][a] == round(ans["expected_costs"][a], 6) for a in expected)
     best = min(expected, key=expected.get)
     if max(p) < 0.763 and best != "human":
         assert ans["action"] == "human" and ans["refused"] == best
@@ -149,7 +162,7 @@ def test_act_matches_reference(daemon, ref, dialect):
     ans = out["answers"]["route"]
     rows = {"courier": [0, 10, 10], "shop": [10, 0, 10], "none": [10, 10, 0], "defer": [4, 4, 4]}
     expected = {a: float(np.dot(q, r)) for a, r in rows.items()}
-    assert all(abs(ans["expected_costs"][a] - round(v, 6)) <= 2e-6 for a, v in expected.items())
+    assert all(abs(ans["expected_costs"][a] - round(v, 6)) <= 2e-4 for a, v in expected.items())
     assert ans["max_error"] == "no certified threshold for this target" and ans["calibration"] == "validated"
     assert ans["action"] == min(expected, key=expected.get)
     assert out["usage"]["input_tokens"] == t1 + t2 and out["usage"]["branches"] == 2
