@@ -22,7 +22,10 @@ LAYERS = 10
 
 
 class FakeBackend:
-    """Sleeps tokens x 100 us per forward, spread over 10 layers; counts forwards."""
+    """Sleeps tokens x 100 us per forward, spread over 10 layers; counts forwards.
+
+    `hold()` makes the next forwards wait until `release()`, so a test can queue requests behind a running
+    batch without racing the clock."""
 
     name = "fake"
     device = "cpu"
@@ -30,6 +33,16 @@ class FakeBackend:
     def __init__(self) -> None:
         self.calls = 0
         self.lock = threading.Lock()
+        self.running = threading.Event()
+        self._gate = threading.Event()
+        self._gate.set()
+
+    def hold(self) -> None:
+        self.running.clear()
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
 
     def add_prefix(self, key, ids) -> None:
         pass
@@ -41,6 +54,8 @@ class FakeBackend:
     def forward_steps(self, batch):
         with self.lock:
             self.calls += 1
+        self.running.set()
+        self._gate.wait(timeout=30)
         per_layer = batch.num_tokens * US_PER_TOKEN / LAYERS
         for _ in range(LAYERS - 1):
             time.sleep(per_layer)
@@ -76,16 +91,22 @@ def submit_timed(engine, p, done_at: dict, key, **kw):
 
 @pytest.mark.parametrize("schedule", ["hrrn", "fifo"])
 def test_short_requests_overtake_a_long_one_only_with_hrrn(model, schedule):
-    engine, _ = make_engine(model, schedule=schedule, long_tokens=0, max_batch_tokens=600)
+    engine, backend = make_engine(model, schedule=schedule, long_tokens=0, max_batch_tokens=600)
     try:
         done: dict = {}
-        blocker = submit_timed(engine, plan(engine, model, 1200, "blocker"), done, "blocker")
-        time.sleep(0.02)
         long_plan = plan(engine, model, 1200, "long")
         assert long_plan.packed_tokens > 1000
+        short_plans = [plan(engine, model, 5, f"s{i}") for i in range(4)]
+        backend.hold()
+        blocker = submit_timed(engine, plan(engine, model, 1200, "blocker"), done, "blocker")
+        assert backend.running.wait(timeout=30)
+        long_plan.arrival = time.perf_counter()
         jobs = [submit_timed(engine, long_plan, done, "long")]
         time.sleep(0.01)  # the long one arrived first
-        jobs += [submit_timed(engine, plan(engine, model, 5, f"s{i}"), done, f"s{i}") for i in range(4)]
+        for i, p in enumerate(short_plans):
+            p.arrival = time.perf_counter()
+            jobs.append(submit_timed(engine, p, done, f"s{i}"))
+        backend.release()
         wait([blocker.future] + [j.future for j in jobs], timeout=30)
         shorts_before_long = all(done[f"s{i}"] < done["long"] for i in range(4))
         assert shorts_before_long == (schedule == "hrrn")
@@ -127,11 +148,16 @@ def test_long_lane_keeps_short_p95_far_below_fifo(model):
 
 def test_long_lane_runs_one_request_at_a_time(model):
     """Requests above long_tokens queue in the long lane; each batch there holds exactly one of them."""
-    engine, _ = make_engine(model, long_tokens=300, max_batch_tokens=100_000)
+    engine, backend = make_engine(model, long_tokens=300, max_batch_tokens=100_000)
     try:
         plans = [plan(engine, model, 400, f"long{i}") for i in range(4)]
         assert all(p.packed_tokens > 300 for p in plans)
-        jobs = [engine.submit(p) for p in plans]  # the first one runs; three wait together in the queue
+        backend.hold()
+        jobs = [engine.submit(plans[0])]
+        assert backend.running.wait(timeout=30)
+        jobs += [engine.submit(p) for p in plans[1:]]  # three wait together in the long lane's queue
+        assert engine.long.waiting() == 3
+        backend.release()
         results = [j.future.result(timeout=30) for j in jobs]
         long_batches = [b for b in engine.telemetry.batches if b.lane == "long"]
         assert [b.requests for b in long_batches] == [1, 1, 1, 1]
@@ -162,9 +188,12 @@ def test_cancelled_requests_cost_no_forward(model):
 def test_batches_form_within_the_token_budget(model):
     engine, backend = make_engine(model, long_tokens=0, max_batch_tokens=8192)
     try:
+        plans = [plan(engine, model, 20, f"s{i}") for i in range(10)]
+        backend.hold()
         blocker = engine.submit(plan(engine, model, 600, "blocker"))
-        time.sleep(0.01)
-        jobs = [engine.submit(plan(engine, model, 20, f"s{i}")) for i in range(10)]
+        assert backend.running.wait(timeout=30)
+        jobs = [engine.submit(p) for p in plans]
+        backend.release()
         results = [j.future.result(timeout=30) for j in jobs]
         blocker.future.result(timeout=30)
         assert max(r.batch_requests for r in results) == 10  # queued during the blocker, one batch after it

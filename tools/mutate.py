@@ -123,7 +123,8 @@ MUTATIONS = [
       "pyproject.toml", '    "basal_local.backends.torch",\n', "",
       "tests/test_packaging.py::test_wheel_installs_under_one_namespace"),
     m("daemon-pipe-undrained", "the test daemon's output is drained (a chatty daemon cannot hang the run)",
-      "tests/conftest.py", "        self._drain.start()", "        pass", "tests/test_harness.py"),
+      "tests/conftest.py", "        for line in self.proc.stdout:\n            self._lines.append(line)",
+      "        return", "tests/test_harness.py"),
 ]
 
 
