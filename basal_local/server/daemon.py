@@ -117,7 +117,9 @@ def _http_protocol() -> type:
         return _answer_half_closed(H11Protocol)
 
 
-def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
+def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tuple[AppState, uvicorn.Config]:
+    """The daemon's state, its guarded app in a uvicorn config, and the loader thread started (models load in
+    the background; /health answers 503 until then). `quiet`: print nothing (the dashboard owns the screen)."""
     limits = BodyLimits(settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
                      access_log=settings.access_log, log_bodies=settings.log_bodies, limits=limits)
@@ -126,16 +128,26 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
     # INFO: the access log, disconnects mid-body, and the bodies when asked
     logging.getLogger("basal_local.server").setLevel(logging.INFO)
     if settings.insecure_public and not is_loopback(settings.host) and not settings.api_key:
-        print(f"basal-local: warning: serving on {settings.host} without an API key (--insecure-public): anyone "
-              "who can reach this machine can use the daemon", flush=True)
-    logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
+        log.warning("serving on %s without an API key (--insecure-public): anyone who can reach this machine "
+                    "can use the daemon", settings.host)
+        if not quiet:
+            print(f"basal-local: warning: serving on {settings.host} without an API key (--insecure-public): "
+                  "anyone who can reach this machine can use the daemon", flush=True)
+    if not quiet:  # quiet callers route every record to the log pane themselves
+        logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
     loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
     loader.start()
-    if banner:
-        print(banner, flush=True)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_keep_alive=35, access_log=False, http=_http_protocol(),
-                            timeout_graceful_shutdown=max(1, round(settings.drain_s)))
+                            timeout_graceful_shutdown=max(1, round(settings.drain_s)),
+                            **({"log_config": None} if quiet else {}))
+    return state, config
+
+
+def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
+    state, config = build(settings, model_dirs)
+    if banner:
+        print(banner, flush=True)
     server = _Server(config)
     try:
         server.run()

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import AppState, create_app
-from .daemon import load_engines
+from .app import AppState
+from .daemon import build, shutdown
 from .events import BusLogHandler
 from .settings import Settings
 
@@ -111,13 +111,9 @@ def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, 
 def serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: bool = False) -> int:
     from basal_local.tui.run import run_top
 
-    state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
-                     access_log=settings.access_log)
+    # the same guarded app, limits and server options as `serve`; the log goes to the dashboard's log pane
+    state, config = build(settings, model_dirs, quiet=True)
     _route_logging(state)
-    app = create_app(state)
-    threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True).start()
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, log_level="warning",
-                            timeout_keep_alive=35, access_log=False)
     server = uvicorn.Server(config)
     failed: list[BaseException] = []
 
@@ -146,7 +142,6 @@ def serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: bo
         stop.set()
         server.should_exit = True
         thread.join(timeout=10)
-        for engine in state.engines.values():
-            engine.stop()
+        shutdown(state)
     print("basal-local: stopped", flush=True)
     return code
