@@ -59,7 +59,7 @@ def canned_events() -> list[dict[str, Any]]:
     for n in range(3):
         events += request_events(f"req-{n:04d}", T0 + n * 0.01, clients[n], 1, 3)
     events.append({"kind": "batched", "ts": T0 + 0.05, "batch_id": 1, "model": MODEL, "lane": "main",
-                   "requests": ["req-0000", "req-0001", "req-0002"], "tokens": 500})
+                   "request_ids": ["req-0000", "req-0001", "req-0002"], "tokens": 500})
     events.append(batch_event(1, T0 + 0.1, ["req-0000", "req-0001", "req-0002"]))
     for n in range(3, 5):
         events += request_events(f"req-{n:04d}", T0 + 5 + n * 0.01, "python-httpx/0.28.1", 2, 2)
@@ -100,7 +100,7 @@ def detail(request_id: str) -> dict[str, Any]:
     return {"id": request_id, "status": 200, "model": MODEL, "endpoint": "systemone", "client": "typesafe-sdk/0.7.5",
             "ts": T0, "input_tokens": 480, "packed_tokens": 180, "planning_ms": 1.25,
             "queue_ms": 13.0, "compute_ms": 43.5, "total_ms": 61.0, "batch_id": 1, "batch_requests": 3,
-            "questions": [{"id": "kind", "type": "choice", "instructions": "Jaki jest rodzaj zgłoszenia?",
+            "asked": [{"id": "kind", "type": "choice", "instructions": "Jaki jest rodzaj zgłoszenia?",
                            "options": [["damage", "Uszkodzenie"], ["late", "Opóźnienie"]]},
                           {"id": "urgent", "type": "noul", "instructions": "Is it urgent?",
                            "options": [["true", "Yes"], ["false", "No"]]}],

@@ -112,7 +112,7 @@ class DashboardData:
             row.update(lane=event.get("lane", ""), model=event.get("model", row.get("model")), status="queued")
         elif kind == "batched":
             self.running[f"{event.get('model')}/{event.get('lane')}"] = event
-            for rid in event.get("requests", []):
+            for rid in event.get("request_ids", []):
                 row = self.requests.get(rid)
                 if row is not None and row.get("status") not in TERMINAL:
                     row.update(batch_id=event.get("batch_id"), status="computing")

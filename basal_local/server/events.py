@@ -44,7 +44,7 @@ def request_detail(planned: Any, result: Any) -> dict[str, Any]:
     questions = [{"id": q.qid, "type": q.qtype, "instructions": _cut(q.instructions_text),
                   "options": [[k, _cut(t)] for k, t in zip(q.keys, q.options)]}
                  for q in planned.request.questions]
-    return {"questions": questions, "answers": result.body.get("answers", {})}
+    return {"asked": questions, "answers": result.body.get("answers", {})}
 
 
 def _queues(state: AppState) -> dict[str, dict[str, Any]]:
@@ -141,8 +141,9 @@ async def events(request: Request) -> Stream:
 
 
 @get("/api/requests/{request_id:str}")
-async def request_record(request: Request, request_id: str) -> Response:
+async def request_record(request: Request) -> Response:
     state: AppState = request.app.state.basal
+    request_id = request.path_params["request_id"]
     record = state.telemetry.request(request_id)
     if record is None:
         return Response(content={"error": f"no request {request_id!r} in the recent history", "code": "NOT_FOUND"},

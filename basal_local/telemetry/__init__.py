@@ -19,7 +19,7 @@ from .bus import Event, EventBus, Subscription
 __all__ = ["BatchRecord", "Event", "EventBus", "Subscription", "Telemetry", "outcome_of", "percentile"]
 
 OUTCOMES = ("answered", "failed", "rejected", "overloaded", "cancelled")
-DETAIL_KEYS = ("questions", "answers")  # kept for GET /api/requests/{id}, left out of lists and events
+DETAIL_KEYS = ("asked", "answers")  # kept for GET /api/requests/{id}, left out of lists and events
 MEMORY_EVERY_S = 1.0  # device memory is sampled at most this often on the batch path
 
 
@@ -115,7 +115,7 @@ class Telemetry:
         with self._lock:
             self.running[f"{model}/{lane}"] = {"batch_id": batch_id, "requests": len(request_ids),
                                                "started": time.time(), "tokens": tokens}
-        self.bus.emit("batched", batch_id=batch_id, model=model, lane=lane, requests=request_ids, tokens=tokens)
+        self.bus.emit("batched", batch_id=batch_id, model=model, lane=lane, request_ids=request_ids, tokens=tokens)
 
     def memory(self, max_age_s: float = MEMORY_EVERY_S) -> dict[str, int]:
         """Device and host memory, sampled at most every `max_age_s` seconds."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
+from textual.css.query import NoMatches
 from textual.screen import Screen
 
 from ..data import DashboardData
@@ -43,9 +44,12 @@ class DashboardScreen(Screen):
         key = (data.version, int(data.clock()), self.dashboard.paused)
         if key == self._drawn and not force:
             return
+        try:
+            self.query_one(StatusBar).show(data, self.dashboard.paused)
+            self.refresh_data(data)
+        except NoMatches:  # still composing: the next tick draws it
+            return
         self._drawn = key
-        self.query_one(StatusBar).show(data, self.dashboard.paused)
-        self.refresh_data(data)
 
     def refresh_data(self, data: DashboardData) -> None:
         """Draw the view's body from the data (called on the refresh tick while this view is shown)."""

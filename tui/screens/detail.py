@@ -57,7 +57,7 @@ def detail_renderable(record: dict[str, Any], thresholds: dict[str, float]) -> G
     head.add_row("batch", f"{record.get('batch_id', '-')} ({record.get('batch_requests', '-')} requests)")
     parts: list = [head, Text("")]
     answers = record.get("answers") or {}
-    for question in record.get("questions") or []:
+    for question in record.get("asked") or []:
         qid = question.get("id")
         answer = answers.get(qid, {})
         title = Text(f"{qid} ", style="bold")
@@ -81,7 +81,7 @@ def detail_renderable(record: dict[str, Any], thresholds: dict[str, float]) -> G
         line = Text("  " + "  ".join(extra))
         line.append_text(confidence_text(conf, thresholds))
         parts += [line, Text("")]
-    if not record.get("questions"):
+    if not record.get("asked"):
         parts.append(Text("the daemon no longer has this request's questions and answers (only answered "
                           "requests of the recent history are kept)", style="dim"))
     return Group(*parts)

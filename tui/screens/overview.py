@@ -28,7 +28,7 @@ def queue_table(data: DashboardData) -> Table:
     for model, lanes in queues.items():
         for lane, q in lanes.items():
             running = q.get("running") or data.running.get(f"{model}/{lane}")
-            members = running.get("requests") if running else None
+            members = (running.get("request_ids") or running.get("requests")) if running else None
             count = len(members) if isinstance(members, list) else members
             busy = f"batch {running.get('batch_id')}: {count} req" if running else "idle"
             wait = q.get("oldest_wait_ms", 0.0)
