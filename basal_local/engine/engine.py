@@ -61,8 +61,9 @@ class Lane:
         self.rate = RATE_START
         self._cond = threading.Condition()
         self._stop = False
-        label = f"{engine.model.name}-{name}" + (f"-r{engine.replica}" if engine.replica else "")
-        self.thread = threading.Thread(target=self._loop, name=label, daemon=True)
+        # "main", "long"; "main-r1" ... for the other replicas of a model (telemetry keys, dashboard)
+        self.label = name + (f"-r{engine.replica}" if engine.replica else "")
+        self.thread = threading.Thread(target=self._loop, name=f"{engine.model.name}-{self.label}", daemon=True)
 
     def put(self, job: Job) -> None:
         with self._cond:
@@ -254,7 +255,7 @@ class ModelEngine:
         s = self.settings
         pack = pack_prompts(specs, self.prefixes, s.max_row_tokens, s.max_forward_tokens)
         batch_id = self.telemetry.next_batch_id()
-        self.telemetry.batch_started(batch_id, self.model.name, lane.name, [j.request_id for j in jobs],
+        self.telemetry.batch_started(batch_id, self.model.name, lane.label, [j.request_id for j in jobs],
                                      pack.packed_tokens)
         outputs = [self._forward(b, lane) for b in pack.batches]
         logits: list[list[list[np.ndarray]]] = [[[None] * len(qp.token_ids) for qp in job.plan.questions]
@@ -268,7 +269,7 @@ class ModelEngine:
         compute_ms = elapsed * 1000.0
         # the batch is on record before any of its answers leaves, so /api/stats always knows it
         self.telemetry.record_batch(BatchRecord(
-            batch_id, self.model.name, lane.name, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
+            batch_id, self.model.name, lane.label, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
             tree=batch_tree(pack, [(jobs[j].request_id, jobs[j].plan.questions[q].question.qid, o)
                                    for j, q, o in owners]),

@@ -41,6 +41,19 @@ class ReplicaSet:
     def telemetry(self):
         return self.replicas[0].telemetry
 
+    @property
+    def settings(self):
+        return self.replicas[0].settings
+
+    @property
+    def backend(self):
+        """The first replica's backend (every replica runs the same kind on its own device)."""
+        return self.replicas[0].backend
+
+    @property
+    def batches(self) -> int:
+        return sum(engine.batches for engine in self.replicas)
+
     def live(self) -> list[ModelEngine]:
         with self._lock:
             return [e for e in self.replicas if e.replica not in self.dead]

@@ -53,14 +53,13 @@ def _queues(state: AppState) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, engine in state.engines.items():
         lanes = {}
-        for lane in (engine.main, engine.long):
-            if lane is None:
-                continue
+        for lane in engine.lanes():
             jobs = list(lane.queue)  # a copy; the lane replaces the list, it never blocks us
             oldest = max((now - j.arrival for j in jobs), default=0.0)
-            lanes[lane.name] = {"waiting": len(jobs), "waiting_tokens": sum(j.tokens for j in jobs),
-                                "oldest_wait_ms": round(oldest * 1000.0, 1),
-                                "running": dict(running.get(f"{name}/{lane.name}") or {})}
+            # several replicas of a model (--devices/--replicas): one entry per replica's lane ("main-r1")
+            lanes[lane.label] = {"waiting": len(jobs), "waiting_tokens": sum(j.tokens for j in jobs),
+                                 "oldest_wait_ms": round(oldest * 1000.0, 1),
+                                 "running": dict(running.get(f"{name}/{lane.label}") or {})}
         out[name] = lanes
     return out
 
