@@ -135,3 +135,25 @@ def test_facts_over_http(app_client):
         "input": "Kwota 100000000000000000000000000 zł"}]}
     out = app_client.post("/v1/basal", json=bad)
     assert out.status_code == 422 and out.json() == {"error": "[<class 'decimal.InvalidOperation'>]"}
+
+
+def test_facts_switch_language_and_evidence_stays_in_the_original_state(app_client):
+    """The block is appended before language detection (its lines carry Polish letters) and evidence spans are
+    clipped to the original state."""
+    from basal_local.protocol.render import render_question
+
+    state = "Order 2025-05-03, total 100 zl"
+    body = {"model": "basal-test-tiny", "state": state, "facts": "auto",
+            "questions": {"q": {"type": "choice", "criteria": ["yes", "no"], "evidence": True}}}
+    out = app_client.post("/v1/basal", json=body)
+    assert out.status_code == 200, out.text
+    spans = out.json()["answers"]["q"]["evidence"]
+    assert isinstance(spans, list) and len(spans) <= 3
+    for span in spans:
+        assert 0 <= span["start"] < span["end"] <= len(state) and span["text"] == state[span["start"]:span["end"]]
+    injected = F.inject(state)
+    assert injected != state
+    from basal_local.protocol.questions import Question
+
+    lang, _, prompts = render_question(injected, Question("q", "choice", "", ("yes", "no"), ("yes", "no"), "choice"))
+    assert lang == "pl" and injected in prompts[0]

@@ -88,6 +88,8 @@ def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, st
         elif q.large:
             lang = detect_language(state, q.instructions_text)
             for g, members in enumerate(groups(len(q.keys))):
+                # a group shows the options as the whole question would (option_keys "hide" looks for
+                # duplicate texts among all options, not only the group's)
                 texts = [q.options[i] for i in members]
                 perm = list(range(len(members)))
                 prompt = render_prompt(state, q.instructions_text, texts, perm, lang, bos)
