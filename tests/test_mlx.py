@@ -187,58 +187,64 @@ def test_auto_selection_rules(monkeypatch):
 
 
 # ---- quantized weights --------------------------------------------------------------------------------------
-def _decisions(backend, md, prefixes):
-    """(decision, calibrated probability of it) for every question of the sample set, via the real engine path."""
+def _decisions(backend, md):
+    """(decision, calibrated probabilities) for every question of the sample set, via the real engine path."""
     from basal_local.api.systemone import validate_systemone
     from basal_local.bench import single_question_requests
     from basal_local.engine.engine import EngineSettings, ModelEngine
     from basal_local.engine.gate import DeviceGate
     from basal_local.telemetry import Telemetry
 
-    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=2048))
     engine.start()
     try:
+        jobs = [engine.submit(engine.plan(validate_systemone(body, md.name)))
+                for body in single_question_requests(md.name)]
         out = []
-        for body in single_question_requests(md.name):
-            request = validate_systemone(body, md.name)
-            answer = engine.submit(engine.plan(request)).future.result(timeout=60).body
-            (ans,) = answer["answers"].values()
-            if ans["type"] == "noul":
-                probs = {"true": ans["noul"], "false": 1.0 - ans["noul"]}
-            else:
-                probs = ans["probabilities"]
-            best = max(probs, key=probs.get)
-            out.append((best, probs))
+        for job in jobs:
+            (ans,) = job.future.result(timeout=300).body["answers"].values()
+            probs = ({"true": ans["noul"], "false": 1.0 - ans["noul"]} if ans["type"] == "noul"
+                     else ans["probabilities"])
+            out.append((max(probs, key=probs.get), probs))
         return out
     finally:
         engine.stop()
 
 
-@pytest.mark.parametrize("dtype,share,max_dp", [("q8", 0.98, 0.02), ("q4", 0.85, 0.15)])
-def test_quantized_agreement_with_f32_on_the_sample_set(small_model, tmp_path, monkeypatch, dtype, share, max_dp):
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory):
+    from basal_local.model.testmodel import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("tiny64"), preset="tiny64", seed=3)
+
+
+@pytest.mark.parametrize("dtype,share,max_dp", [("q8", 0.98, 0.02),
+                                                pytest.param("q4", 0.85, 0.2, marks=pytest.mark.slow)])
+def test_quantized_agreement_with_f32_on_the_sample_set(model64, tmp_path, monkeypatch, dtype, share, max_dp):
     """Figures of the issue: same decision share, max and median |Δp_cal| vs f32 (printed with -s)."""
-    from basal_local.backends.mlx.quantize import cache_dir
+    from basal_local.backends.mlx.quantize import Quantized, cache_dir
     from basal_local.model import load_model_dir
 
     monkeypatch.setenv("BASAL_LOCAL_HOME", str(tmp_path / "home"))
-    md = load_model_dir(small_model)
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
-    before = sorted(p.name for p in small_model.iterdir())
-    ref = _decisions(load_mlx(small_model, "f32"), md, prefixes)
-    quantized = load_mlx(small_model, dtype)
-    assert all(not hasattr(layer.qkv_weight, "T") for layer in quantized.layers)  # really quantized
-    got = _decisions(quantized, md, prefixes)
+    md = load_model_dir(model64)
+    before = sorted(p.name for p in model64.iterdir())
+    ref = _decisions(load_mlx(model64, "f32"), md)
+    quantized = load_mlx(model64, dtype)
+    assert all(isinstance(getattr(layer, f"{name}_weight"), Quantized) for layer in quantized.layers
+               for name in ("qkv", "o_proj", "gate_up", "down_proj"))
+    got = _decisions(quantized, md)
     same = np.mean([a[0] == b[0] for a, b in zip(got, ref)])
     deltas = np.array([abs(a[1][k] - b[1][k]) for a, b in zip(got, ref) for k in b[1]])
-    print(f"\n{dtype} vs f32 on {len(ref)} sample questions (small model): same decision {same:.1%}, "
+    print(f"\n{dtype} vs f32 on {len(ref)} sample questions (tiny64 model): same decision {same:.1%}, "
           f"max |dp_cal| {deltas.max():.4f}, median {np.median(deltas):.5f}")
     assert same >= share and deltas.max() <= max_dp and 0 < np.median(deltas) < max_dp
     # converted once into the user cache, never into the model directory
     cached = list(cache_dir().glob(f"*-{dtype}-g64.safetensors"))
-    assert len(cached) == 1 and sorted(p.name for p in small_model.iterdir()) == before
+    assert len(cached) == 1 and sorted(p.name for p in model64.iterdir()) == before
     stamp = cached[0].stat().st_mtime_ns
-    again = load_mlx(small_model, dtype)
+    again = load_mlx(model64, dtype)
     assert cached[0].stat().st_mtime_ns == stamp
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
     batch = pack_prompts(random_specs(md, random.Random(3)), prefixes).batches[0]
     assert np.array_equal(again.forward(batch), quantized.forward(batch))
 
@@ -289,6 +295,28 @@ def test_numpy_weights_make_a_loadable_deterministic_model(tmp_path):
         assert max(float(np.abs(x - y).max()) for x, y in zip(logits, readout_logits(torch_backend, pack))) <= 1e-4
 
 
+def test_without_torch_make_test_model_and_auto_backend_run_on_mlx(tmp_path):
+    """A torch-less install (Apple Silicon): make-test-model writes weights with NumPy, auto picks MLX."""
+    import subprocess
+    import sys
+
+    block = "import sys; sys.modules['torch'] = None; "
+    out = subprocess.run([sys.executable, "-c", block + "from basal_local.cli import main; sys.exit(main(sys.argv[1:]))",
+                          "make-test-model", str(tmp_path / "m"), "--preset", "tiny"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    code = block + (
+        "import numpy as np; from basal_local.backends.select import make_backend; "
+        "from basal_local.backends.mlx.llama import _single_prompt; "
+        "b = make_backend('auto', 'cpu'); b.load(sys.argv[1], 'auto'); "
+        "x = b.forward(_single_prompt([1, 3, 50, 60, 70])); "
+        "print(b.name, b.device, x.shape, bool(np.isfinite(x).all()))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["mlx", "cpu", "(1,", "1)", "True"]
+
+
 # ---- Metal kernels (Apple GPUs) -------------------------------------------------------------------------------
 def test_metal_sources_ship_and_build_kernel_objects():
     """Runs everywhere: the .metal bodies load from the package and name every input the Python side passes."""
@@ -301,6 +329,56 @@ def test_metal_sources_ship_and_build_kernel_objects():
         for ident in inputs + outputs:
             assert f"{ident}[" in text or f"{ident} +" in text, (name, ident)
     assert ms.tree_attention_kernel() is not None and ms.rms_norm_residual_kernel() is not None
+
+
+def _emulate_tree_attention_kernel(q, keys, values, q_block, q_key, q_pos, ranges, n_ranges):
+    """tree_attention.metal step by step in NumPy, the 32 lanes of a SIMD group as a vector (f32)."""
+    tq, hq, d = q.shape
+    hkv = keys.shape[1]
+    lanes = np.arange(32)
+    out = np.zeros((tq, hq, d), dtype=np.float32)
+    for t in range(tq):
+        blk = q_block[t]
+        for h in range(hq):
+            hk = h // (hq // hkv)
+            m, total, acc = np.float32(-np.inf), np.float32(0), np.zeros(d, dtype=np.float32)
+            for p0 in range(0, q_pos[t] + 1, 32):
+                p = p0 + lanes
+                key = np.full(32, -1)
+                for r in range(n_ranges[blk]):
+                    k0, k1, ps = ranges[blk, r]
+                    inside = (p >= ps) & (p < ps + (k1 - k0))
+                    key = np.where(inside, k0 + (p - ps), key)
+                key = np.where((p > q_pos[t]) | (key > q_key[t]), -1, key)
+                s = np.where(key >= 0, (keys[np.maximum(key, 0), hk] @ q[t, h]) / np.float32(np.sqrt(d)), -np.inf)
+                if s.max() == -np.inf:
+                    continue
+                m_new = max(m, s.max())
+                corr = np.exp(m - m_new)
+                e = np.where(key >= 0, np.exp(s - m_new), 0).astype(np.float32)
+                total = total * corr + e.sum()
+                acc = acc * corr + (e[key >= 0, None] * values[key[key >= 0], hk]).sum(0)
+                m = m_new
+            out[t, h] = acc / total
+    return out
+
+
+def test_tree_attention_kernel_algorithm_matches_twin_on_cpu():
+    """Runs everywhere: the kernel's key ranges and tiled online softmax (emulated) equal the dense-mask twin."""
+    from basal_local.backends.mlx.tree_attention import TreeAttention, block_key_ranges, random_tree_batch
+
+    rng = np.random.default_rng(1)
+    for prefix_lengths in ([37, 21], []):
+        batch = random_tree_batch(rng, prefix_lengths, n_roots=3, children=2)
+        s = sum(prefix_lengths) + batch.num_tokens
+        q = rng.standard_normal((batch.num_tokens, 4, 16)).astype(np.float32)
+        k = rng.standard_normal((s, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((s, 2, 16)).astype(np.float32)
+        ranges, n_ranges = block_key_ranges(batch, prefix_lengths)
+        emulated = _emulate_tree_attention_kernel(q, k, v, batch.token_block, sum(prefix_lengths)
+                                                  + np.arange(batch.num_tokens), batch.positions, ranges, n_ranges)
+        twin = np.array(TreeAttention(batch, prefix_lengths, "sdpa")(mx.array(q), mx.array(k), mx.array(v)))
+        assert np.abs(emulated - twin).max() <= 1e-5
 
 
 @needs_metal

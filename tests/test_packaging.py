@@ -28,6 +28,9 @@ def test_wheel_installs_under_one_namespace(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"basal_local"}
     assert "basal_local/backends/torch/llama.py" in names and "basal_local/assets/sample_requests.jsonl" in names
     assert "basal_local/tui/dashboard.tcss" in names and "basal_local/tui/screens/requests.py" in names
+    # the MLX backend and the Metal kernel sources (package data) ship too
+    assert "basal_local/backends/mlx/llama.py" in names and "basal_local/metal_shaders/__init__.py" in names
+    assert {"basal_local/metal_shaders/tree_attention.metal", "basal_local/metal_shaders/rms_norm_residual.metal"} <= set(names)
     target = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(target)
@@ -36,6 +39,7 @@ def test_wheel_installs_under_one_namespace(tmp_path):
             "assert resources.files('basal_local.tui').joinpath(t.DashboardApp.CSS_PATH).is_file(); "
             "assert len(b.sample_requests()) == 48; "
             "assert resources.files('basal_local.assets').joinpath('corpus_pl.txt').is_file(); "
+            "from basal_local import metal_shaders as ms; assert 'simd_max' in ms.source('tree_attention.metal'); "
             "import importlib.util as u; assert u.find_spec('backends') is None and u.find_spec('tui') is None; "
             "print(basal_local.backends.torch.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target)},

@@ -25,6 +25,10 @@ PRESETS: dict[str, dict] = {
     "small": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                   intermediate_size=320, attention_bias=False, max_position_embeddings=8192, rope_theta=500000.0,
                   rms_norm_eps=1e-5, vocab_size=None),
+    # every matrix's input size divides by 64: MLX q8/q4 (group size 64) quantizes all of it
+    "tiny64": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=128, attention_bias=False, max_position_embeddings=4096, rope_theta=10000.0,
+                   rms_norm_eps=1e-6, vocab_size=None),
     "mini": dict(num_hidden_layers=32, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
                  intermediate_size=8960, attention_bias=True, max_position_embeddings=8192, rope_theta=1000000.0,
                  rms_norm_eps=1e-6, vocab_size=32000),
