@@ -55,16 +55,16 @@ def _dense(batch, q, k, v, pk, pv, lengths, rows=None):
 @pytest.mark.parametrize("use_prefix", [True, False])
 def test_tile_table_twin_equals_dense_mask(tiny_model, use_prefix):
     md = load_model_dir(tiny_model)
-    batch, prefixes = _packed(md, range(3), use_prefix)
+    batch, prefixes = _packed(md, range(2), use_prefix)
     q, k, v, pk, pv, rows, lengths = _random_qkv(batch, prefixes)
     pos = torch.from_numpy(batch.positions)
-    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 8)
+    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 32)
     assert plan.num_tiles > len(batch.block_parent) // 2 and sorted(plan.q_rows) == list(range(batch.num_tokens))
     got = twins.tree_attention(q, k, v, pk, pv, pos, plan, batch.num_tokens)
     want = _dense(batch, q, k, v, pk, pv, lengths)
     assert (got - want).abs().max().item() <= 1e-5
     # the readout rows alone (the last layer): compact output in readout order
-    last = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 8,
+    last = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 32,
                            rows=batch.readout_index)
     got = twins.tree_attention(q, k, v, pk, pv, pos, last, len(batch.readout_index), compact=True)
     want = _dense(batch, q, k, v, pk, pv, lengths, rows=batch.readout_index)
@@ -117,12 +117,12 @@ def test_fast_forward_on_twins_equals_reference(tiny_model):
     md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
     _, fast, _ = load_backend(tiny_model, attention="tree")
     assert fast.fast is not None and not fast.fast.use_triton
-    for seed in range(2):
+    for seed in range(1):
         pack = pack_prompts(random_specs(md, random.Random(seed)), prefixes)
         worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(ref, pack), readout_logits(fast, pack)))
         assert worst <= 1e-5, worst
     # the long-lane path (one yield per layer) gives the same logits
-    batch = pack_prompts(random_specs(md, random.Random(5)), prefixes).batches[0]
+    batch = pack_prompts(random_specs(md, random.Random(5))[:2], prefixes).batches[0]
     steps = list(fast.forward_steps(batch))
     assert len(steps) == md.config.num_hidden_layers and np.array_equal(steps[-1], fast.forward(batch))
 
