@@ -399,6 +399,10 @@ def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", lo
         out["memory_after_invariance"] = _cuda_memory(backend)
     if long_doc:
         for target in (4200, 16500):
+            if target + 700 > model.config.max_position_embeddings:
+                out[f"long_doc_{target}"] = {"skipped": f"longer than the model's context "
+                                                        f"({model.config.max_position_embeddings} tokens)"}
+                continue
             text = long_document(model.tokenizer, target)
             request = validate_systemone({"model": model.name, "state": text, "questions": LONG_DOC_QUESTIONS},
                                          model.name)

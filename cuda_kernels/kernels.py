@@ -28,7 +28,7 @@ def num_sms(device_index: int = 0) -> int:
 
 # ---- tree attention ----------------------------------------------------------------------------------------
 @triton.jit
-def _tree_attn_kernel(Q, K, V, PK, PV, O, POS, TILES, QROWS, NT,
+def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
                       stride_qt, stride_kt, stride_vt, stride_pt, stride_ot, qk_scale,
                       N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
@@ -99,7 +99,7 @@ def _tree_attn_kernel(Q, K, V, PK, PV, O, POS, TILES, QROWS, NT,
             dest = q_off + offs_m
         else:
             dest = rows
-        tl.store(O + dest[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+        tl.store(OUT + dest[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty),
                  mask=m_valid[:, None])
 
 

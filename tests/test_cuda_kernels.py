@@ -1,4 +1,7 @@
-"""The CUDA kernels' plain twins on the CPU (CI), and the Triton kernels themselves under TRITON_INTERPRET=1.
+"""The CUDA kernels' plain twins on the CPU (CI).
+
+(Triton 3.6's interpreter, TRITON_INTERPRET=1, cannot run these kernels: their loop bounds are loaded from the
+tile table in device memory, which the interpreter does not take; so the kernels are checked on a GPU only.)
 
 The tree-attention twin walks the same tile table as the kernel (cuda_kernels/plan.py), so comparing it with
 the dense-mask SDPA path checks the table: key ranges, prefix rows and positions. The whole fast forward
@@ -8,7 +11,6 @@ compiled kernels with these twins on a GPU.
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
@@ -55,16 +57,16 @@ def _dense(batch, q, k, v, pk, pv, lengths, rows=None):
 @pytest.mark.parametrize("use_prefix", [True, False])
 def test_tile_table_twin_equals_dense_mask(tiny_model, use_prefix):
     md = load_model_dir(tiny_model)
-    batch, prefixes = _packed(md, range(3), use_prefix)
+    batch, prefixes = _packed(md, range(2), use_prefix)
     q, k, v, pk, pv, rows, lengths = _random_qkv(batch, prefixes)
     pos = torch.from_numpy(batch.positions)
-    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 8)
+    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 32)
     assert plan.num_tiles > len(batch.block_parent) // 2 and sorted(plan.q_rows) == list(range(batch.num_tokens))
     got = twins.tree_attention(q, k, v, pk, pv, pos, plan, batch.num_tokens)
     want = _dense(batch, q, k, v, pk, pv, lengths)
     assert (got - want).abs().max().item() <= 1e-5
     # the readout rows alone (the last layer): compact output in readout order
-    last = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 8,
+    last = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 32,
                            rows=batch.readout_index)
     got = twins.tree_attention(q, k, v, pk, pv, pos, last, len(batch.readout_index), compact=True)
     want = _dense(batch, q, k, v, pk, pv, lengths, rows=batch.readout_index)
@@ -117,40 +119,11 @@ def test_fast_forward_on_twins_equals_reference(tiny_model):
     md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
     _, fast, _ = load_backend(tiny_model, attention="tree")
     assert fast.fast is not None and not fast.fast.use_triton
-    for seed in range(2):
+    for seed in range(1):
         pack = pack_prompts(random_specs(md, random.Random(seed)), prefixes)
         worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(ref, pack), readout_logits(fast, pack)))
         assert worst <= 1e-5, worst
     # the long-lane path (one yield per layer) gives the same logits
-    batch = pack_prompts(random_specs(md, random.Random(5)), prefixes).batches[0]
+    batch = pack_prompts(random_specs(md, random.Random(5))[:2], prefixes).batches[0]
     steps = list(fast.forward_steps(batch))
     assert len(steps) == md.config.num_hidden_layers and np.array_equal(steps[-1], fast.forward(batch))
-
-
-def _interpret_ready() -> bool:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    from basal_local.cuda_kernels import triton_available
-
-    return triton_available()
-
-
-@pytest.mark.skipif(not _interpret_ready(), reason="set TRITON_INTERPRET=1 with Triton installed to run the "
-                    "kernels on the CPU")
-def test_triton_kernels_interpreted_match_twins(tiny_model):
-    from basal_local.cuda_kernels import triton_kernels
-
-    kernels = triton_kernels()
-    md = load_model_dir(tiny_model)
-    batch, prefixes = _packed(md, range(2))
-    q, k, v, pk, pv, rows, lengths = _random_qkv(batch, prefixes, dtype=torch.float32)
-    pos = torch.from_numpy(batch.positions.astype(np.int32))
-    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
-                           kernels.ATTN_BLOCK_M)
-    tiles = torch.from_numpy(plan.tiles)
-    q_rows = torch.from_numpy(plan.q_rows)
-    nt = torch.tensor([plan.num_tiles], dtype=torch.int32)
-    out = torch.full((batch.num_tokens, q.shape[1] * q.shape[2]), float("nan"))
-    kernels.tree_attention(q, k, v, pk, pv, pos, tiles, q_rows, nt, out, compact=False, nprog=3)
-    want = twins.tree_attention(q, k, v, pk, pv, pos, plan, batch.num_tokens).view_as(out)
-    assert (out - want).abs().max().item() <= 1e-4

@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
 """Issue 9 kernel checks and timings on one GPU: every Triton kernel vs its twin, bitwise batch invariance of
 attention and of each GEMM route, and the time of each variant at the 4.5B shapes (single decision ~320 rows,
 a batch of 32 decisions ~8,000 rows). Writes JSON to argv[1]; prints a short table last.
