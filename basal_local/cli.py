@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -88,7 +89,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not banner:
         banner = f"basal-local: serving on http://{settings.host}:{settings.port} (loading models...)"
     serve(settings, dirs, banner)
-    return 0
+    # Everything is stopped and flushed; the interpreter's final garbage collection of a loaded model can take
+    # seconds, which would stretch a SIGTERM past its drain deadline. Leave now, with success.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cmd_prompts(args: argparse.Namespace) -> int:
