@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -96,7 +97,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_with_options(settings, dirs, banner, args.tui, args.demo_traffic)
     serve(settings, dirs, banner)
-    return 0
+    # Everything is stopped and flushed; the interpreter's final garbage collection of a loaded model can take
+    # seconds, which would stretch a SIGTERM past its drain deadline. Leave now, with success.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cmd_prompts(args: argparse.Namespace) -> int:

@@ -17,13 +17,13 @@ from .conftest import free_port
 M = "basal-test-tiny"
 SMALL = {"model": M, "state": "The parcel arrived broken.",
          "questions": {"q": {"type": "noul", "instructions": "Is this urgent?"}}}
-POISON_STATE = "poison " * 300  # a batch holding this request is long: the fault keys on that
+POISON_STATE = " ".join(f"p{i}" for i in range(800))  # ~2,900 tokens: the fault keys on a long batch
 
 
 class FaultyBackend:
     """The real backend, except that a batch over `poison_tokens` raises the armed exception."""
 
-    def __init__(self, inner, poison_tokens: int = 1000) -> None:
+    def __init__(self, inner, poison_tokens: int = 2000) -> None:
         self.inner = inner
         self.poison_tokens = poison_tokens
         self.fault: BaseException | None = None

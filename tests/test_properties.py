@@ -11,9 +11,10 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from . import rawhttp
+from . import rawhttp, test_reliability
 from .test_reliability import PATHS, SMALL, assert_dialect_error
-from .test_reliability import d as shared_daemon  # noqa: F401  (the fixture `d`: one daemon for both files)
+
+d = test_reliability.d  # the session fixture: one daemon for both files
 
 M = "basal-test-tiny"
 PROPERTY_SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,

@@ -140,6 +140,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model directory (default: a generated tiny model)")
     parser.add_argument("--port", type=int, help="fuzz a daemon already running on this port")
+    parser.add_argument("--seconds", type=float, default=0, help="stop sending new inputs after this long "
+                        "(0: send them all) and report what was sent")
     args = parser.parse_args()
     daemon = None
     model_name = "basal-test-tiny"
@@ -164,6 +166,8 @@ def main() -> int:
     started = time.time()
 
     def one(i: int) -> None:
+        if args.seconds and time.time() - started > args.seconds:
+            return
         rng = random.Random(args.seed * 1_000_003 + i)
         kind, raw, how = inputs.make(rng)
         try:
@@ -182,12 +186,12 @@ def main() -> int:
     with ThreadPoolExecutor(args.threads) as pool:
         list(pool.map(one, range(args.inputs)))
     elapsed = time.time() - started
+    sent = sum(counts.values())
     alive = exchange(port, request("GET", "/health"), 10)[0] == 200
     by_kind: dict[str, Counter] = {}
     for (kind, outcome), n in counts.items():
         by_kind.setdefault(kind, Counter())[outcome] = n
-    print(f"{args.inputs} inputs in {elapsed:.0f} s ({args.inputs / elapsed:.0f}/s), {args.threads} threads, "
-          f"seed {args.seed}")
+    print(f"{sent} inputs in {elapsed:.0f} s ({sent / elapsed:.0f}/s), {args.threads} threads, seed {args.seed}")
     print(f"{'kind':<17}{'inputs':>7}  outcomes (HTTP status: count)")
     for kind in KINDS:
         if kind in by_kind:

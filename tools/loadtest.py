@@ -81,7 +81,9 @@ def main() -> int:
     references = []
     for case in cases:  # alone: one request at a time
         status, body = ask(case)
-        assert status == 200, (status, body)
+        if status != 200:
+            daemon.stop()
+            sys.exit(f"reference request failed: {status} {body}")
         references.append(body["answers"])
     rss_start = daemon.rss_mb()
     rss: list[float] = [rss_start]

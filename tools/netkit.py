@@ -30,7 +30,7 @@ class Daemon:
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
 
-    def wait_ready(self, timeout: float = 120) -> None:
+    def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -41,6 +41,7 @@ class Daemon:
             except OSError:
                 pass
             time.sleep(0.2)
+        self.stop()
         raise TimeoutError("daemon did not become ready")
 
     def rss_mb(self) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 
 log = logging.getLogger("basal_local.daemon")
+KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (CLIENTS.md A.6)
 
 
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) -> None:
@@ -79,16 +81,40 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def _answer_half_closed(protocol_class: type) -> type:
-    """The HTTP protocol class, changed to answer a client that half-closes after a complete request.
+def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_s: float) -> type:
+    """The HTTP protocol class, changed in two ways that uvicorn does not offer.
 
-    asyncio closes the transport on EOF unless `eof_received` returns True, so `printf 'POST ...' | nc -N`
-    (shutdown(SHUT_WR) after the request) would never read its answer. EOF in the middle of a body is still
-    the client going away.
+    - A client that half-closes after a complete request is answered: asyncio closes the transport on EOF
+      unless `eof_received` returns True, so `printf 'POST ...' | nc -N` would never read its answer. EOF in
+      the middle of a body is still the client going away.
+    - A connection must start a request (complete headers) within `header_timeout_s` of opening, or of its
+      last answer plus the keep-alive time, else it is closed: uvicorn has no header timeout, so a client
+      sending half a header line would hold a connection forever.
     """
 
-    class HalfCloseProtocol(protocol_class):  # type: ignore[misc, valid-type]
+    class GuardedProtocol(protocol_class):  # type: ignore[misc, valid-type]
         _peer_eof = False
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer(header_timeout_s)
+
+        def _arm_header_timer(self, delay: float) -> None:
+            waiting_for = getattr(self, "cycle", None)
+
+            def expire() -> None:
+                if getattr(self, "cycle", None) is waiting_for and not self.transport.is_closing():
+                    self.transport.close()  # no new request started in time
+
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = asyncio.get_running_loop().call_later(delay, expire)
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
 
         def eof_received(self):
             cycle = getattr(self, "cycle", None)
@@ -99,22 +125,23 @@ def _answer_half_closed(protocol_class: type) -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self._peer_eof and not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self._peer_eof:
                 self.transport.close()
+            else:
+                self._arm_header_timer(keep_alive_s + header_timeout_s)
 
-    HalfCloseProtocol.__name__ = f"HalfClose{protocol_class.__name__}"
-    return HalfCloseProtocol
+    GuardedProtocol.__name__ = f"Guarded{protocol_class.__name__}"
+    return GuardedProtocol
 
 
-def _http_protocol() -> type:
+def _http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        return _answer_half_closed(HttpToolsProtocol)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:  # httptools is optional; uvicorn then parses with h11
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-
-        return _answer_half_closed(H11Protocol)
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return _guarded_protocol(base, header_timeout_s, keep_alive_s)
 
 
 def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tuple[AppState, uvicorn.Config]:
@@ -138,7 +165,8 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
     loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
     loader.start()
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            timeout_keep_alive=35, access_log=False, http=_http_protocol(),
+                            timeout_keep_alive=KEEP_ALIVE_S, access_log=False,
+                            http=_http_protocol(settings.body_timeout_s, KEEP_ALIVE_S),
                             timeout_graceful_shutdown=max(1, round(settings.drain_s)),
                             **({"log_config": None} if quiet else {}))
     return state, config
