@@ -255,3 +255,14 @@ def test_data_rates_and_percentiles_from_event_times():
     assert data.series("overloaded", 10)[7] == 1
     assert data.latency(0, 50) == 13.0 and data.latency(1, 95) == 44.5
     assert data.requests["req-0001"]["status"] == 200 and data.requests["req-0005"]["status"] == 422
+
+
+def test_cli_top_and_serve_flags():
+    from basal_local.cli import build_parser, cmd_serve, cmd_top
+    from basal_local.server.tuimode import local_url
+
+    args = build_parser().parse_args(["top", "--url", "http://127.0.0.1:9"])
+    assert args.func is cmd_top and args.url == "http://127.0.0.1:9"
+    args = build_parser().parse_args(["serve", "--demo", "--tui", "--demo-traffic"])
+    assert args.func is cmd_serve and args.tui and args.demo_traffic and args.demo
+    assert local_url("0.0.0.0", 8000) == "http://127.0.0.1:8000" and local_url("::1", 80) == "http://[::1]:80"

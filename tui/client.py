@@ -77,7 +77,7 @@ class DaemonClient:
 
     async def request(self, request_id: str) -> dict[str, Any] | None:
         try:
-            response = await self._http.get(f"/api/requests/{request_id}", timeout=5.0)
+            response = await self._http.get(f"/api/requests/{request_id}", timeout=15.0)
         except httpx.HTTPError:
             return None
         return response.json() if response.status_code == 200 else None

@@ -17,6 +17,6 @@ def run_top(url: str, capture_print: bool = False) -> int:
     finally:
         try:
             asyncio.run(client.aclose())
-        except RuntimeError:
+        except Exception:  # its connections belonged to the app's closed loop; nothing left to release
             pass
     return app.return_code or 0

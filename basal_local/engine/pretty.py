@@ -40,7 +40,8 @@ def batch_tree(pack: PackPlan, owners: list[tuple[str, str, int]]) -> list[dict[
     for row in pack.rows:
         blocks = row.trie.blocks()
         children: list[list[dict[str, Any]]] = [[] for _ in blocks]
-        below: list[set[tuple[str, str]]] = [set() for _ in blocks]
+        # the one (request, question) below a block, or MIXED when there are several (a shared state)
+        below: list[Any] = [None] * len(blocks)
         nodes: list[dict[str, Any]] = []
         for block, _parent in blocks:
             node: dict[str, Any] = {"tokens": len(block.tokens), "start": block.start}
@@ -51,7 +52,8 @@ def batch_tree(pack: PackPlan, owners: list[tuple[str, str, int]]) -> list[dict[
         for i in range(len(blocks) - 1, -1, -1):
             block, parent = blocks[i]
             node = nodes[i]
-            below[i].update((owners[p][0], owners[p][1]) for p in block.readouts)
+            for p in block.readouts:
+                below[i] = _merge(below[i], owners[p][:2])
             if children[i]:
                 node["children"] = children[i][::-1]
             if not block.children:
@@ -59,12 +61,23 @@ def batch_tree(pack: PackPlan, owners: list[tuple[str, str, int]]) -> list[dict[
             elif row.prefix is None and block.start == 0 and parent < 0:
                 node["kind"] = "template"
             else:
-                node["kind"] = "question" if len(below[i]) == 1 else "state"
+                node["kind"] = "state" if below[i] is _MIXED else "question"
             if parent >= 0:
                 children[parent].append(node)
-                below[parent] |= below[i]
+                below[parent] = _merge(below[parent], below[i])
         top = [nodes[i] for i, (_b, parent) in enumerate(blocks) if parent < 0]
         prefix_tokens = row.trie.root.start  # the cached template's length (0 when not cached)
         rows.append({"lang": row.lang, "prefix": row.prefix, "prefix_tokens": prefix_tokens,
                      "tokens": row.trie.num_tokens, "prompts": row.trie.num_prompts, "children": top})
     return rows
+
+
+_MIXED = object()
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None or a == b:
+        return a
+    return _MIXED

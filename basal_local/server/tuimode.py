@@ -9,9 +9,12 @@ the bundled sample requests in a loop from a few client threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import logging
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -26,7 +29,7 @@ from .events import BusLogHandler
 from .settings import Settings
 
 log = logging.getLogger("basal_local.demo")
-DEMO_AGENT = "basal-local-demo-traffic"
+DEMO_AGENT = "demo-traffic"
 
 
 def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: float = 0.3) -> list[threading.Thread]:
@@ -78,6 +81,7 @@ def _route_logging(state: AppState) -> None:
     root.addHandler(BusLogHandler(state, logging.INFO))
     root.setLevel(logging.WARNING)
     logging.getLogger("basal_local").setLevel(logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the dashboard's own requests
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
@@ -108,7 +112,28 @@ def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, 
     return 0
 
 
+class _LogStream(io.TextIOBase):
+    """stdout/stderr while the dashboard owns the terminal: each line becomes a log record (the log pane)."""
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip():
+                log.info("%s", line)
+        return len(text)
+
+
 def serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: bool = False) -> int:
+    try:
+        with contextlib.redirect_stdout(_LogStream()), contextlib.redirect_stderr(_LogStream()):
+            code = _serve_with_dashboard(settings, model_dirs, traffic)
+    except OSError as exc:
+        print(f"basal-local: error: {exc}", file=sys.stderr)
+        return 1
+    print("basal-local: stopped", flush=True)
+    return code
+
+
+def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: bool) -> int:
     from basal_local.tui.run import run_top
 
     # the same guarded app, limits and server options as `serve`; the log goes to the dashboard's log pane
@@ -128,10 +153,10 @@ def serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: bo
     deadline = time.time() + 10
     while not server.started and thread.is_alive() and time.time() < deadline:
         time.sleep(0.02)
-    if not server.started:
-        print(f"basal-local: error: the daemon could not listen on {settings.host}:{settings.port}"
-              f"{': ' + str(failed[0]) if failed else ''}")
-        return 1
+    if server.started:
+        _route_logging(state)  # again: litestar set up its own root handler at startup (it would print)
+    else:
+        raise OSError(f"the daemon could not listen on {settings.host}:{settings.port} (is the port taken?)")
     stop = threading.Event()
     url = local_url(settings.host, settings.port)
     if traffic:

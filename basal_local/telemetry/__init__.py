@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .bus import Event, EventBus, Subscription
@@ -41,6 +41,12 @@ class BatchRecord:
     device: str = ""
     request_ids: list[str] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
+
+
+def _fields(record: BatchRecord) -> dict[str, Any]:
+    """A shallow dict of a record: the tree is shared, never copied (dataclasses.asdict deep-copies it; nobody
+    mutates a tree once recorded)."""
+    return dict(record.__dict__)
 
 
 def outcome_of(status: int) -> str:
@@ -138,7 +144,7 @@ class Telemetry:
             self.counters["batches"] += 1
             self.counters["forwards"] += record.forwards
             self.running.pop(f"{record.model}/{record.lane}", None)
-        self.bus.emit("computed", **asdict(record))
+        self.bus.emit("computed", **_fields(record))
 
     # ---- server side ---------------------------------------------------------------------------------------
     def request_received(self, request_id: str, endpoint: str, client: str = "") -> None:
@@ -193,7 +199,7 @@ class Telemetry:
             for key in ("queue_ms", "compute_ms", "total_ms", "planning_ms")}
         snap["percentiles"]["batch_requests"] = {
             f"p{q}": percentile([float(b.requests) for b in batches], q) for q in (50, 95, 99)}
-        snap["batches"] = [asdict(b) for b in batches[-32:]]
+        snap["batches"] = [_fields(b) for b in batches[-32:]]
         snap["requests"] = requests[-64:]
         snap["last_seq"] = last_seq
         snap["memory"] = self.memory()

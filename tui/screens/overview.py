@@ -14,7 +14,7 @@ from ..widgets.kpi import KpiCard
 from .base import DashboardScreen
 
 KPIS = [("rps", "requests/s"), ("dps", "decisions/s"), ("tps", "tokens/s"), ("inflight", "in flight"),
-        ("queue", "queue ms"), ("compute", "compute ms"), ("errors", "errors"),
+        ("queue", "queue p50/p95"), ("compute", "compute p50/95"), ("errors", "errors"),
         ("overloaded", "529 overloaded")]
 
 
@@ -79,9 +79,8 @@ class OverviewScreen(DashboardScreen):
         inflight = data.stats.get("inflight", totals.get("in_flight", 0))
         limit = limits.get("max_inflight")
         card("inflight").show(f"{inflight} / {limit or '-'}", alert=bool(limit and inflight >= 0.8 * limit))
-        card("queue").show(f"p50 {ms(data.latency(0, 50))} p95 {ms(data.latency(0, 95))}", data.series("queue_ms"))
-        card("compute").show(f"p50 {ms(data.latency(1, 50))} p95 {ms(data.latency(1, 95))}",
-                             data.series("compute_ms"))
+        card("queue").show(f"{ms(data.latency(0, 50))} / {ms(data.latency(0, 95))} ms", data.series("queue_ms"))
+        card("compute").show(f"{ms(data.latency(1, 50))} / {ms(data.latency(1, 95))} ms", data.series("compute_ms"))
         errors = totals.get("failed", 0)
         card("errors").show(f"{errors} (+{totals.get('rejected', 0)} 4xx)", data.series("errors"), alert=errors > 0)
         overloaded = totals.get("overloaded", 0)

@@ -13,9 +13,10 @@ from ..data import DashboardData, client_name
 from ..widgets.format import clock, ms, short_id
 from .base import DashboardScreen
 
-COLUMNS = [("id", "id"), ("time", "time"), ("client", "client"), ("endpoint", "endpoint"), ("model", "model"),
-           ("q", "questions"), ("in tok", "input_tokens"), ("queue ms", "queue_ms"), ("compute ms", "compute_ms"),
-           ("batch", "batch_id"), ("status", "status")]
+# what matters most first, so 80 columns show it; the rest scrolls in
+COLUMNS = [("id", "id"), ("time", "time"), ("status", "status"), ("queue ms", "queue_ms"), ("compute ms", "compute_ms"),
+           ("batch", "batch_id"), ("q", "questions"), ("in tok", "input_tokens"), ("model", "model"),
+           ("client", "client"), ("endpoint", "endpoint")]
 # `s` cycles through these: (label, row field, newest/largest first)
 SORTS = [("time", "ts", True), ("queue ms", "queue_ms", True), ("compute ms", "compute_ms", True),
          ("status", "status", False), ("model", "model", False), ("client", "client", False)]
@@ -48,10 +49,10 @@ def status_cell(status: Any) -> Text:
 
 
 def row_cells(row: dict[str, Any]) -> tuple:
-    return (short_id(row["id"], 12), clock(row.get("ts")), client_name(row.get("client", "")),
-            row.get("endpoint", "-") or "-", row.get("model", "-") or "-", str(row.get("questions", "-")),
-            str(row.get("input_tokens", "-")), ms(row.get("queue_ms")), ms(row.get("compute_ms")),
-            str(row.get("batch_id", "-") or "-"), status_cell(row.get("status")))
+    return (short_id(row["id"], 10), clock(row.get("ts")), status_cell(row.get("status")), ms(row.get("queue_ms")),
+            ms(row.get("compute_ms")), str(row.get("batch_id", "-") or "-"), str(row.get("questions", "-")),
+            str(row.get("input_tokens", "-")), row.get("model", "-") or "-", client_name(row.get("client", "")),
+            row.get("endpoint", "-") or "-")
 
 
 def sort_key(field: str):

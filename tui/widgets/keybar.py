@@ -5,14 +5,15 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-COMMON = [("1-5", "views"), ("p", "pause"), ("+/-", "speed"), ("?", "help"), ("q", "quit")]
+COMMON = [("1-5", "views"), ("?", "help"), ("q", "quit"), ("p", "pause"), ("+/-", "speed")]
 
 
 def keys_text(extra: list[tuple[str, str]]) -> Text:
     text = Text()
-    for key, what in extra + COMMON:
-        text.append(f" {key} ", style="bold reverse")
-        text.append(f" {what} ")
+    for key, what in extra + COMMON:  # one space apart: the requests view's keys fit 80 columns
+        text.append(" ")
+        text.append(key, style="bold reverse")
+        text.append(f" {what}")
     return text
 
 
