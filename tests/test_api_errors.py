@@ -107,7 +107,7 @@ CASES = [
     (q(type="noul"), 400, {"detail": {"error_type": "api_usage_error",
                                       "message": "Noul question must have criteria or instructions: q"}}),
     ({"model": "nope-1", "state": "s", "questions": {"q": {"type": "noul"}}}, 400,
-     {"detail": {"error_type": "api_usage_error", "message": "Unknown model: nope-1"}}),
+     {"detail": {"error_type": "api_usage_error", "message": "Unknown model: nope-1 (served: basal-test-tiny)"}}),
     # unsupported (valid, but not answerable by this runtime)
     (q(type="choice", criteria=[str(i) for i in range(11)]), 422,
      {"error": "unsupported", "detail": [{"type": "unsupported_option_count", "loc": ["body", "questions", "q"],
@@ -161,7 +161,7 @@ BASAL_CASES = [
      {"error": "question 'q': 1 options (supported: 2..10)"}),
     ({"state": "s", "questions": {"q": {"criteria": ["a"]}, "r": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
      422, {"error": "question 'q': 1 options (supported: 2..10); question 'r': 11 options (supported: 2..10)"}),
-    ({"model": "nope-1", "state": "s", "questions": {}}, 422, {"error": "Unknown model: nope-1"}),
+    ({"model": "nope-1", "state": "s", "questions": {}}, 422, {"error": "Unknown model: nope-1 (served: basal-test-tiny)"}),
     ({"state": "s", "questions": {"q": {"type": "choice", "criteria": ["a", "b"], "option_keys": "x"}}}, 422,
      {"error": "option_keys must be 'show' or 'hide', got x"}),
     ({"state": "s", "questions": {"q": {"type": "multi", "criteria": ["a", "b"]}}}, 422,

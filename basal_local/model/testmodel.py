@@ -96,7 +96,8 @@ def _random_weights(shapes: dict[str, tuple[int, ...]], seed: int, device: str =
 
 
 def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, name: str | None = None,
-                    device: str = "cpu") -> Path:
+                    device: str = "cpu", progress=None) -> Path:
+    """Write the model directory; `progress(step)` is told each phase (the CLI prints them)."""
     from safetensors.torch import save_file
 
     from .config import LlamaConfig
@@ -106,6 +107,8 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     out = Path(directory).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     arch = dict(PRESETS[preset])
+    say = progress or (lambda step: None)
+    say("training the tokenizer")
     tokenizer_json = train_tokenizer()
     n_tokens = len(tokenizer_json["model"]["vocab"])
     vocab = arch.pop("vocab_size") or (n_tokens + 63) // 64 * 64
@@ -132,6 +135,10 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     for filename, content in files.items():
         (out / filename).write_text(json.dumps(content, ensure_ascii=False, indent=1), encoding="utf-8")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    save_file(_random_weights(parsed.weight_shapes(), seed, device), str(out / "model.safetensors"),
+    params = sum(math.prod(shape) for shape in parsed.weight_shapes().values())
+    say(f"drawing {params / 1e6:,.1f} M random weights on {device}")
+    weights = _random_weights(parsed.weight_shapes(), seed, device)
+    say("writing model.safetensors")
+    save_file(weights, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out

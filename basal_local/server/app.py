@@ -19,6 +19,7 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
 
+from .. import __version__
 from ..api import parse_body, route, validate
 from ..api.errors import ApiError, internal, overloaded
 from ..engine.engine import JobResult, ModelEngine
@@ -45,6 +46,8 @@ class AppState:
     ready: bool = False
     load_error: str | None = None
     access_log: bool = False
+    metrics: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name (server/aliases.py)
     inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "basal-plan"))
@@ -109,7 +112,7 @@ async def _decide(request: Request, dialect: str) -> Response:
                 raise overloaded(dialect)
             state.inflight += 1
             admitted = True
-        model_name = route(body, dialect, state.engines, state.default_model or "")
+        model_name = route(body, dialect, state.engines, state.default_model or "", state.aliases)
         engine = state.engines[model_name]
         loop = asyncio.get_running_loop()
 
@@ -185,11 +188,11 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
     if not state.ready:
-        body: dict[str, Any] = {"status": "loading"}
+        body: dict[str, Any] = {"status": "loading", "version": __version__}
         if state.load_error:
-            body = {"status": "error", "error": state.load_error}
+            body = {"status": "error", "error": state.load_error, "version": __version__}
         return _json_response(503, body)
-    return _json_response(200, {"status": "ok", "models": list(state.engines), "default_model": state.default_model,
+    return _json_response(200, {"status": "ok", "version": __version__, "models": list(state.engines), "default_model": state.default_model,
                                 "backend": state.backend_name, "device": state.device, "dtype": state.dtype})
 
 
@@ -197,6 +200,7 @@ async def health(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = state.telemetry.snapshot()
+    snap["version"] = __version__
     snap["inflight"] = state.inflight
     snap["queues"] = {name: e.waiting() for name, e in state.engines.items()}
     snap["ready"] = state.ready
@@ -204,7 +208,9 @@ async def stats(request: Request) -> Response:
 
 
 def create_app(state: AppState) -> Litestar:
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats], request_max_body_size=MAX_BODY_BYTES,
-                   openapi_config=None)
+    from .extras import extra_handlers, wrap_asgi
+
+    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *extra_handlers(state)],
+                   middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None)
     app.state.basal = state
     return app

@@ -14,6 +14,7 @@ from basal_local.backends.select import make_backend
 from ..engine.engine import ModelEngine
 from ..engine.gate import DeviceGate
 from ..model.directory import load_model_dir
+from .aliases import resolve_aliases
 from .app import AppState, create_app
 from .settings import Settings
 
@@ -24,7 +25,8 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
     """Load every model (one gate for the device), then mark the state ready. Errors go to /health."""
     try:
         gate = DeviceGate(settings.engine.long_slice_ms / 1000.0)
-        for path in model_dirs:
+        for i, path in enumerate(model_dirs, 1):
+            log.info("loading model %d/%d from %s", i, len(model_dirs), path)
             model = load_model_dir(path)
             if model.name in state.engines:
                 raise ValueError(f"two models are named {model.name!r} (basal.json name)")
@@ -41,11 +43,12 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
             raise ValueError(f"default_model {default!r} is not one of the served models "
                              f"({', '.join(state.engines)})")
         state.default_model = default
+        state.aliases = resolve_aliases(settings.aliases, list(state.engines), default)
         state.ready = True
         print(f"basal-local: ready: {', '.join(state.engines)} on {state.backend_name}/{state.device} "
               f"({state.dtype})", flush=True)
     except Exception as exc:
-        log.exception("loading failed")
+        log.debug("loading failed", exc_info=True)  # the sentence below is for the user; the trace for -v
         state.load_error = f"loading failed: {exc}"
         print(f"basal-local: error: {state.load_error}", flush=True)
 
@@ -60,22 +63,32 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
+def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
+    """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503)."""
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
-                     access_log=settings.access_log)
+                     access_log=settings.access_log, metrics=settings.metrics)
     app = create_app(state)
     if settings.access_log:
         logging.getLogger("basal_local.server").setLevel(logging.INFO)
-    loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
-    loader.start()
-    if banner:
-        print(banner, flush=True)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_keep_alive=35, access_log=False)
     server = _Server(config)
+
+    def load() -> None:
+        load_engines(state, settings, model_dirs)
+        if state.load_error:
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    if banner:
+        print(banner, flush=True)
     try:
         server.run()
     finally:
         for engine in state.engines.values():
             engine.stop()
         print("basal-local: stopped", flush=True)
+    if state.load_error or not server.started:
+        return 1
+    return 0

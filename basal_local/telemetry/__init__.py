@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +35,18 @@ class Telemetry:
                                          "rejected_overload": 0, "forwards": 0, "batches": 0}
         self.started = time.time()
         self._batch_ids = 0
+        self._listeners: list[Callable[[str, Any], None]] = []
+
+    def add_listener(self, listener: Callable[[str, Any], None]) -> None:
+        """`listener("batch", BatchRecord)` / `listener("request", dict)` after each record (e.g. /metrics)."""
+        self._listeners.append(listener)
+
+    def _tell(self, kind: str, record: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(kind, record)
+            except Exception:  # an observer must never break the engine
+                pass
 
     def next_batch_id(self) -> int:
         with self._lock:
@@ -49,10 +62,12 @@ class Telemetry:
             self.batches.append(record)
             self.counters["batches"] += 1
             self.counters["forwards"] += record.forwards
+        self._tell("batch", record)
 
     def record_request(self, **info: Any) -> None:
         with self._lock:
             self.requests.append(info)
+        self._tell("request", info)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
