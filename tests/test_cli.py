@@ -3,6 +3,8 @@ models in a (fake, offline) Hugging Face cache; doctor; service files; ask and r
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -18,10 +20,31 @@ from basal_local import __version__
 from .conftest import Daemon, free_port
 
 
-def cli(*args: str, env: dict | None = None, stdin: str | None = None, timeout: float = 120):
+def cli(*args: str, env: dict | None = None, stdin: str | None = None):
+    """`basal-local ARGS` in this process (fast: no interpreter start, torch already imported)."""
+    from basal_local.cli import main
+
+    saved_env, saved_stdin = dict(os.environ), sys.stdin
+    os.environ.update(env or {})
+    sys.stdin = io.TextIOWrapper(io.BytesIO((stdin or "").encode()), encoding="utf-8")
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse
+                status = exc.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.stdin = saved_stdin
+    return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
+
+
+def subcli(*args: str, env: dict | None = None, timeout: float = 300):
+    """`basal-local ARGS` as its own process (for what only a process shows: exit status of serve, pipes)."""
     return subprocess.run([sys.executable, "-m", "basal_local.cli", *args], capture_output=True, text=True,
-                          input=stdin if stdin is not None else "", timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          input="", timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +68,7 @@ def assert_user_error(done: subprocess.CompletedProcess, *words: str) -> None:
 
 
 def test_version():
-    done = cli("--version")
+    done = subcli("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"basal-local {__version__}"
 
 
@@ -119,8 +142,8 @@ def test_busy_port_exits_before_the_banner(home, tiny_model):
 
 def test_serve_exits_non_zero_when_a_model_fails_to_load(home, tiny_model):
     # two models with the same basal.json name pass the early checks and fail while loading
-    done = cli("serve", "--model", str(tiny_model), "--model", str(tiny_model), "--port", str(free_port()),
-               "--device", "cpu", env=home, timeout=120)
+    done = subcli("serve", "--model", str(tiny_model), "--model", str(tiny_model), "--port", str(free_port()),
+                  "--device", "cpu", env=home)
     assert done.returncode == 1
     assert "two models are named" in done.stdout + done.stderr
 
@@ -129,7 +152,7 @@ def test_broken_pipe_is_quiet(home, tiny_model):
     proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "show", str(tiny_model)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **home})
     proc.stdout.close()  # the reader is gone before the first line is written
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=300)
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err
 
 
@@ -260,7 +283,7 @@ def test_launchd_plist_is_valid_xml(tmp_path):
 @pytest.fixture(scope="module")
 def live(tiny_model, home):
     d = Daemon(["--model", str(tiny_model), "--device", "cpu"], env=home)
-    d.wait_ready()
+    d.wait_ready(timeout=600)
     yield d
     d.stop()
 

@@ -18,6 +18,17 @@ class ModelNotFound(LookupError):
     pass
 
 
+def hub_options() -> dict[str, str]:
+    """HF_HUB_CACHE / HF_HOME / HF_ENDPOINT read now, not when huggingface_hub was imported."""
+    out = {}
+    cache = os.environ.get("HF_HUB_CACHE") or (os.environ.get("HF_HOME") and os.path.join(os.environ["HF_HOME"], "hub"))
+    if cache:
+        out["cache_dir"] = cache
+    if os.environ.get("HF_ENDPOINT"):
+        out["endpoint"] = os.environ["HF_ENDPOINT"]
+    return out
+
+
 def split_ref(ref: str) -> tuple[str, str | None]:
     """(repo id, revision) of `mini|4.5B|max|OWNER/NAME[@REV]`; an unknown short name lists the known ones."""
     name, _, revision = ref.partition("@")
@@ -51,7 +62,8 @@ def resolve_model(ref: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
+        options = {k: v for k, v in hub_options().items() if k == "cache_dir"}
+        return Path(snapshot_download(repo, revision=revision, local_files_only=True, **options))
     except Exception:
         raise ModelNotFound(f"{repo} is not downloaded yet: run `basal-local pull {ref}` first "
                             f"(or try the demo: `basal-local serve --demo`)") from None
@@ -62,7 +74,7 @@ def pull(ref: str) -> Path:
     from huggingface_hub import snapshot_download
 
     repo, revision = split_ref(ref)
-    return Path(snapshot_download(repo, revision=revision))
+    return Path(snapshot_download(repo, revision=revision, **hub_options()))
 
 
 @dataclass
@@ -83,7 +95,7 @@ def cached_models() -> list[CachedModel]:
     try:
         from huggingface_hub import scan_cache_dir
 
-        info = scan_cache_dir()
+        info = scan_cache_dir(hub_options().get("cache_dir"))
         repos = [r for r in info.repos if r.repo_type == "model"]
     except Exception:  # no cache folder yet
         repos = []
