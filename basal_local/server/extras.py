@@ -49,6 +49,11 @@ class RetrySpreader:
         with self.lock:
             self.service_s = 0.8 * self.service_s + 0.2 * min(seconds, 30.0)
 
+    def missed(self) -> None:
+        """A retry was rejected again: the spacing was too tight, so widen it (the EMA brings it back)."""
+        with self.lock:
+            self.service_s = min(self.service_s * 1.5, 30.0)
+
     def delay_ms(self) -> int:
         now = time.monotonic()
         with self.lock:
@@ -108,6 +113,8 @@ def wrap_asgi(state: AppState):
                         if name not in names:
                             headers.append((name, request_id.encode("latin-1")))
                     if status == 529:
+                        if _header(scope, b"x-typesafe-retry-count"):  # typesafe-sdk marks its retries
+                            spreader.missed()
                         headers.extend(spreader.headers())
                     elif decision and status == 200:
                         spreader.observe(time.perf_counter() - started)
