@@ -23,8 +23,13 @@ def load_settings(args: argparse.Namespace, keys=SERVE_KEYS):
         overrides["access_log"] = True
     if getattr(args, "model", None):
         overrides["models"] = args.model
+    config = Path(args.config).expanduser() if getattr(args, "config", None) else None
+    if config is not None and not config.is_file():
+        from ..server.settings import config_path
+
+        raise UserError(f"--config {config}: no such file", f"drop --config to use {config_path()}, or fix the path")
     try:
-        return Settings.load(overrides, Path(args.config).expanduser() if getattr(args, "config", None) else None)
+        return Settings.load(overrides, config)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
 

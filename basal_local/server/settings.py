@@ -47,8 +47,6 @@ class Settings:
         """Defaults, then config.toml, then BASAL_LOCAL_* variables, then the given (CLI) overrides."""
         values: dict[str, Any] = {}
         path = config_file or config_path()
-        if config_file is not None and not path.is_file():
-            raise ValueError(f"--config {path}: no such file (drop --config to use {config_path()})")
         if path.is_file():
             try:
                 with open(path, "rb") as fh:
