@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from basal_local import __version__
+
 M = "basal-test-tiny"
 UNION = [("string_type", "str", "Input should be a valid string"),
          ("dict_type", "dict[any,any]", "Input should be a valid dictionary"),
@@ -212,7 +214,7 @@ def test_loading_state_answers_503(app_client):
     state.ready = False
     try:
         resp = app_client.get("/health")
-        assert (resp.status_code, resp.json()) == (503, {"status": "loading"})
+        assert (resp.status_code, resp.json()) == (503, {"status": "loading", "version": __version__})
         resp = app_client.post("/v1/systemone", content=json.dumps(q(type="noul", instructions="i")))
         assert resp.status_code == 503 and resp.headers["retry-after"] == "5"
     finally:
