@@ -192,15 +192,13 @@ def test_529_headers(tiny_model):
     state = AppState(max_inflight=0)  # every decision is rejected as overloaded
     state.ready = True
     with TestClient(create_app(state)) as client:
-        delays = set()
         for _ in range(5):
             r = client.post("/v1/systemone", json={"model": "m", "state": "s", "questions": {}})
             assert r.status_code == 529 and r.headers["x-typesafe-request-id"]
             assert re.fullmatch(r"[1-9][0-9]*", r.headers["retry-after"])  # integer seconds, never a date
             ms = int(r.headers["retry-after-ms"])
-            assert int(r.headers["retry-after"]) == -(-ms // 1000)
-            delays.add(ms)
-    assert len(delays) == 5
+            assert ms >= 1 and int(r.headers["retry-after"]) == -(-ms // 1000)
+    # how the slots are spaced is test_retry_slots_do_not_collide's job (here the calls' timing is the machine's)
 
 
 def test_retry_slots_do_not_collide():
