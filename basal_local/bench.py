@@ -10,6 +10,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import threading
 import time
 import urllib.request
@@ -50,9 +51,11 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
 
     model = load_model_dir(model_dir)
     backend = make_backend(backend_name, device, attention)
+    _phase(f"loading {model.name} on {backend.device}")
     t0 = time.perf_counter()
     info = backend.load(model.path, dtype)
     load_s = time.perf_counter() - t0
+    _phase("warming up (template K/V" + (", CUDA graphs)" if backend.device.startswith("cuda") else ")"))
     t0 = time.perf_counter()
     engine = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
     warmup_s = time.perf_counter() - t0  # template K/V and, on CUDA, graph capture of every bucket
@@ -77,6 +80,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
         decide([r])
     latencies = []
     packed = []
+    _phase(f"single decisions ({len(requests) * repeat})")
     for _ in range(repeat):
         for r in requests:
             t = time.perf_counter()
@@ -86,6 +90,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
                                                    if row.prefix))
     throughput = {}
     for size in (16, 32):
+        _phase(f"batches of {size}")
         groups = [requests[i:i + size] for i in range(0, len(requests) - size + 1, size)] or [requests[:size]]
         t = time.perf_counter()
         n = 0
@@ -185,6 +190,11 @@ def _cuda_memory_now() -> dict[str, float]:
             "allocated_gb": round(torch.cuda.memory_allocated() / 1e9, 3)}
 
 
+def _phase(text: str) -> None:
+    """Progress of a long measurement, on stderr (stdout stays the result, --json included)."""
+    print(f"basal-local bench: {text}...", file=sys.stderr, flush=True)
+
+
 def _torch_version() -> str:
     try:
         import torch
@@ -207,6 +217,7 @@ def bench_http(url: str, clients: int, total: int) -> dict[str, Any]:
         model = json.load(resp)["models"][0]["name"]
     bodies = single_question_requests(model)
     total = total or len(bodies)
+    _phase(f"{total} requests from {clients} clients to {url}")
     latencies: list[float] = []
     batch_sizes: list[int] = []
     errors = [0]
@@ -281,6 +292,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     result["throughput"]["batch32"]["decisions_per_s"]
                     / comp["throughput"]["batch32"]["decisions_per_s"], 2)
         if args.baseline in ("transformers", "both"):
+            _phase("the same decisions through Hugging Face transformers")
             base = bench_transformers_baseline(model_dir, args.device, args.dtype, args.repeat)
             result["baseline"] = base
             result["speedup_single_median"] = round(base["single_ms"]["median"] / result["single_ms"]["median"], 2)

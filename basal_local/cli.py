@@ -1,22 +1,26 @@
-"""The `basal-local` command: serve, prompts, make-test-model, pull, bench."""
+"""The `basal-local` command: the argument parser and dispatch (implementations in basal_local/commands/)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
+from . import __version__
+from .commands import UserError
+
 DEMO_BANNER = """\
-basal-local demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
+basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
   The demo model has RANDOM weights: its answers are random. It shows the API, not a real decision model.
   Get a real model with `basal-local pull mini` and start it with `basal-local serve --model mini`.
 
 Try it:
   curl -s http://{host}:{port}/v1/systemone -H 'content-type: application/json' -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
     "questions": {{"urgent": {{"type": "noul", "instructions": "Is this urgent?"}}}}}}'
+
+  basal-local ask --url http://{host}:{port} --state "The parcel arrived broken." --noul "Is this urgent?"
 
   python - <<'PY'
   import json, urllib.request
@@ -34,129 +38,78 @@ basal-local: error: no model to serve.
   or point at a model directory:                      basal-local serve --model /path/to/basal-1.5-mini"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is two lines (what is wrong, where the help is), not the whole usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n  see `{self.prog} -h`\n")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (a TCP port is 1-65535)") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (use 1-65535)")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-batch-tokens", type=int, dest="max_batch_tokens")
-    p.add_argument("--schedule", choices=["hrrn", "fifo"])
-    p.add_argument("--long-tokens", type=int, dest="long_tokens", help="long-lane threshold; 0 disables")
-    p.add_argument("--long-slice-ms", type=float, dest="long_slice_ms")
-    p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None)
+    from .engine.engine import EngineSettings
+
+    d = EngineSettings()
+    p.add_argument("--max-batch-tokens", type=int, dest="max_batch_tokens",
+                   help=f"tokens one batch may grow its prefix trees by (default {d.max_batch_tokens})")
+    p.add_argument("--schedule", choices=["hrrn", "fifo"], help=f"queue order (default {d.schedule})")
+    p.add_argument("--long-tokens", type=int, dest="long_tokens",
+                   help=f"requests of this many tokens go to the preemptible long lane; 0 disables "
+                        f"(default {d.long_tokens})")
+    p.add_argument("--long-slice-ms", type=float, dest="long_slice_ms",
+                   help=f"how long the long lane may hold the device while others wait (default {d.long_slice_ms:g})")
+    p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None,
+                   help="do not keep the chat template's K/V per language (default: kept)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .model.directory import ModelLoadError, load_model_dir
-    from .model.registry import ModelNotFound, demo_model_dir, resolve_model
-    from .server.daemon import serve
-    from .server.settings import Settings
+    from .commands.serving import serve_command
 
-    overrides = {k: getattr(args, k) for k in ("host", "port", "backend", "device", "devices", "replicas", "dtype",
-                                               "default_model",
-                                               "max_inflight", "max_batch_tokens", "schedule", "long_tokens",
-                                               "long_slice_ms", "prefix_cache")}
-    overrides["access_log"] = args.access_log or None
-    for key in ("api_key", "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins"):
-        overrides[key] = getattr(args, key)
-    overrides["insecure_public"] = args.insecure_public or None
-    overrides["log_bodies"] = args.log_bodies or None
-    if args.model:
-        overrides["models"] = args.model
-    try:
-        settings = Settings.load(overrides, Path(args.config) if args.config else None)
-        from basal_local.backends.select import check_dtype
-
-        check_dtype(settings.backend, settings.device, settings.dtype)
-    except (ValueError, OSError) as exc:
-        print(f"basal-local: error: {exc}", file=sys.stderr)
-        return 2
-    from .server.security import public_bind_refusal
-
-    refusal = public_bind_refusal(settings.host, settings.api_key, settings.insecure_public)
-    if refusal:
-        print(f"basal-local: error: {refusal}", file=sys.stderr)
-        return 2
-    dirs: list[Path] = []
-    banner = ""
-    if args.demo:
-        print("basal-local: preparing the demo model (generated once, a few seconds)...", flush=True)
-        dirs.append(demo_model_dir())
-        banner = DEMO_BANNER.format(host=settings.host, port=settings.port)
-    if not settings.models and not args.demo:
-        print(NO_MODEL, file=sys.stderr)
-        return 2
-    try:
-        for ref in settings.models:
-            path = resolve_model(ref)
-            load_model_dir(path, check_weights=True)  # refuse early, with the file and field named
-            dirs.append(path)
-    except (ModelNotFound, ModelLoadError) as exc:
-        print(f"basal-local: error: {exc}", file=sys.stderr)
-        return 2
-    if not banner:
-        banner = f"basal-local: serving on http://{settings.host}:{settings.port} (loading models...)"
-    if args.tui or args.demo_traffic:
-        from .server.tuimode import serve_with_options
-
-        return serve_with_options(settings, dirs, banner, args.tui, args.demo_traffic)
-    serve(settings, dirs, banner)
-    # Everything is stopped and flushed; the interpreter's final garbage collection of a loaded model can take
-    # seconds, which would stretch a SIGTERM past its drain deadline. Leave now, with success.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return serve_command(args)
 
 
 def cmd_prompts(args: argparse.Namespace) -> int:
-    from .api import ApiError, parse_body, route, validate
-    from .engine.packer import pack_prompts
-    from .engine.plan import plan_request
-    from .model.directory import load_model_dir
-    from .protocol.questions import detect_language
+    from .commands.prompts import prompts_command
 
-    model = load_model_dir(args.model, check_weights=False)
-    try:
-        body = parse_body(sys.stdin.buffer.read(), args.dialect)
-        request = validate(body, args.dialect, route(body, args.dialect, {model.name: model}, model.name))
-        prefixes = {lang: model.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
-        plan = plan_request(request, model.tokenizer, model.config.max_position_embeddings, prefixes)
-    except ApiError as err:
-        # the body the HTTP endpoint would answer; its status goes to stderr
-        print(json.dumps(err.body, ensure_ascii=False))
-        print(f"basal-local: HTTP {err.status}", file=sys.stderr)
-        return 2
-    if args.tree:
-        from .engine.pretty import format_pack
-
-        print(format_pack(pack_prompts(plan.prompt_specs(), prefixes), model.tokenizer))
-        return 0
-    questions = {}
-    for q in request.questions:
-        units = [qp for qp in plan.questions if qp.question.qid == q.qid]
-        shown = [{"role": qp.role, "index": qp.index, "options": qp.members, "orders": [
-            {"prompt": text, "input_ids": ids, "letter_ids": qp.letter_ids}
-            for text, ids in zip(qp.prompts, qp.token_ids)]} for qp in units]
-        entry = {"type": q.qtype, "language": units[0].lang if units else None,
-                 "orders": shown[0]["orders"] if len(units) == 1 else []}
-        if q.qtype == "multi" or q.large:  # branches / round-1 groups (round 2 depends on the answers)
-            entry["units"] = shown
-        questions[q.qid] = entry
-    first = plan.questions[0].lang if plan.questions else detect_language(request.state_text, "")
-    print(json.dumps({"language": first, "questions": questions}, ensure_ascii=False))
-    return 0
+    return prompts_command(args)
 
 
 def cmd_make_test_model(args: argparse.Namespace) -> int:
     from .model.testmodel import make_test_model
 
-    out = make_test_model(args.directory, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
-                          evidence_head=args.evidence_head)
+    out = Path(args.directory).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file", "give make-test-model a new or empty folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "basal.json").exists():
+        raise UserError(f"{out} is not empty and holds no model",
+                        "give make-test-model a new or empty folder (an existing test model is overwritten)")
+    if args.device == "cuda":
+        from .commands.serving import check_device
+
+        check_device("cuda")
+    print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
+    make_test_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
+                    progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
     print(f"basal-local: wrote {args.preset} test model to {out}")
-    return 0
-
-
-def cmd_pull(args: argparse.Namespace) -> int:
-    from .model.registry import pull
-
-    print(f"basal-local: downloaded to {pull(args.ref)}")
     return 0
 
 
@@ -179,30 +132,68 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
+    from .commands import check_url, get_json
+    from .commands.serving import check_device
 
+    if args.http:
+        args.http = check_url(args.http, "--http")
+        get_json(args.http, "/v1/models", flag="--http")
+    else:
+        check_device(args.device)
+        if args.model:
+            from .commands import model_path
+
+            args.model = str(model_path(args.model))
     return run_bench(args)
 
 
+def _models(name: str):
+    def run(args: argparse.Namespace) -> int:
+        from .commands import models
+
+        return getattr(models, name)(args)
+    return run
+
+
+def _lazy(module: str, func: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(f".commands.{module}", __package__), func)(args)
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="basal-local", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from .server.settings import Settings, config_path
+
+    defaults = Settings()
+    parser = _Parser(prog="basal-local", description=__doc__.split(" (")[0] + ".",
+                                     epilog="`basal-local COMMAND -h` explains each command.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (and show tracebacks)")
+    parser.add_argument("--version", action="version", version=f"basal-local {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the daemon")
-    p.add_argument("--model", action="append", help="model directory or name (repeatable)")
+    p.add_argument("--model", action="append",
+                   help="model directory, or a downloaded name (mini, 4.5B, max, OWNER/NAME); repeatable")
     p.add_argument("--demo", action="store_true", help="serve the bundled demo model (random weights)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--backend", choices=["auto", "torch", "mlx"])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--host", help=f"address to listen on (default {defaults.host}: this machine only)")
+    p.add_argument("--port", type=_port, help=f"TCP port (default {defaults.port})")
+    p.add_argument("--backend", choices=["auto", "torch", "mlx"], help=f"(default {defaults.backend})")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"],
+                   help=f"(default {defaults.device}: cuda when available, else cpu)")
     p.add_argument("--devices", help="one engine replica per device: cuda:0,cuda:1 or all (overrides --device)")
-    p.add_argument("--replicas", type=int, help="engine replicas per device (default 1)")
+    p.add_argument("--replicas", type=_positive, help="engine replicas per device (default 1)")
     p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "q8", "q4"],
-                   help="q8/q4: MLX backend only (quantized once, cached in the user cache folder)")
-    p.add_argument("--default-model", dest="default_model")
-    p.add_argument("--max-inflight", type=int, dest="max_inflight")
-    p.add_argument("--config", help="config.toml (default: the user config folder)")
-    p.add_argument("--access-log", action="store_true", dest="access_log")
+                   help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; q8/q4: MLX only, quantized once "
+                        "and cached in the user cache folder)")
+    p.add_argument("--default-model", dest="default_model",
+                   help="model for requests that name none (default: the first --model)")
+    p.add_argument("--max-inflight", type=_positive, dest="max_inflight",
+                   help=f"requests admitted at once; more get 529 + Retry-After (default {defaults.max_inflight})")
+    p.add_argument("--config", help=f"config.toml to read (default {config_path()})")
+    p.add_argument("--access-log", action="store_true", dest="access_log", help="one log line per request")
+    p.add_argument("--metrics", action="store_true", default=None, help="Prometheus text at /metrics (default off)")
     p.add_argument("--api-key", dest="api_key", help="require this key (Authorization: Bearer KEY or X-Api-Key); "
                    "also BASAL_LOCAL_API_KEY")
     p.add_argument("--insecure-public", action="store_true", dest="insecure_public",
@@ -229,33 +220,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("prompts", help="show exactly what the model reads for a request on stdin")
-    p.add_argument("--model", required=True, help="model directory")
-    p.add_argument("--dialect", choices=["systemone", "basal"], default="systemone")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model directory or downloaded name")
+    src.add_argument("--demo", action="store_true", help="use the demo model")
+    p.add_argument("--dialect", choices=["systemone", "basal"], default="systemone", help="(default systemone)")
     p.add_argument("--tree", action="store_true", help="print the packed prefix tree instead")
     p.set_defaults(func=cmd_prompts)
 
     p = sub.add_parser("make-test-model", help="write a random-weight model directory of the contract")
-    p.add_argument("directory")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "mini", "4.5B", "max"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--name")
-    p.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is faster)")
+    p.add_argument("directory", help="folder to write (created)")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "mini", "4.5B", "max"],
+                   help="architecture (default tiny; mini/4.5B/max are the real Basal shapes)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--name", help="served model name (default basal-test-PRESET)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where to draw the random weights (default cpu; cuda is faster)")
     p.add_argument("--evidence-head", action=argparse.BooleanOptionalAction, default=None,
                    help="write a random evidence_head.pt (default: for the tiny and small presets)")
     p.set_defaults(func=cmd_make_test_model)
 
-    p = sub.add_parser("pull", help="download a model into the Hugging Face cache")
-    p.add_argument("ref", help="mini, 4.5B, max or owner/name[@revision]")
-    p.set_defaults(func=cmd_pull)
+    p = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumable)")
+    p.add_argument("ref", help="mini, 4.5B, max or OWNER/NAME[@REVISION]")
+    p.set_defaults(func=_models("pull"))
+
+    p = sub.add_parser("list", aliases=["ls"], help="models downloaded (and the demo model)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_models("list_"))
+
+    p = sub.add_parser("show", help="a model's architecture, calibration and files")
+    p.add_argument("ref", help="name (mini, OWNER/NAME, basal-demo) or model directory")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_models("show"))
+
+    p = sub.add_parser("rm", help="delete a downloaded model from the cache")
+    p.add_argument("ref", help="mini, 4.5B, max, OWNER/NAME[@REVISION] or basal-demo")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    p.set_defaults(func=_models("rm"))
+
+    p = sub.add_parser("ps", help="what a running daemon has loaded, and its memory")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_models("ps"))
+
+    p = sub.add_parser("doctor", help="check this machine: Python, packages, devices, models, disk, port, config")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--port", type=_port, help="port to check (default: the configured one)")
+    p.set_defaults(func=_lazy("doctor", "doctor_command"))
+
+    p = sub.add_parser("ask", help="one decision through a running daemon, as a bar chart")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    p.add_argument("--model", help="served model name (default: the daemon's default)")
+    p.add_argument("--state", required=True, help="the text to decide about, or @FILE to read it from a file")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--noul", metavar="Q", help="a yes/no question")
+    kind.add_argument("--choice", metavar="Q", help="a choice question (give the options with -o)")
+    kind.add_argument("--score", metavar="Q", help="a score question (give the levels with -l)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=DESCRIPTION",
+                   help="a choice option (repeat, at least 2)")
+    p.add_argument("-l", "--level", action="append", default=[], metavar="LEVEL",
+                   help="a score level, lowest first (repeat, at least 2)")
+    p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    p.set_defaults(func=_lazy("ask", "ask_command"))
+
+    p = sub.add_parser("run", help="decide every request of a JSONL file through a running daemon")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    p.add_argument("--input", required=True, help="JSONL: full System One requests or {state, question, "
+                                                  "options, gold?} items")
+    p.add_argument("--output", required=True, help="JSONL to write, one answer per input line, in order")
+    p.add_argument("--model", help="served model name for items that name none")
+    p.add_argument("--concurrency", type=_positive, default=8, help="requests in flight (default 8)")
+    p.set_defaults(func=_lazy("batch", "run_command"))
+
+    p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)")
+    p.add_argument("action", choices=["install", "uninstall", "status"])
+    p.add_argument("--model", action="append", help="model to serve (repeatable; default: the config's)")
+    p.add_argument("--port", type=_port, help="port (default: the config's)")
+    p.add_argument("--print", action="store_true", dest="dry_run", help="print the unit instead of writing it")
+    p.set_defaults(func=_lazy("service", "service_command"))
 
     p = sub.add_parser("bench", help="measure latency and throughput")
-    p.add_argument("--model", help="model directory (default: the demo model)")
-    p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--model", help="model directory or downloaded name (default: the demo model)")
+    p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto", help="(default auto)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32"], help="(default auto)")
+    p.add_argument("--repeat", type=_positive, default=1, help="passes over the sample set (default 1)")
     p.add_argument("--http", help="URL of a running daemon: measure over HTTP instead")
-    p.add_argument("--clients", type=int, default=1)
+    p.add_argument("--clients", type=_positive, default=1, help="concurrent HTTP clients (default 1)")
     p.add_argument("--requests", type=int, default=0, help="HTTP requests to send (default: the sample set)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--attention", choices=["auto", "tree", "sdpa", "flex"], default="auto",
@@ -276,7 +326,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="basal-local: %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below, not at exit
+        return status
+    except UserError as err:
+        print("\n".join(err.lines()), file=sys.stderr)
+        return err.status
+    except KeyboardInterrupt:
+        print("basal-local: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `basal-local list | head -1`: the reader left; stay quiet (and keep Python from complaining at exit)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        return 141
+    except Exception as exc:  # a bug: one line, the traceback only with -v
+        if args.verbose:
+            raise
+        print(f"basal-local: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print("  run again with -v for the traceback, and please report it", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from basal_local import __version__
+
 M = "basal-test-tiny"
 UNION = [("string_type", "str", "Input should be a valid string"),
          ("dict_type", "dict[any,any]", "Input should be a valid dictionary"),
@@ -107,7 +109,7 @@ CASES = [
     (q(type="noul"), 400, {"detail": {"error_type": "api_usage_error",
                                       "message": "Noul question must have criteria or instructions: q"}}),
     ({"model": "nope-1", "state": "s", "questions": {"q": {"type": "noul"}}}, 400,
-     {"detail": {"error_type": "api_usage_error", "message": "Unknown model: nope-1"}}),
+     {"detail": {"error_type": "api_usage_error", "message": "Unknown model: nope-1 (served: basal-test-tiny)"}}),
     # unsupported (valid, but not answerable by this runtime)
     (q(type="choice", criteria=[str(i) for i in range(11)], evidence=True), 422,
      {"error": "unsupported", "detail": [{"type": "unsupported_feature", "loc": ["body", "questions", "q"],
@@ -197,7 +199,7 @@ BASAL_CASES = [
      {"error": "question 'q': 1 options (supported: 2..10)"}),
     ({"state": "s", "questions": {"q": {"criteria": ["a"]}, "r": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
      422, {"error": "question 'q': 1 options (supported: 2..10); question 'r': 11 options (supported: 2..10)"}),
-    ({"model": "nope-1", "state": "s", "questions": {}}, 422, {"error": "Unknown model: nope-1"}),
+    ({"model": "nope-1", "state": "s", "questions": {}}, 422, {"error": "Unknown model: nope-1 (served: basal-test-tiny)"}),
     ({"state": "s", "questions": {"q": {"type": "choice", "criteria": ["a", "b"], "option_keys": "x"}}}, 422,
      {"error": "option_keys must be 'show' or 'hide', got x"}),
     ({"state": "s", "questions": {"q": {"type": "multi", "criteria": []}}}, 422,
@@ -272,7 +274,7 @@ def test_loading_state_answers_503(app_client):
     state.ready = False
     try:
         resp = app_client.get("/health")
-        assert (resp.status_code, resp.json()) == (503, {"status": "loading"})
+        assert (resp.status_code, resp.json()) == (503, {"status": "loading", "version": __version__})
         resp = app_client.post("/v1/systemone", content=json.dumps(q(type="noul", instructions="i")))
         assert resp.status_code == 503 and resp.headers["retry-after"] == "5"
     finally:

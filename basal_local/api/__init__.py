@@ -21,8 +21,10 @@ def parse_body(raw: bytes, dialect: str) -> Any:
         raise basal_error(str(exc)) from None
 
 
-def route(body: Any, dialect: str, served: dict[str, Any], default: str) -> str:
-    """The served model a body asks for (PROTOCOL.md §1.1); an unknown name is the dialect's error."""
+def route(body: Any, dialect: str, served: dict[str, Any], default: str, aliases: dict[str, str] | None = None) -> str:
+    """The served model a body asks for (PROTOCOL.md §1.1, aliases resolved); an unknown name is the dialect's error."""
+    if aliases and isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] in aliases:
+        return aliases[body["model"]]
     return (check_model_field if dialect == "systemone" else route_basal)(body, served, default)
 
 

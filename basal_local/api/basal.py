@@ -148,6 +148,6 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
 def route_basal(body: Any, served: dict[str, Any], default: str) -> str:
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         if body["model"] not in served:
-            raise basal_error(f"Unknown model: {body['model']}")
+            raise basal_error(f"Unknown model: {body['model']} (served: {', '.join(served)})")
         return body["model"]
     return default

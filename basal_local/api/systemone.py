@@ -344,7 +344,7 @@ def check_model_field(body: Any, served: dict[str, Any], default: str) -> str:
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         name = body["model"]
         if name not in served:
-            raise usage_error(f"Unknown model: {name}")
+            raise usage_error(f"Unknown model: {name} (served: {', '.join(served)})")
         return name
     return default
 

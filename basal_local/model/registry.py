@@ -1,8 +1,13 @@
-"""Where models come from: a directory, a Hugging Face cache entry, or the generated demo model."""
+"""Where models come from: a directory, a Hugging Face cache entry, or the generated demo model.
+
+Downloaded models live in the Hugging Face cache (`HF_HUB_CACHE`, `models--OWNER--NAME`), so upstream tools
+and `huggingface-cli` share them; nothing is ever downloaded implicitly (only `basal-local pull` downloads).
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 SHORT_NAMES = {"mini": "Remek/basal-1.5-mini", "4.5B": "Remek/basal-1.5-4.5B", "max": "Remek/basal-1.5-max"}
@@ -13,45 +18,128 @@ class ModelNotFound(LookupError):
     pass
 
 
+def hub_options() -> dict[str, str]:
+    """HF_HUB_CACHE / HF_HOME / HF_ENDPOINT read now, not when huggingface_hub was imported."""
+    out = {}
+    cache = os.environ.get("HF_HUB_CACHE") or (os.environ.get("HF_HOME") and os.path.join(os.environ["HF_HOME"], "hub"))
+    if cache:
+        out["cache_dir"] = cache
+    if os.environ.get("HF_ENDPOINT"):
+        out["endpoint"] = os.environ["HF_ENDPOINT"]
+    return out
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """(repo id, revision) of `mini|4.5B|max|OWNER/NAME[@REV]`; an unknown short name lists the known ones."""
+    name, _, revision = ref.partition("@")
+    repo = SHORT_NAMES.get(name, name)
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        known = ", ".join(SHORT_NAMES)
+        raise ModelNotFound(f"unknown model {ref!r}: the known names are {known}, or give a Hugging Face "
+                            f"repo as OWNER/NAME[@REVISION] (e.g. {SHORT_NAMES['mini']})")
+    return repo, revision or None
+
+
+def _looks_like_path(ref: str) -> bool:
+    return ref.startswith(("/", ".", "~", "\\")) or ref.count("/") > 1 or ref.count("\\") > 0 or (
+        len(ref) > 1 and ref[1] == ":")
+
+
 def resolve_model(ref: str) -> Path:
     """A directory, or `mini`/`4.5B`/`max`/`owner/name[@rev]` already in the Hugging Face cache (never downloads)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
-    repo = SHORT_NAMES.get(ref, ref)
-    revision = None
-    if "@" in repo:
-        repo, revision = repo.split("@", 1)
-    if repo.count("/") != 1:
-        raise ModelNotFound(f"{ref!r} is neither a model directory nor a Hugging Face repo name "
-                            f"(try `basal-local serve --demo`, or `basal-local pull mini`)")
+    if path.exists():
+        raise ModelNotFound(f"{ref} is a file, not a model directory (give the folder that holds config.json)")
+    if _looks_like_path(ref):
+        raise ModelNotFound(f"no directory {ref} (give an existing model directory, or a name such as `mini`; "
+                            f"`basal-local list` shows the downloaded models)")
+    try:
+        repo, revision = split_ref(ref)
+    except ModelNotFound as exc:
+        raise ModelNotFound(f"{exc}; or a model directory") from None
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
+        options = {k: v for k, v in hub_options().items() if k == "cache_dir"}
+        return Path(snapshot_download(repo, revision=revision, local_files_only=True, **options))
     except Exception:
         raise ModelNotFound(f"{repo} is not downloaded yet: run `basal-local pull {ref}` first "
                             f"(or try the demo: `basal-local serve --demo`)") from None
 
 
 def pull(ref: str) -> Path:
+    """Download (or finish downloading) a model into the HF cache, with huggingface_hub's own progress bars."""
     from huggingface_hub import snapshot_download
 
-    repo = SHORT_NAMES.get(ref, ref)
-    revision = None
-    if "@" in repo:
-        repo, revision = repo.split("@", 1)
-    return Path(snapshot_download(repo, revision=revision))
+    repo, revision = split_ref(ref)
+    return Path(snapshot_download(repo, revision=revision, **hub_options()))
 
 
-def demo_model_dir() -> Path:
-    """The demo model (tiny random weights), generated once into the cache from the bundled recipe."""
+@dataclass
+class CachedModel:
+    name: str          # the short name when there is one, else OWNER/NAME
+    repo: str
+    revision: str      # commit hash (refs such as main in `refs`)
+    refs: list[str]
+    size: int          # bytes on disk
+    path: Path         # the snapshot folder to give --model
+    repo_path: Path    # the whole cache entry (what `rm` deletes)
+
+
+def cached_models() -> list[CachedModel]:
+    """Every revision of a Basal model (a snapshot with basal.json) in the HF cache, plus the demo model."""
+    out: list[CachedModel] = []
+    short = {repo: name for name, repo in SHORT_NAMES.items()}
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir(hub_options().get("cache_dir"))
+        repos = [r for r in info.repos if r.repo_type == "model"]
+    except Exception:  # no cache folder yet
+        repos = []
+    for repo in sorted(repos, key=lambda r: r.repo_id):
+        for rev in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
+            if not (Path(rev.snapshot_path) / "basal.json").exists():
+                continue
+            out.append(CachedModel(short.get(repo.repo_id, repo.repo_id), repo.repo_id, rev.commit_hash,
+                                   sorted(rev.refs), rev.size_on_disk, Path(rev.snapshot_path),
+                                   Path(repo.repo_path)))
+    demo = demo_model_path()
+    if (demo / "basal.json").exists():
+        size = sum(f.stat().st_size for f in demo.iterdir() if f.is_file())
+        out.append(CachedModel(DEMO_NAME, "(generated)", "-", [], size, demo, demo))
+    return out
+
+
+def find_cached(ref: str) -> list[CachedModel]:
+    """The cached revisions a name refers to (`mini`, `Remek/basal-1.5-mini`, `...@rev`, `basal-demo`)."""
+    if ref == DEMO_NAME:
+        return [m for m in cached_models() if m.name == DEMO_NAME]
+    repo, revision = split_ref(ref)
+    return [m for m in cached_models() if m.repo == repo and (
+        revision is None or m.revision.startswith(revision) or revision in m.refs)]
+
+
+def demo_model_path() -> Path:
     from ..paths import home_dirs
+
+    return home_dirs()["cache"] / "demo-model"
+
+
+def demo_model_dir(on_generate=None) -> Path:
+    """The demo model (tiny random weights), generated once into the cache from the bundled recipe.
+
+    `on_generate(path)` is called just before it is really generated (not when it is already there).
+    """
     from .testmodel import make_test_model
 
-    target = home_dirs()["cache"] / "demo-model"
+    target = demo_model_path()
     marker = target / "basal.json"
     if not marker.exists():
+        if on_generate is not None:
+            on_generate(target)
         tmp = target.with_name(f"demo-model.tmp{os.getpid()}")
         make_test_model(tmp, preset="tiny", seed=0, name=DEMO_NAME)
         if target.exists():

@@ -167,11 +167,12 @@ def torch_installed() -> bool:
 
 
 def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, name: str | None = None,
-                    device: str = "cpu", weights: str = "auto", evidence_head: bool | None = None) -> Path:
+                    device: str = "cpu", weights: str = "auto", evidence_head: bool | None = None,
+                    progress=None) -> Path:
     """weights: "torch" (the torch generator, on `device`), "numpy" (no torch needed), or "auto" (torch when
     it is installed, as before; NumPy on a torch-less install such as Apple Silicon).
     `evidence_head` (default: for the test presets tiny/small, where torch can write the file) adds a random
-    evidence head."""
+    evidence head. `progress(step)` is told each phase (the CLI prints them)."""
     from .config import LlamaConfig
     from .evidence_head import HEAD_FILE, write_random_head
 
@@ -182,6 +183,8 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     if evidence_head is None:  # the head file is a torch pickle: written only where torch is installed
         evidence_head = preset in ("tiny", "small") and torch_installed()
     arch = dict(PRESETS[preset])
+    say = progress or (lambda step: None)
+    say("training the tokenizer")
     tokenizer_json = train_tokenizer()
     n_tokens = len(tokenizer_json["model"]["vocab"])
     vocab = arch.pop("vocab_size") or (n_tokens + 63) // 64 * 64
@@ -210,6 +213,8 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     if weights == "auto":
         weights = "torch" if torch_installed() else "numpy"
+    params = sum(math.prod(shape) for shape in parsed.weight_shapes().values())
+    say(f"drawing {params / 1e6:,.1f} M random weights on {device} ({weights})")
     if weights == "numpy":
         if device != "cpu":
             raise ValueError("random weights on a GPU need torch; without torch use --device cpu")
@@ -217,8 +222,9 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     else:
         from safetensors.torch import save_file
 
-        save_file(_random_weights(parsed.weight_shapes(), seed, device), str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
+        tensors = _random_weights(parsed.weight_shapes(), seed, device)
+        say("writing model.safetensors")
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if evidence_head:
         write_random_head(out / HEAD_FILE, parsed.hidden_size, seed=seed)
     return out

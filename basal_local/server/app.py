@@ -24,6 +24,7 @@ from typing import Any
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 
+from .. import __version__
 from ..api import parse_body, route, validate
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error
 from ..engine.engine import JobResult, ModelEngine
@@ -62,6 +63,8 @@ class AppState:
     access_log: bool = False
     log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
     limits: BodyLimits = field(default_factory=BodyLimits)
+    metrics: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name (server/aliases.py)
     inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "basal-plan"))
@@ -244,7 +247,7 @@ async def _decide(request: Request, dialect: str) -> Response:
         raw = await _read(call)
         body = await _parse(call, raw)
         _admit(call)  # order of checks (PROTOCOL.md §1.1): overload before the unknown-model error
-        call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "")
+        call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "", call.state.aliases)
         engine = call.state.engines[call.model_name]
         planned = await _plan(call, engine, body, len(raw))
         planned, result = await _run_job(call, engine, planned)
@@ -309,12 +312,13 @@ def replicas(state: AppState) -> list[dict[str, Any]]:
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
     if not state.ready:
-        body: dict[str, Any] = {"status": "loading"}
+        body: dict[str, Any] = {"status": "loading", "version": __version__}
         if state.load_error:
-            body = {"status": "error", "error": state.load_error}
+            body = {"status": "error", "error": state.load_error, "version": __version__}
         return _json_response(503, body)
-    return _json_response(200, {"status": "ok", "models": list(state.engines), "default_model": state.default_model,
-                                "backend": state.backend_name, "device": state.device, "dtype": state.dtype,
+    return _json_response(200, {"status": "ok", "version": __version__, "models": list(state.engines),
+                                "default_model": state.default_model, "backend": state.backend_name,
+                                "device": state.device, "dtype": state.dtype,
                                 "replicas": [{k: r[k] for k in ("model", "replica", "device", "alive")}
                                              for r in replicas(state)]})
 
@@ -343,8 +347,10 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def create_app(state: AppState) -> Litestar:
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES],
-                   request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
+    from .extras import extra_handlers, wrap_asgi
+
+    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state)],
+                   middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
                    exception_handlers={Exception: _http_exception})
     app.state.basal = state
     return app

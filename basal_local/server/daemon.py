@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -15,6 +16,7 @@ from ..engine.engine import ModelEngine
 from ..engine.gate import DeviceGate
 from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
+from .aliases import resolve_aliases
 from .app import AppState, create_app
 from .body import BodyLimits
 from .events import BusLogHandler
@@ -34,7 +36,8 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
             raise ValueError(f"--replicas must be at least 1 (got {settings.replicas})")
         # one gate per replica slot: models on the same device and slot take turns, replicas run side by side
         gates: dict[tuple[str, int], DeviceGate] = {}
-        for path in model_dirs:
+        for i, path in enumerate(model_dirs, 1):
+            log.info("loading model %d/%d from %s", i, len(model_dirs), path)
             model = load_model_dir(path)
             if model.name in state.engines:
                 raise ValueError(f"two models are named {model.name!r} (basal.json name)")
@@ -58,11 +61,12 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
             raise ValueError(f"default_model {default!r} is not one of the served models "
                              f"({', '.join(state.engines)})")
         state.default_model = default
+        state.aliases = resolve_aliases(settings.aliases, list(state.engines), default)
         state.ready = True
         print(f"basal-local: ready: {', '.join(state.engines)} on {state.backend_name}/{state.device} "
               f"({state.dtype})", flush=True)
     except Exception as exc:
-        log.exception("loading failed")
+        log.debug("loading failed", exc_info=True)  # the sentence below is for the user; the trace for -v
         state.load_error = f"loading failed: {exc}"
         print(f"basal-local: error: {state.load_error}", flush=True)
 
@@ -145,11 +149,12 @@ def _http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
 
 
 def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tuple[AppState, uvicorn.Config]:
-    """The daemon's state, its guarded app in a uvicorn config, and the loader thread started (models load in
-    the background; /health answers 503 until then). `quiet`: print nothing (the dashboard owns the screen)."""
+    """The daemon's state and its guarded app in a uvicorn config; `start_loading` then loads the models in the
+    background (/health answers 503 until then). `quiet`: print nothing (the dashboard owns the screen)."""
     limits = BodyLimits(settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
-                     access_log=settings.access_log, log_bodies=settings.log_bodies, limits=limits)
+                     access_log=settings.access_log, log_bodies=settings.log_bodies, limits=limits,
+                     metrics=settings.metrics)
     policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
     app = Guard(create_app(state), policy)
     # INFO: the access log, disconnects mid-body, and the bodies when asked
@@ -162,8 +167,6 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
                   "anyone who can reach this machine can use the daemon", flush=True)
     if not quiet:  # quiet callers route every record to the log pane themselves
         logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
-    loader = threading.Thread(target=load_engines, args=(state, settings, model_dirs), daemon=True)
-    loader.start()
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_keep_alive=KEEP_ALIVE_S, access_log=False,
                             http=_http_protocol(settings.body_timeout_s, KEEP_ALIVE_S),
@@ -172,16 +175,39 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
     return state, config
 
 
-def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> None:
+def start_loading(state: AppState, settings: Settings, model_dirs: list[Path],
+                  on_failure: Callable[[], None] | None = None) -> threading.Thread:
+    """Load the models in a background thread; `on_failure` runs when one fails (serve stops then)."""
+
+    def load() -> None:
+        load_engines(state, settings, model_dirs)
+        if state.load_error and on_failure is not None:
+            on_failure()
+
+    loader = threading.Thread(target=load, name="basal-local-loader", daemon=True)
+    loader.start()
+    return loader
+
+
+def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
+    """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503)."""
     state, config = build(settings, model_dirs)
+    server = _Server(config)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    start_loading(state, settings, model_dirs, stop)
     if banner:
         print(banner, flush=True)
-    server = _Server(config)
     try:
         server.run()
     finally:
         shutdown(state)
         print("basal-local: stopped", flush=True)
+    if state.load_error or not server.started:
+        return 1
+    return 0
 
 
 def shutdown(state: AppState, timeout: float = 30.0) -> None:

@@ -37,16 +37,25 @@ class Settings:
     max_body_mb: int = 32
     body_timeout_s: float = 10.0
     drain_s: float = 10.0
+    metrics: bool = False
+    # [aliases] in config.toml: extra names a request may use for a served model (jev-latest = "mini")
+    aliases: dict[str, str] = field(default_factory=dict)
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     @classmethod
     def load(cls, overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
         """Defaults, then config.toml, then BASAL_LOCAL_* variables, then the given (CLI) overrides."""
         values: dict[str, Any] = {}
-        path = config_file or home_dirs()["config"] / "config.toml"
-        if path.exists():
-            with open(path, "rb") as fh:
-                values.update(tomllib.load(fh))
+        path = config_file or config_path()
+        if path.is_file():
+            try:
+                with open(path, "rb") as fh:
+                    values.update(tomllib.load(fh))
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"{path}: not valid TOML ({exc}); fix or remove the file") from None
+        aliases = values.pop("aliases", {})
+        if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+            raise ValueError(f'{path}: [aliases] must map names to served model names (jev-latest = "mini")')
         env_map = {"BASAL_LOCAL_HOST": "host", "BASAL_LOCAL_PORT": "port", "BASAL_LOCAL_DEVICE": "device",
                    "BASAL_LOCAL_BACKEND": "backend", "BASAL_LOCAL_DTYPE": "dtype", "BASAL_LOCAL_API_KEY": "api_key"}
         for var, key in env_map.items():
@@ -56,22 +65,35 @@ class Settings:
         settings = cls()
         engine_fields = {f.name for f in fields(EngineSettings)}
         for key, value in values.items():
-            if key in engine_fields:
-                kind = type(getattr(settings.engine, key))
-                setattr(settings.engine, key, kind(value))
-            elif key in {f.name for f in fields(cls)} and key != "engine":
-                current = getattr(settings, key)
-                if isinstance(current, bool):
-                    value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-                elif isinstance(current, int):
-                    value = int(value)
-                elif isinstance(current, float):
-                    value = float(value)
-                elif isinstance(current, list) and isinstance(value, str):
-                    value = [value]
-                setattr(settings, key, value)
-            else:
-                raise ValueError(f"{path}: unknown setting {key!r}")
+            try:
+                if key in engine_fields:
+                    kind = type(getattr(settings.engine, key))
+                    setattr(settings.engine, key, kind(value))
+                elif key in {f.name for f in fields(cls)} and key not in ("engine", "aliases"):
+                    current = getattr(settings, key)
+                    if isinstance(current, bool):
+                        value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+                    elif isinstance(current, int):
+                        value = int(value)
+                    elif isinstance(current, float):
+                        value = float(value)
+                    elif isinstance(current, list) and isinstance(value, str):
+                        value = [value]
+                    setattr(settings, key, value)
+                else:
+                    raise ValueError(f"{path}: unknown setting {key!r}")
+            except (TypeError, ValueError) as exc:
+                if str(exc).startswith(str(path)):
+                    raise
+                raise ValueError(f"{path}: setting {key!r} has an invalid value {value!r}") from None
         if isinstance(settings.models, str):
             settings.models = [settings.models]
+        if not 0 < settings.port < 65536:
+            raise ValueError(f"port {settings.port} is not a TCP port (use 1-65535)")
+        settings.aliases = dict(aliases)
         return settings
+
+
+def config_path() -> Path:
+    """Where `config.toml` is read from when --config is not given."""
+    return home_dirs()["config"] / "config.toml"

@@ -24,7 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from .app import AppState
-from .daemon import build, shutdown
+from .daemon import build, shutdown, start_loading
 from .events import BusLogHandler
 from .settings import Settings
 
@@ -106,10 +106,9 @@ def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, 
     stop = threading.Event()
     demo_traffic(local_url(settings.host, settings.port), stop)
     try:
-        serve(settings, model_dirs, banner)
+        return serve(settings, model_dirs, banner)
     finally:
         stop.set()
-    return 0
 
 
 class _LogStream(io.TextIOBase):
@@ -139,6 +138,7 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     # the same guarded app, limits and server options as `serve`; the log goes to the dashboard's log pane
     state, config = build(settings, model_dirs, quiet=True)
     _route_logging(state)
+    start_loading(state, settings, model_dirs)
     server = uvicorn.Server(config)
     failed: list[BaseException] = []
 

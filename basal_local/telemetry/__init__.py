@@ -103,6 +103,18 @@ class Telemetry:
         self.memory_probe: Callable[[], dict[str, int]] | None = None
         self._memory: dict[str, int] = {}
         self._memory_at = 0.0
+        self._listeners: list[Callable[[str, Any], None]] = []
+
+    def add_listener(self, listener: Callable[[str, Any], None]) -> None:
+        """`listener("batch", BatchRecord)` / `listener("request", dict)` after each record (e.g. /metrics)."""
+        self._listeners.append(listener)
+
+    def _tell(self, kind: str, record: Any) -> None:
+        for listener in self._listeners:
+            try:
+                listener(kind, record)
+            except Exception:  # an observer must never break the engine
+                pass
 
     # ---- engine side ---------------------------------------------------------------------------------------
     def next_batch_id(self) -> int:
@@ -145,6 +157,7 @@ class Telemetry:
             self.counters["forwards"] += record.forwards
             self.running.pop(f"{record.model}/{record.lane}", None)
         self.bus.emit("computed", **_fields(record))
+        self._tell("batch", record)
 
     # ---- server side ---------------------------------------------------------------------------------------
     def request_received(self, request_id: str, endpoint: str, client: str = "") -> None:
@@ -159,6 +172,7 @@ class Telemetry:
         """Details of an answered request (with questions and answers for the detail view, never the state)."""
         with self._lock:
             self._pending.setdefault(info.get("id", ""), {}).update(info)
+        self._tell("request", info)
 
     def request_finished(self, request_id: str, status: int, error: str = "") -> None:
         """Count the outcome, keep the record, announce it; exactly once per `request_received`."""

@@ -1,0 +1,111 @@
+"""Implementations of the `basal-local` subcommands; `basal_local/cli.py` holds the parser and dispatch.
+
+Every module here reports a user's mistake by raising `UserError` (cause + fix, one or two lines); the
+dispatcher prints it and exits non-zero, so nobody sees a traceback for something they can fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class UserError(Exception):
+    """A mistake the user can fix: `cause` says what is wrong, `fix` what to do (printed as two lines)."""
+
+    def __init__(self, cause: str, fix: str = "", status: int = 2) -> None:
+        super().__init__(cause)
+        self.cause, self.fix, self.status = cause, fix, status
+
+    def lines(self) -> list[str]:
+        out = [f"basal-local: error: {self.cause}"]
+        if self.fix:
+            out.append(f"  {self.fix}")
+        return out
+
+
+def check_url(url: str, flag: str = "--url") -> str:
+    """A daemon's root URL with scheme, host and port; refuse `localhost:8000` and friends with the fix."""
+    url = url.strip().rstrip("/")
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        guess = "http://" + url.split("://", 1)[-1]
+        raise UserError(f"{flag} {url!r} is not an http(s) URL", f"write the scheme too, e.g. {flag} {guess}")
+    try:
+        parsed.port  # noqa: B018 -- raises on a port that is not a number
+    except ValueError:
+        raise UserError(f"{flag} {url!r} has an invalid port", f"e.g. {flag} {DEFAULT_URL}") from None
+    return url
+
+
+def get_json(url: str, path: str, timeout: float = 10.0, flag: str = "--url") -> Any:
+    """GET a daemon endpoint; an unreachable daemon is a UserError that says how to start one."""
+    try:
+        with urllib.request.urlopen(url + path, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        try:
+            body = json.loads(err.read())
+        except Exception:
+            body = {}
+        if err.code == 503:
+            what = body.get("error") or "it is still loading its models"
+            raise UserError(f"the daemon at {url} is not ready: {what}",
+                            "wait for `ready:` in its output, or look at its log") from None
+        raise UserError(f"{url}{path} answered HTTP {err.code}: {body.get('error', err.reason)}",
+                        f"is {url} a basal-local daemon? (`{flag}` names it)") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"cannot reach a daemon at {url} ({reason})",
+                        f"start one with `basal-local serve`, or point {flag} at the right address") from None
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether `host:port` can be bound now (the daemon's own check before it prints its banner)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        if os.name != "nt":
+            # as uvicorn does: a port in TIME_WAIT is free, a listening socket still makes bind fail.
+            # (On Windows SO_REUSEADDR would let us bind over a listener, so it stays off there.)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} TB"
+
+
+def model_path(ref: str, flag: str = "--model") -> Path:
+    """A model directory from a path, `mini|4.5B|max`, `owner/name[@rev]` in the HF cache, or `basal-demo`."""
+    from ..model.directory import ModelLoadError, load_model_dir
+    from ..model.registry import DEMO_NAME, ModelNotFound, demo_model_dir, resolve_model
+
+    if ref == DEMO_NAME:
+        return demo_model_dir()
+    try:
+        path = resolve_model(ref)
+    except ModelNotFound as exc:
+        raise UserError(str(exc)) from None
+    try:
+        load_model_dir(path, check_weights=False)
+    except ModelLoadError as exc:
+        raise UserError(f"{path} is not a Basal model directory: {exc}",
+                        f"give {flag} a folder holding config.json, basal.json, tokenizer.json and "
+                        "model.safetensors (`basal-local list` shows the downloaded ones)") from None
+    return path

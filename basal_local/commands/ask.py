@@ -1,0 +1,123 @@
+"""`basal-local ask`: one decision through a running daemon, shown as a probability bar chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from . import UserError
+
+BAR = 32
+
+
+def read_state(text: str) -> str:
+    if not text.startswith("@"):
+        return text
+    path = Path(text[1:]).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--state {text}: cannot read {path} ({exc.__class__.__name__})",
+                        "give --state the text itself, or @FILE naming a readable UTF-8 file") from None
+
+
+def build_question(args: argparse.Namespace) -> dict[str, Any]:
+    if args.noul is not None:
+        if args.option or args.level:
+            raise UserError("--noul takes no -o/-l", "drop the options, or ask --choice/--score instead")
+        return {"type": "noul", "instructions": args.noul}
+    if args.choice is not None:
+        if len(args.option) < 2:
+            raise UserError("--choice needs at least two options", 'add them: -o refund="Wants a refund" -o other')
+        criteria: dict[str, Any] = {}
+        for item in args.option:
+            key, sep, desc = item.partition("=")
+            if not key.strip():
+                raise UserError(f"-o {item!r} has no key", "write -o KEY=DESCRIPTION (or just -o KEY)")
+            criteria[key.strip()] = desc if sep else key.strip()
+        return {"type": "choice", "instructions": args.choice, "criteria": criteria}
+    if len(args.level) < 2:
+        raise UserError("--score needs at least two levels", "add them lowest first: -l low -l medium -l high")
+    return {"type": "score", "instructions": args.score, "criteria": list(args.level)}
+
+
+def post(url: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a POST; connection failures are UserErrors naming the daemon."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        try:
+            return err.code, json.loads(err.read())
+        except ValueError:
+            return err.code, {"error": err.reason}
+    except (urllib.error.URLError, OSError) as exc:
+        raise UserError(f"cannot reach a daemon at {url} ({getattr(exc, 'reason', exc)})",
+                        "start one with `basal-local serve`, or point --url at the right address") from None
+
+
+def error_text(body: dict[str, Any]) -> str:
+    detail = body.get("detail")
+    if isinstance(body.get("error"), str):
+        return body["error"]
+    if isinstance(detail, dict) and "message" in detail:
+        return str(detail["message"])
+    if isinstance(detail, list):
+        return "; ".join(".".join(str(p) for p in d.get("loc", [])[1:]) + ": " + str(d.get("msg")) for d in detail)
+    return json.dumps(body)[:200]
+
+
+def chart(question: str, answer: dict[str, Any], color: bool) -> str:
+    """The answer as one headline and a bar per option, highest probability marked."""
+    probs: dict[str, float] = answer.get("probabilities") or {}
+    kind = answer.get("type")
+    if kind == "noul":
+        verdict = "yes" if answer["noul"] >= 0.5 else "no"
+        head = f"{verdict}  (p(true) = {answer['noul']:.3f})"
+    elif kind == "score":
+        legend = answer.get("legend") or {}
+        probs = {f"{k} {legend.get(k, '')}".strip(): v for k, v in probs.items()}
+        head = f"score {answer['score']:.2f}"
+    else:
+        head = str(answer.get("choice"))
+    if "confidence" in answer:
+        head += f", confidence {answer['confidence']:.2f}"
+    lines = [f"{question}\n  → {head}"]
+    width = max((len(k) for k in probs), default=0)
+    best = max(probs, key=probs.get) if probs else None
+    for key, p in probs.items():
+        filled = int(round(p * BAR))
+        bar = "█" * filled + "░" * (BAR - filled)
+        if color:
+            tint = "\033[32m" if key == best else "\033[2m"
+            bar = f"{tint}{'█' * filled}\033[0m\033[2m{'░' * (BAR - filled)}\033[0m"
+        lines.append(f"  {key:<{width}}  {bar}  {p:6.3f}")
+    return "\n".join(lines)
+
+
+def ask_command(args: argparse.Namespace) -> int:
+    from .serving import daemon_url
+
+    url = daemon_url(args)
+    question = build_question(args)
+    body: dict[str, Any] = {"state": read_state(args.state), "questions": {"q": question}}
+    if args.model:
+        body["model"] = args.model
+    status, answer = post(url, "/v1/basal", body)
+    if status != 200:
+        raise UserError(f"the daemon answered {status}: {error_text(answer)}",
+                        "check the question and options (`basal-local ask -h`)", status=1)
+    if args.json:
+        print(json.dumps(answer, ensure_ascii=False, indent=1))
+        return 0
+    text = args.noul or args.choice or args.score
+    color = sys.stdout.isatty()
+    print(chart(text, answer["answers"]["q"], color))
+    print(f"  model {answer.get('model')}, {answer.get('usage', {}).get('latency_ms', 0):.0f} ms")
+    return 0

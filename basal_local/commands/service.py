@@ -1,0 +1,134 @@
+"""`basal-local service install|uninstall|status`: the daemon in the background, the platform's way.
+
+Linux: a systemd user unit (`~/.config/systemd/user/basal-local.service`); macOS: a launchd agent
+(`~/Library/LaunchAgents/dev.basal-local.daemon.plist`). Logs go to the platformdirs log folder (and the journal
+on Linux). Nothing is started here: the command prints how to start it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+from . import UserError
+
+UNIT = "basal-local.service"
+LABEL = "dev.basal-local.daemon"
+
+
+def serve_argv(args: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, "-m", "basal_local.cli", "serve"]
+    for model in args.model or []:
+        path = Path(model).expanduser()
+        argv += ["--model", str(path.resolve()) if path.exists() else model]
+    if args.port:
+        argv += ["--port", str(args.port)]
+    return argv
+
+
+def unit_path(kind: str) -> Path:
+    if kind == "systemd":
+        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+        return base / "systemd" / "user" / UNIT
+    return Path.home() / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+
+
+def platform_kind() -> str:
+    if sys.platform.startswith("linux"):
+        return "systemd"
+    if sys.platform == "darwin":
+        return "launchd"
+    raise UserError(f"`service` supports Linux (systemd) and macOS (launchd), not {sys.platform}",
+                    "on Windows run `basal-local serve` from Task Scheduler (at log on) instead")
+
+
+def _quote(arg: str) -> str:
+    """systemd ExecStart quoting: double quotes around anything with spaces, quotes or backslashes."""
+    if arg and not any(c in arg for c in ' "\\\'$%'):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("$", "$$").replace("%", "%%") + '"'
+
+
+def render(kind: str, argv: list[str], log_file: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k in ("BASAL_LOCAL_HOME", "HF_HOME", "HF_HUB_CACHE")}
+    if kind == "systemd":
+        env_lines = "".join(f"Environment={_quote(f'{k}={v}')}\n" for k, v in env.items())
+        return ("[Unit]\nDescription=basal-local: Basal decision models on localhost\nAfter=network.target\n\n"
+                f"[Service]\nExecStart={' '.join(_quote(a) for a in argv)}\n{env_lines}"
+                "Environment=PYTHONUNBUFFERED=1\nRestart=on-failure\nRestartSec=5\n\n"
+                "[Install]\nWantedBy=default.target\n")
+    args_xml = "".join(f"    <string>{escape(a)}</string>\n" for a in argv)
+    env_xml = "".join(f"    <key>{escape(k)}</key><string>{escape(v)}</string>\n"
+                      for k, v in {**env, "PYTHONUNBUFFERED": "1"}.items())
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n'
+            '<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">\n'
+            f'<plist version="1.0">\n<dict>\n  <key>Label</key><string>{LABEL}</string>\n'
+            f"  <key>ProgramArguments</key>\n  <array>\n{args_xml}  </array>\n"
+            f"  <key>EnvironmentVariables</key>\n  <dict>\n{env_xml}  </dict>\n"
+            "  <key>RunAtLoad</key><true/>\n  <key>KeepAlive</key><dict><key>SuccessfulExit</key><false/></dict>\n"
+            f"  <key>StandardOutPath</key><string>{escape(str(log_file))}</string>\n"
+            f"  <key>StandardErrorPath</key><string>{escape(str(log_file))}</string>\n"
+            "</dict>\n</plist>\n")
+
+
+def service_command(args: argparse.Namespace) -> int:
+    from ..server.settings import home_dirs
+
+    kind = platform_kind() if not getattr(args, "kind", None) else args.kind
+    path = unit_path(kind)
+    log_file = home_dirs()["logs"] / "basal-local.log"
+    if args.action == "install":
+        argv = serve_argv(args)
+        if not args.model:
+            from .serving import load_settings
+
+            if not load_settings(argparse.Namespace(), keys=()).models:
+                raise UserError("no model for the service to serve",
+                                "give one: basal-local service install --model mini (or set models in config.toml)")
+        text = render(kind, argv, log_file)
+        if args.dry_run:
+            print(text, end="")
+            return 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"basal-local: wrote {path}")
+        if kind == "systemd":
+            print("  start it now and at every log-in:\n"
+                  "    systemctl --user daemon-reload && systemctl --user enable --now basal-local\n"
+                  f"  logs: journalctl --user -u basal-local -f   (and {log_file})")
+        else:
+            print(f"  start it now and at every log-in:\n    launchctl load -w {path}\n  logs: {log_file}")
+        return 0
+    if args.action == "uninstall":
+        if not path.exists():
+            print(f"basal-local: no service installed ({path} does not exist)")
+            return 0
+        stop = ("systemctl --user disable --now basal-local" if kind == "systemd"
+                else f"launchctl unload -w {path}")
+        if kind == "systemd" and shutil.which("systemctl"):
+            subprocess.run(["systemctl", "--user", "disable", "--now", "basal-local"], capture_output=True, timeout=30)
+        elif kind == "launchd" and shutil.which("launchctl"):
+            subprocess.run(["launchctl", "unload", "-w", str(path)], capture_output=True, timeout=30)
+        path.unlink()
+        print(f"basal-local: removed {path} (stopped with `{stop}`)")
+        return 0
+    # status
+    if not path.exists():
+        print(f"basal-local: no service installed ({path}); `basal-local service install --model mini` adds one")
+        return 1
+    print(f"basal-local: service file {path}")
+    state = "unknown"
+    if kind == "systemd" and shutil.which("systemctl"):
+        done = subprocess.run(["systemctl", "--user", "is-active", "basal-local"], capture_output=True, text=True,
+                              timeout=10)
+        state = done.stdout.strip() or done.stderr.strip() or state
+    elif kind == "launchd" and shutil.which("launchctl"):
+        done = subprocess.run(["launchctl", "list", LABEL], capture_output=True, text=True, timeout=10)
+        state = "loaded" if done.returncode == 0 else "not loaded"
+    print(f"  state: {state}\n  logs: {log_file}")
+    return 0

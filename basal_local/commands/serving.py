@@ -1,0 +1,151 @@
+"""`basal-local serve`: settings, checks that fail fast (device, port, models), the banner, the log file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .. import __version__
+from . import UserError, port_free
+
+SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas", "dtype", "default_model", "max_inflight",
+              "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "prefix_cache", "metrics", "api_key",
+              "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
+
+
+def load_settings(args: argparse.Namespace, keys=SERVE_KEYS):
+    """Settings from the flags present in `args`, the environment and config.toml; errors name the file."""
+    from ..server.settings import Settings
+
+    overrides = {k: getattr(args, k, None) for k in keys}
+    for flag in ("access_log", "insecure_public", "log_bodies"):  # store_true flags: only when given
+        if getattr(args, flag, False):
+            overrides[flag] = True
+    if getattr(args, "model", None):
+        overrides["models"] = args.model
+    config = Path(args.config).expanduser() if getattr(args, "config", None) else None
+    if config is not None and not config.is_file():
+        from ..server.settings import config_path
+
+        raise UserError(f"--config {config}: no such file", f"drop --config to use {config_path()}, or fix the path")
+    try:
+        return Settings.load(overrides, config)
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def daemon_url(args: argparse.Namespace) -> str:
+    """--url, else http://HOST:PORT of the configured daemon."""
+    from . import check_url
+
+    if getattr(args, "url", None):
+        return check_url(args.url)
+    settings = load_settings(argparse.Namespace(), keys=())
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def check_device(device: str) -> None:
+    """Refuse --device cuda/mps on a machine without it, before anything loads."""
+    if device not in ("cuda", "mps"):
+        return
+    try:
+        import torch
+    except ImportError:
+        raise UserError("PyTorch is not installed", 'install it: pip install "torch>=2.4"') from None
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this PyTorch has no CUDA support" if torch.version.cuda is None else "no NVIDIA GPU is visible"
+        raise UserError(f"--device cuda, but {why} (torch {torch.__version__})",
+                        "use --device cpu (or auto), or install a CUDA build of PyTorch (https://pytorch.org)")
+    if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise UserError("--device mps, but Metal is not available here", "use --device cpu (or auto)")
+
+
+def log_file_handler() -> Path | None:
+    """Also log to basal-local.log in the platformdirs log folder; None when that folder cannot be written."""
+    from ..server.settings import home_dirs
+
+    folder = home_dirs()["logs"]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "basal-local.log"
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError:
+        return None
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)  # the same records as the terminal
+    # loading progress (which model, how far) is worth seeing in both places
+    logging.getLogger("basal_local.daemon").setLevel(logging.INFO)
+    return path
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from ..backends.select import check_dtype
+    from ..model.directory import ModelLoadError, load_model_dir
+    from ..model.registry import ModelNotFound, demo_model_dir, resolve_model
+    from ..server.daemon import serve
+    from ..server.security import public_bind_refusal
+    from ..server.settings import config_path
+
+    settings = load_settings(args)
+    if not settings.models and not args.demo:
+        print(NO_MODEL_HINT(), file=sys.stderr)
+        return 2
+    try:
+        check_dtype(settings.backend, settings.device, settings.dtype)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    refusal = public_bind_refusal(settings.host, settings.api_key, settings.insecure_public)
+    if refusal:
+        raise UserError(refusal)
+    check_device(settings.device)
+    dirs: list[Path] = []
+    for ref in settings.models:
+        try:
+            path = resolve_model(ref)
+            load_model_dir(path, check_weights=True)  # refuse early, with the file and field named
+        except ModelNotFound as exc:
+            raise UserError(str(exc)) from None
+        except ModelLoadError as exc:
+            raise UserError(f"{ref} is not a model basal-local can serve: {exc}",
+                            "give --model a Basal model directory, or a name from `basal-local list`") from None
+        dirs.append(path)
+    if not port_free(settings.host, settings.port):
+        raise UserError(f"port {settings.port} on {settings.host} is already in use (another program, or a "
+                        "basal-local already running: `basal-local ps`)",
+                        f"choose another with --port, e.g. --port {settings.port + 1}")
+    if args.demo:
+        dirs.insert(0, demo_model_dir(on_generate=lambda path: print(
+            f"basal-local: preparing the demo model in {path} (generated once, a few seconds)...", flush=True)))
+    cfg = args.config or config_path()
+    cfg_note = f"config {cfg}" if Path(cfg).is_file() else f"no config file ({cfg}), defaults in use"
+    log_path = log_file_handler()
+    where = "\n".join(f"  model: {d}" for d in dirs)
+    footer = f"{where}\n  {cfg_note}" + (f"\n  log: {log_path}" if log_path else "")
+    if args.demo:
+        from ..cli import DEMO_BANNER
+
+        banner = DEMO_BANNER.format(host=settings.host, port=settings.port, version=__version__) + "\n" + footer
+    else:
+        banner = (f"basal-local {__version__}: serving on http://{settings.host}:{settings.port} "
+                  f"(loading models...)\n{footer}")
+    if getattr(args, "tui", False) or getattr(args, "demo_traffic", False):
+        from ..server.tuimode import serve_with_options
+
+        return serve_with_options(settings, dirs, banner, args.tui, args.demo_traffic)
+    code = serve(settings, dirs, banner)
+    # Everything is stopped and flushed; the interpreter's final garbage collection of a loaded model can take
+    # seconds, which would stretch a SIGTERM past its drain deadline. Leave now, with the status.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def NO_MODEL_HINT() -> str:  # noqa: N802 -- kept next to the message it returns
+    from ..cli import NO_MODEL
+
+    return NO_MODEL

@@ -1,0 +1,193 @@
+"""Server pieces around the decision handlers, registered by `create_app` in a few lines.
+
+- a request id on every response (`x-request-id` and `x-typesafe-request-id`; a client's `x-request-id` is echoed);
+- 529 retries spread out: `retry-after-ms` hands each rejected request its own slot, so typesafe-sdk's clients
+  (which honour `retry-after-ms` first) do not all come back in the same millisecond; `Retry-After` stays an
+  integer number of seconds for clients that read only that;
+- `GET /api/ps` (what is loaded and its memory, for `basal-local ps`), `GET /openapi.json` and `GET /docs`;
+- `GET /metrics` when the daemon runs with `--metrics` (server/metrics.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request, Response, get
+
+from .. import __version__
+from .openapi import DOCS_HTML, openapi_document
+
+if TYPE_CHECKING:
+    from .app import AppState
+
+DECISION_PATHS = ("/v1/systemone", "/v1/basal")
+
+
+class RetrySpreader:
+    """Hands out retry slots one service time apart (per admitted request), with a little jitter.
+
+    The service time is an EMA of how long admitted decision requests take; with `max_inflight` slots the
+    daemon can take one request every `service / max_inflight` seconds, so that is the spacing.
+    """
+
+    def __init__(self, max_inflight: int, service_s: float = 0.05) -> None:
+        self.max_inflight = max(1, max_inflight)
+        self.service_s = service_s
+        self.next_slot = 0.0
+        self.lock = threading.Lock()
+        self.rng = random.Random()
+
+    def observe(self, seconds: float) -> None:
+        with self.lock:
+            self.service_s = 0.8 * self.service_s + 0.2 * min(seconds, 30.0)
+
+    def missed(self) -> None:
+        """A retry was rejected again: the spacing was too tight, so widen it (the EMA brings it back)."""
+        with self.lock:
+            self.service_s = min(self.service_s * 1.5, 30.0)
+
+    def delay_ms(self) -> int:
+        now = time.monotonic()
+        with self.lock:
+            spacing = max(self.service_s * 1.25 / self.max_inflight, 0.002)
+            slot = max(self.next_slot, now + spacing)
+            self.next_slot = slot + spacing
+            jitter = self.rng.uniform(0.0, spacing * 0.5)
+        return int(min(30.0, slot - now + jitter) * 1000.0) + 1
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        ms = self.delay_ms()
+        return [(b"retry-after", str(max(1, math.ceil(ms / 1000.0))).encode()),
+                (b"retry-after-ms", str(ms).encode())]
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def wrap_asgi(state: AppState):
+    """The middleware factory for Litestar: ids on every response, spread 529s, metrics when enabled."""
+    spreader = RetrySpreader(state.max_inflight)
+    state.retry = spreader  # type: ignore[attr-defined]
+    recorder = None
+    if state.metrics:
+        from .metrics import MetricsRecorder
+
+        recorder = MetricsRecorder(state)
+        state.metrics_recorder = recorder  # type: ignore[attr-defined]
+
+    def factory(app):
+        async def middleware(scope, receive, send):
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            path = scope.get("path", "")
+            decision = path in DECISION_PATHS
+            request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
+            started = time.perf_counter()
+            seen: dict[str, Any] = {"status": 0}
+            if recorder is not None and decision:
+                recorder.enter(path)
+            if decision and (_header(scope, b"content-encoding") or "").strip().lower() == "zstd":
+                state.telemetry.count("zstd_bodies")  # typesafe-sdk compresses bodies of 1 KiB and more
+
+            async def send_wrapped(message):
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    seen["status"] = status
+                    headers = [(k, v) for k, v in message.get("headers", [])
+                               if not (status == 529 and k.lower() in (b"retry-after", b"retry-after-ms"))]
+                    names = {k.lower() for k, _ in headers}
+                    for name in (b"x-request-id", b"x-typesafe-request-id"):
+                        if name not in names:
+                            headers.append((name, request_id.encode("latin-1")))
+                    if status == 529:
+                        if _header(scope, b"x-typesafe-retry-count"):  # typesafe-sdk marks its retries
+                            spreader.missed()
+                        headers.extend(spreader.headers())
+                    elif decision and status == 200:
+                        spreader.observe(time.perf_counter() - started)
+                    message = {**message, "headers": headers}
+                elif message["type"] == "http.response.body" and recorder is not None and decision:
+                    seen.setdefault("body", []).append(message.get("body", b""))
+                await send(message)
+
+            try:
+                await app(scope, receive, send_wrapped)
+            finally:
+                if recorder is not None and decision:
+                    recorder.leave(path, seen["status"], b"".join(seen.get("body", [])),
+                                   time.perf_counter() - started)
+        return middleware
+    return factory
+
+
+def _json(status: int, body: Any) -> Response:
+    return Response(content=json.dumps(body, ensure_ascii=False).encode(), status_code=status,
+                    media_type="application/json")
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory (Linux /proc, else the peak from resource, else unknown)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+    except Exception:
+        return None
+
+
+@get("/api/ps")
+async def ps(request: Request) -> Response:
+    state: AppState = request.app.state.basal
+    loaded = []
+    for name, engine in list(state.engines.items()):
+        try:
+            memory = engine.backend.memory()
+        except Exception:
+            memory = {}
+        loaded.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
+                       "default": name == state.default_model, "backend": state.backend_name,
+                       "device": state.device, "dtype": state.dtype,
+                       "aliases": sorted(a for a, t in state.aliases.items() if t == name),
+                       "queue": engine.waiting(), **memory})
+    return _json(200, {"version": __version__, "ready": state.ready, "error": state.load_error,
+                       "pid": os.getpid(), "process_rss_bytes": _rss_bytes(), "inflight": state.inflight,
+                       "models": loaded})
+
+
+@get("/openapi.json")
+async def openapi(request: Request) -> Response:
+    state: AppState = request.app.state.basal
+    return _json(200, openapi_document(list(state.engines) or ["basal-demo"]))
+
+
+@get("/docs")
+async def docs() -> Response:
+    return Response(content=DOCS_HTML, status_code=200, media_type="text/html")
+
+
+def extra_handlers(state: AppState) -> list:
+    handlers = [ps, openapi, docs]
+    if state.metrics:
+        from .metrics import metrics_handler
+
+        handlers.append(metrics_handler)
+    return handlers
