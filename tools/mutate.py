@@ -111,9 +111,10 @@ MUTATIONS = [
       "basal_local/engine/packer.py", "positions.extend(range(block.start, block.start + len(block.tokens)))",
       "positions.extend(range(block.start + 1, block.start + 1 + len(block.tokens)))",
       "tests/test_parity.py::test_generated_models_match_transformers"),
-    m("packer-shares-diverging", "prompts share a block only up to their first different token",
-      "basal_local/engine/packer.py", "            if k < len(child.tokens):\n                return len(tokens) - i - k",
-      "            if k < len(child.tokens):\n                return len(tokens) - i - k - 1", "tests/test_queue_order.py"),
+    m("sizer-not-shared", "the batch sizer counts a prompt's shared prefix once (TrieSizer)",
+      "basal_local/engine/packer.py",
+      "added += self.tries.setdefault((spec.lang, prefix), PrefixTrie()).insert(ids, 0)", "added += len(ids)",
+      "tests/test_queue_order.py"),
     # hygiene and the harness
     m("assert-in-product", "runtime checks are errors, not asserts stripped by python -O",
       "basal_local/model/config.py", "        if not isinstance(rope, dict):\n            raise ConfigError(",
