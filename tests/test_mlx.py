@@ -136,10 +136,19 @@ def _compare(mlx_url: str, torch_url: str) -> None:
         assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4, dialect
 
 
-def test_daemon_mlx_cpu_equals_torch_cpu_on_both_endpoints(daemon, tiny_model):
+@pytest.fixture(scope="module")
+def torch_daemon(tiny_model):
+    d = Daemon(["--model", str(tiny_model), "--backend", "torch", "--device", "cpu"])
+    d.wait_ready(timeout=300)  # a busy shared 2-core machine starts two daemons slowly
+    yield d
+    d.stop()
+
+
+def test_daemon_mlx_cpu_equals_torch_cpu_on_both_endpoints(torch_daemon, tiny_model):
+    daemon = torch_daemon
     d = Daemon(["--model", str(tiny_model), "--backend", "mlx", "--device", "cpu"])
     try:
-        d.wait_ready()
+        d.wait_ready(timeout=300)
         status, _, health = http("GET", d.url + "/health")
         assert status == 200 and health["backend"] == "mlx" and health["device"] == "cpu"
         assert health["dtype"] == "f32"
@@ -148,11 +157,11 @@ def test_daemon_mlx_cpu_equals_torch_cpu_on_both_endpoints(daemon, tiny_model):
         d.stop()
 
 
-def test_long_lane_with_mlx(daemon, tiny_model):
+def test_long_lane_with_mlx(torch_daemon, tiny_model):
     d = Daemon(["--model", str(tiny_model), "--backend", "mlx", "--device", "cpu", "--long-tokens", "40"])
     try:
-        d.wait_ready()
-        _compare(d.url, daemon.url)  # the request is above 40 tokens: the long lane answers it
+        d.wait_ready(timeout=300)
+        _compare(d.url, torch_daemon.url)  # the request is above 40 tokens: the long lane answers it
         _, _, stats = http("GET", d.url + "/api/stats")
         assert {b["lane"] for b in stats["batches"]} == {"long"}
     finally:
