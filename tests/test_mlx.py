@@ -139,9 +139,11 @@ def _compare(mlx_url: str, torch_url: str) -> None:
 @pytest.fixture(scope="module")
 def torch_daemon(tiny_model):
     d = Daemon(["--model", str(tiny_model), "--backend", "torch", "--device", "cpu"])
-    d.wait_ready(timeout=300)  # a busy shared 2-core machine starts two daemons slowly
-    yield d
-    d.stop()
+    try:
+        d.wait_ready(timeout=300)  # a busy shared 2-core machine starts two daemons slowly
+        yield d
+    finally:
+        d.stop()  # also when it never became ready: no orphan daemon
 
 
 def test_daemon_mlx_cpu_equals_torch_cpu_on_both_endpoints(torch_daemon, tiny_model):
