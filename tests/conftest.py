@@ -89,7 +89,8 @@ class Daemon:
     def log(self) -> str:
         return "".join(list(self._lines))
 
-    def wait_ready(self, timeout: float = 90) -> None:
+    def wait_ready(self, timeout: float = 240) -> None:
+        """Wait for /health 200; a daemon that exits or never gets ready is stopped (no orphan) and reported."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -102,7 +103,8 @@ class Daemon:
             except OSError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError("daemon did not become ready")
+        log = self.stop()
+        raise TimeoutError(f"daemon did not become ready within {timeout:.0f} s:\n{log[-2000:]}")
 
     def stop(self) -> str:
         """Terminate the daemon and return its output (the last LOG_LINES lines)."""
