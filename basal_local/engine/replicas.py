@@ -45,10 +45,19 @@ class ReplicaSet:
     def settings(self):
         return self.replicas[0].settings
 
+    def _first_live(self) -> ModelEngine:
+        live = self.live()
+        return live[0] if live else self.replicas[0]
+
     @property
     def backend(self):
-        """The first replica's backend (every replica runs the same kind on its own device)."""
-        return self.replicas[0].backend
+        """The first live replica's backend (every replica runs the same kind on its own device)."""
+        return self._first_live().backend
+
+    @property
+    def gate(self):
+        """The first live replica's gate (the evidence forward runs under it, on that backend)."""
+        return self._first_live().gate
 
     @property
     def batches(self) -> int:

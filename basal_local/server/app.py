@@ -265,6 +265,9 @@ async def _decide(request: Request, dialect: str) -> Response:
         return _json_response(499, {"error": "client closed request"}, call.id_headers)
     except EngineStopped:
         return _error(call, internal("engine stopped", dialect))
+    except asyncio.CancelledError:  # the server cancelled the handler (shutdown): counted as cancelled
+        call.status = 499
+        raise
     except Exception as exc:  # a bug must not take the daemon down; the answer says what happened
         return _error(call, _failure(call, exc))
     finally:
