@@ -252,7 +252,7 @@ def test_20_concurrent_sdk_calls_against_max_inflight_1(tiny_model):
         _, _, stats = http("GET", d.url + "/api/stats")
     finally:
         d.stop()
-    rejected = stats["counters"]["rejected_overload"]
+    rejected = stats["totals"]["overloaded"]
     slowest = max((s for s, _ in results), default=0)
     print(f"20 SDK calls vs --max-inflight 1: {len(results)} ok, {len(errors)} failed, {rejected} 529s, "
           f"slowest {slowest:.2f} s")

@@ -82,13 +82,13 @@ def test_an_exception_in_one_batch_fails_only_that_batch(live):
     port, faulty, state = live
     faulty.fault = RuntimeError("injected fault")
     try:
-        failed_before = state.telemetry.snapshot()["counters"]["failed"]
+        failed_before = state.telemetry.snapshot()["totals"]["failed"]
         status, _, body = rawhttp.post(port, "/v1/systemone", {**SMALL, "state": POISON_STATE})
         assert status == 500 and body == {"error": "internal", "detail": "RuntimeError: injected fault"}
         status, _, body = rawhttp.post(port, "/v1/basal", {**SMALL, "state": POISON_STATE})
         assert status == 500 and body == {"error": "internal: RuntimeError: injected fault"}
         assert faulty.faults_raised == 2
-        assert state.telemetry.snapshot()["counters"]["failed"] == failed_before + 2
+        assert state.telemetry.snapshot()["totals"]["failed"] == failed_before + 2
         # the same lane goes on: small batches, still armed, all answered, in parallel
         results: list[int] = []
         threads = [threading.Thread(target=lambda: results.append(rawhttp.post(port, "/v1/systemone", SMALL)[0]))
