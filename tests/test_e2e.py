@@ -125,8 +125,11 @@ def test_models_and_health(daemon):
                                 "early_exit": []}]}
     status, _, body = http("GET", daemon.url + "/health")
     assert status == 200
-    assert body == {"status": "ok", "models": [M], "default_model": M, "backend": "torch", "device": "cpu",
-                    "dtype": "f32"}
+    from basal_local import __version__
+
+    assert body == {"status": "ok", "version": __version__, "models": [M], "default_model": M, "backend": "torch",
+                    "device": "cpu", "dtype": "f32",
+                    "replicas": [{"model": M, "replica": 0, "device": "cpu", "alive": True}]}
 
 
 def test_concurrent_clients_batch_and_answers_do_not_change(daemon):

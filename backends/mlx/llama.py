@@ -204,7 +204,8 @@ class MLXBackend:
     def forward(self, batch: PackedBatch) -> np.ndarray:
         # one lazy graph for the whole forward, evaluated once (no sync between layers)
         *_, logits = self.forward_steps(batch, _sync=False)
-        assert logits is not None
+        if logits is None:
+            raise RuntimeError("forward_steps ended without logits")
         return logits
 
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None,

@@ -112,7 +112,8 @@ class FastPath:
         put("qrows_last", last.q_rows)
         put("tiles_last", last.tiles)
         put("readout", batch.readout_index)
-        assert n <= size
+        if n > size:
+            raise RuntimeError(f"forward inputs need {n} slots, the upload buffer has {size}")
         return buf, layout
 
     @staticmethod

@@ -171,7 +171,8 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
     request = plan.request
     if plan.round != 1 or not any(q.large for q in request.questions):
         return None
-    assert plan.context is not None
+    if plan.context is None:
+        raise RuntimeError("a large-choice plan lost its planning context (tokenizer, positions, prefixes)")
     tokenizer, max_positions, prefixes = plan.context
     started = time.perf_counter()
     units = []
@@ -211,7 +212,8 @@ def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calib
         return multi_answer(q.keys, probs, q.spec)
     if q.large:
         members, targets = _large_groups(q, results)
-        assert unit is not None and unit.members is not None
+        if unit is None or unit.members is None:
+            raise RuntimeError(f"large choice {q.qid!r}: the final round's answer is missing")
         p = fit_joint(len(q.keys), [*members, unit.members], [*targets, results[(q.qid, "final", 0)]])
         return answer(q, calibrate(p, temperature), request.dialect)
     p_cal = calibrate(results[(q.qid, "main", 0)], temperature)
