@@ -108,3 +108,27 @@ class ReferenceTokenizer:
             out.append(extended[-1])
         assert len(set(out)) == k
         return out
+
+
+def luce_fit(n: int, members: list[list[int]], targets: list) -> Any:
+    """The joint Luce distribution of §6.7 by Hunter's MM algorithm: an independent check of our Newton fit.
+
+    Maximises sum_g sum_{i in g} t_gi log(p_i / S_g), S_g = sum_{j in g} p_j. The update
+    p_i <- W_i / sum_{g ∋ i} T_g / S_g (W_i = target mass of i, T_g = mass of group g) never decreases the
+    objective and converges to the same maximum; it shares nothing with Newton's method but the objective.
+    """
+    import numpy as np
+
+    m, mask = np.zeros((len(members), n)), np.zeros((len(members), n))
+    for g, (idx, t) in enumerate(zip(members, targets)):
+        m[g, idx] = np.asarray(t, dtype=np.float64)
+        mask[g, idx] = 1.0
+    w, total = m.sum(axis=0), m.sum(axis=1)
+    p = np.full(n, 1.0 / n)
+    for _ in range(200_000):
+        new = w / (mask.T @ (total / (mask @ p)))
+        new /= new.sum()
+        if np.max(np.abs(new - p)) < 1e-16:
+            return new
+        p = new
+    return p

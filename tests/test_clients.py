@@ -205,10 +205,11 @@ def test_retry_slots_do_not_collide():
     from basal_local.server.extras import RetrySpreader
 
     spreader = RetrySpreader(max_inflight=2, service_s=0.08)
-    spacing = 0.08 * 1.25 / 2
+    spacing = 0.08 * RetrySpreader.MARGIN / 2
+    assert RetrySpreader.MARGIN - RetrySpreader.JITTER >= 1.25  # a late retry is done before the next slot
     slots = sorted(time.monotonic() + spreader.delay_ms() / 1000.0 for _ in range(20))
     gaps = [b - a for a, b in zip(slots, slots[1:])]
-    assert min(gaps) >= spacing / 2 - 0.002  # jitter is at most half a slot
+    assert min(gaps) >= spacing * (1 - RetrySpreader.JITTER) - 0.002  # jitter is a small part of a slot
     assert slots[-1] - slots[0] >= 18 * spacing  # 20 retries spread over 20 slots, not one instant
 
 

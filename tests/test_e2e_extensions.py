@@ -2,7 +2,7 @@
 
 The reference prompts are rendered here from PROTOCOL.md §4 (not through the product), tokenized with the
 model's tokenizer.json, run through `LlamaForCausalLM` in f32 and pushed through the protocol math
-written out again in NumPy; the Luce fit of the reference uses scipy.
+written out again in NumPy; the Luce fit of the reference is Hunter's MM algorithm (tests/reference.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from .conftest import Daemon, http
+from .reference import luce_fit
 
 M = "basal-test-tiny"
 TEMPS = {"choice": 1.1387886347566916, "noul": 1.3939382634489992, "score": 1.5422108254079405}
@@ -168,23 +169,6 @@ def test_act_matches_reference(daemon, ref, dialect):
     assert out["usage"]["input_tokens"] == t1 + t2 and out["usage"]["branches"] == 2
 
 
-def _luce(n, members, targets):
-    from scipy.optimize import minimize
-
-    def negative(theta):
-        total, grad = 0.0, np.zeros(n)
-        for idx, t in zip(members, targets):
-            z = theta[idx] - theta[idx].max()
-            s = np.exp(z) / np.exp(z).sum()
-            total += np.sum(t * np.log(np.maximum(s, 1e-300)))
-            grad[idx] += t - s
-        return -total, -grad
-
-    res = minimize(negative, np.zeros(n), jac=True, method="BFGS", options={"gtol": 1e-13, "maxiter": 10000})
-    z = res.x - res.x.max()
-    return np.exp(z) / np.exp(z).sum()
-
-
 def test_large_choice_matches_reference(daemon, ref):
     n = 13
     criteria = {f"k{i}": f"Option number {i}" for i in range(n)}
@@ -202,11 +186,11 @@ def test_large_choice_matches_reference(daemon, ref):
         targets.append(p)
         tokens += t
     assert len(members) == 2 * g
-    first = _luce(n, members, targets)
+    first = luce_fit(n, members, targets)
     final = sorted(sorted(range(n), key=lambda i: (-first[i], i))[:10])
     p, t = ref.probabilities("en", EN_STATE, "Pick one.", [texts[i] for i in final])
     tokens += t
-    joint = calibrate(_luce(n, [*members, final], [*targets, p]), TEMPS["choice"])
+    joint = calibrate(luce_fit(n, [*members, final], [*targets, p]), TEMPS["choice"])
     ans = out["answers"]["big"]
     got = np.array(list(ans["probabilities"].values()))
     assert list(ans["probabilities"]) == list(criteria)
