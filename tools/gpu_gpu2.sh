@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Issues 9 and 13 in one device call (nvidia-h200-x2): the CUDA tests, the M-chunked cuBLAS microbenchmark,
+# in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
+# cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
+# Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
+# STAGES (default "tests bench http multi max"; also gemm); GEMMS: the routes the bench stage runs
+# (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site BASAL_LOCAL_HOME=/tmp/bh
+(cd /tmp && python3 -c "import basal_local.server.daemon, basal_local.server.app, basal_local.commands.serving") || echo "DAEMON IMPORT FAILS"
+STAGES=${STAGES:-tests bench http multi max}
+PRESET=${PRESET:-4.5B}
+M=/tmp/m-$PRESET
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+  nproc; } | tee "$OUT/gpu.txt"
+if has tests; then
+  rm -rf /tmp/t && cp -r tests /tmp/t
+  (cd /tmp && timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider t/test_cuda.py t/test_cuda_kernels.py 2>&1 \
+     | grep -v "it/s" > "$OUT/cuda_tests.txt")
+  grep -E "passed|failed|Error|assert" "$OUT/cuda_tests.txt" | tail -15; el tests
+fi
+if has gemm; then
+  timeout ${GEMM_TIMEOUT:-120} python3 tools/gemm_chunks.py "$OUT/gemm_chunks.json" ${GEMM_PRESETS:-4.5B} 2>&1 | tail -4; el gemm
+fi
+if has bench || has http || has multi; then
+  [ -d $M ] || (cd /tmp && python3 -m basal_local.cli make-test-model $M --preset $PRESET --device cuda > /dev/null) || exit 1
+  el make-test-model
+fi
+if has bench; then
+  for g in ${GEMMS:-verified}; do
+    route=${g%%:*}; chunk=${g#*:}; [ "$chunk" = "$g" ] && chunk=256
+    name=$route$([ $route = chunked ] && echo $chunk)
+    (cd /tmp && BASAL_LOCAL_GEMM=$route BASAL_LOCAL_GEMM_CHUNK=$chunk BASAL_BENCH_PARTIAL=$OUT/partial-$name.json \
+      timeout ${BENCH_TIMEOUT:-150} python3 -m basal_local.cli bench --model $M --device cuda --repeat 2 --json \
+      --invariance ${INVARIANCE:-8} ${BENCH_ARGS---long-doc} > $OUT/bench-$name.json 2> $OUT/bench-$name.err)
+    python3 -c "
+import json,sys
+r=json.load(open('$OUT/bench-$name.json')) if open('$OUT/bench-$name.json').read().strip() else json.load(open('$OUT/partial-$name.json'))
+x=r.get('extras',{})
+print('$name', r.get('gemm_plan'))
+print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r['throughput']['batch16']['decisions_per_s'], 'warmup', r['warmup_s'], x.get('invariance_alone_vs_amid_31'), {k: v for k, v in x.items() if k.startswith('long')}, r.get('memory_after_bench'))
+" 2>&1 | tail -2
+    el bench $name
+  done
+fi
+wait_ready() {  # port pid
+  for _ in $(seq 1 150); do
+    curl -sf http://127.0.0.1:$1/health > /dev/null && return 0
+    kill -0 $2 2>/dev/null || return 1
+    sleep 1
+  done; return 1
+}
+serve_and_measure() {  # name, clients for the throughput run, serve args...
+  local name=$1 clients=$2; shift 2
+  local port=$((18000 + RANDOM % 1000))
+  (cd /tmp && exec python3 -m basal_local.cli serve --model $M --port $port "$@") > $OUT/serve-$name.log 2>&1 &
+  local pid=$!
+  if ! wait_ready $port $pid; then echo "daemon $name did not start"; tail -5 $OUT/serve-$name.log; kill $pid; return 1; fi
+  el "daemon $name ready"
+  local U=http://127.0.0.1:$port B="python3 -m basal_local.cli bench --http $U --json"
+  if [ "$name" = 1gpu ]; then
+    (cd /tmp && $B --clients 1 --requests 268) > $OUT/http-$name-c1.json
+    (cd /tmp && $B --clients 32 --requests 1280 --invariance ${INVARIANCE:-8}) > $OUT/http-$name-c32.json
+  fi
+  (cd /tmp && $B --clients $clients --requests $((clients * 40))) > $OUT/http-$name-c$clients.json
+  (cd /tmp && python3 $OLDPWD/tools/http_answers.py $U $OUT/answers-$name.json 64)
+  curl -s $U/api/stats > $OUT/stats-$name.json
+  kill $pid; wait $pid 2>/dev/null
+  for f in $OUT/http-$name-*.json; do echo "$(basename $f): $(cat $f)"; done
+  el "daemon $name done"
+}
+has http && serve_and_measure 1gpu 64 --device cuda
+has multi && serve_and_measure 2gpu 64 --devices cuda:0,cuda:1
+if has http && has multi; then
+  (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu.json) | tee $OUT/answers-compare.txt
+fi
+if has max; then  # the max preset: single and batch figures only
+  (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&
+  (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-max.json timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max \
+     --device cuda --repeat 1 --json > $OUT/bench-max.json 2> $OUT/bench-max.err); cat $OUT/bench-max.json; el bench max
+fi
+el end
