@@ -42,20 +42,31 @@ def row_pieces(m: int, sizes: Sequence[int]) -> list[tuple[int, int, int]]:
 
 def sized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int],
                  linear: Linear = F.linear) -> torch.Tensor:
-    """x [m, K] @ weight[N, K].T (+ bias), issued to `linear` only with row counts from `sizes`."""
+    """x [m, K] @ weight[N, K].T (+ bias), issued to `linear` only with row counts from `sizes`.
+
+    Whole pieces read x in place; only the last piece is copied into a zero-padded block. Several pieces (a
+    long eager forward) are written into one output, so the peak is one output plus one padded block."""
     m, k = x.shape
     pieces = row_pieces(m, sizes)
     if not pieces:
         return x.new_empty(0, weight.shape[0])
-    padded = sum(p[2] for p in pieces)
-    if padded == m and len(pieces) == 1:
-        return linear(x, weight, bias)  # m is an allowed size: one call, no copy
-    xp = x.new_zeros(padded, k)
-    xp[:m] = x
+    if x.stride(1) != 1 or x.stride(0) != k:
+        x = x.contiguous()
+
+    def rows_for(start: int, rows: int, call_m: int) -> torch.Tensor:
+        if rows == call_m:
+            return x[start:start + rows]
+        block = x.new_zeros(call_m, k)
+        block[:rows] = x[start:start + rows]
+        return block
+
     if len(pieces) == 1:
-        return linear(xp, weight, bias)[:m]
-    # only the last piece is padded, so the result rows stay in place
-    return torch.cat([linear(xp[s:s + call_m], weight, bias) for s, _, call_m in pieces])[:m]
+        start, rows, call_m = pieces[0]
+        return linear(rows_for(start, rows, call_m), weight, bias)[:rows]
+    out = x.new_empty(m, weight.shape[0])
+    for start, rows, call_m in pieces:
+        out[start:start + rows] = linear(rows_for(start, rows, call_m), weight, bias)[:rows]
+    return out
 
 
 def agreeing_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequence[int],

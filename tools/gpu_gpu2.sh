@@ -63,7 +63,8 @@ serve_and_measure() {  # name, clients for the throughput run, serve args...
   local pid=$!
   if ! wait_ready $port $pid; then echo "daemon $name did not start"; tail -5 $OUT/serve-$name.log; kill $pid; return 1; fi
   el "daemon $name ready"
-  local U=http://127.0.0.1:$port B="python3 -m basal_local.cli bench --http $U --json"
+  local U=http://127.0.0.1:$port
+  local B="python3 -m basal_local.cli bench --http $U --json"
   if [ "$name" = 1gpu ]; then
     (cd /tmp && $B --clients 1 --requests 268) > $OUT/http-$name-c1.json
     (cd /tmp && $B --clients 32 --requests 1280 --invariance ${INVARIANCE:-8}) > $OUT/http-$name-c32.json
