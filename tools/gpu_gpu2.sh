@@ -3,17 +3,20 @@
 # in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
-# STAGES (default "tests bench http multi max"; also gemm); GEMMS: the routes the bench stage runs
+# STAGES (default "tests bench http coalesce multi max"; also gemm); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site BASAL_LOCAL_HOME=/tmp/bh
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export BASAL_LOCAL_HOME=/tmp/bh
 (cd /tmp && python3 -c "import basal_local.server.daemon, basal_local.server.app, basal_local.commands.serving") || echo "DAEMON IMPORT FAILS"
-STAGES=${STAGES:-tests bench http multi max}
+STAGES=${STAGES:-tests bench http coalesce multi max}
 PRESET=${PRESET:-4.5B}
-M=/tmp/m-$PRESET
+M=${MODEL_DIR:-/tmp/m-$PRESET}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -56,8 +59,26 @@ wait_ready() {  # port pid
     sleep 1
   done; return 1
 }
-serve_and_measure() {  # name, clients for the throughput run, serve args...
-  local name=$1 clients=$2; shift 2
+ticks() {  # pid -> "tid comm cputicks" per thread
+  for t in /proc/$1/task/*; do echo "$(basename $t) $(cat $t/comm | tr ' ' _) $(awk '{print $14+$15}' $t/stat)"; done
+}
+cpu_report() {  # pid, before-file, seconds, label: process cores used and the busiest threads
+  ticks $1 > /tmp/after.txt
+  python3 - /tmp/before.txt /tmp/after.txt $3 "$4" <<'PY' | tee -a $OUT/cpu.txt
+import sys
+b = {l.split()[0]: int(l.split()[2]) for l in open(sys.argv[1]) if len(l.split()) == 3}
+rows = []
+for l in open(sys.argv[2]):
+    p = l.split()
+    if len(p) == 3:
+        rows.append(((int(p[2]) - b.get(p[0], 0)) / 100.0 / float(sys.argv[3]), p[1]))
+rows.sort(reverse=True)
+print(sys.argv[4], "cores used %.2f;" % sum(r[0] for r in rows), "busiest threads:",
+      ", ".join("%s %.2f" % (n, c) for c, n in rows[:6]))
+PY
+}
+serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), serve args...
+  local name=$1 runs=$2; shift 2
   local port=$((18000 + RANDOM % 1000))
   (cd /tmp && exec python3 -m basal_local.cli serve --model $M --port $port "$@") > $OUT/serve-$name.log 2>&1 &
   local pid=$!
@@ -65,19 +86,23 @@ serve_and_measure() {  # name, clients for the throughput run, serve args...
   el "daemon $name ready"
   local U=http://127.0.0.1:$port
   local B="python3 -m basal_local.cli bench --http $U --json"
-  if [ "$name" = 1gpu ]; then
-    (cd /tmp && $B --clients 1 --requests 268) > $OUT/http-$name-c1.json
-    (cd /tmp && $B --clients 32 --requests 1280 --invariance ${INVARIANCE:-8}) > $OUT/http-$name-c32.json
-  fi
-  (cd /tmp && $B --clients $clients --requests $((clients * 40))) > $OUT/http-$name-c$clients.json
-  (cd /tmp && python3 $OLDPWD/tools/http_answers.py $U $OUT/answers-$name.json 64)
+  for r in $runs; do
+    local n=${r//[ci]/} extra=""
+    [[ $r == *i ]] && extra="--invariance ${INVARIANCE:-8}"
+    local total=$((n * 40)); [ $n = 1 ] && total=268
+    ticks $pid > /tmp/before.txt; local t0=$(date +%s.%N)
+    (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n.json
+    cpu_report $pid /tmp/before.txt $(python3 -c "import time; print(time.time() - $t0)") "$name c$n"
+  done
+  [ -n "${ANSWERS-1}" ] && (cd /tmp && python3 $OLDPWD/tools/http_answers.py $U $OUT/answers-$name.json 64)
   curl -s $U/api/stats > $OUT/stats-$name.json
   kill $pid; wait $pid 2>/dev/null
   for f in $OUT/http-$name-*.json; do echo "$(basename $f): $(cat $f)"; done
   el "daemon $name done"
 }
-has http && serve_and_measure 1gpu 64 --device cuda
-has multi && serve_and_measure 2gpu 64 --devices cuda:0,cuda:1
+has http && serve_and_measure 1gpu "c1 c32i c64" --device ${DEV:-cuda}
+has coalesce && ANSWERS= serve_and_measure 1gpu-nocoalesce "c32" --device ${DEV:-cuda} --coalesce-ms 0
+has multi && serve_and_measure 2gpu "c64 c128" --devices cuda:0,cuda:1
 if has http && has multi; then
   (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu.json) | tee $OUT/answers-compare.txt
 fi
