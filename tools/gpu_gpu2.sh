@@ -101,7 +101,7 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
   el "daemon $name done"
 }
 has http && serve_and_measure 1gpu "c1 c32i c64" --device ${DEV:-cuda}
-has coalesce && ANSWERS= serve_and_measure 1gpu-nocoalesce "c32" --device ${DEV:-cuda} --coalesce-ms 0
+has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
 has multi && serve_and_measure 2gpu "c64 c128" --devices cuda:0,cuda:1
 if has http && has multi; then
   (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu.json) | tee $OUT/answers-compare.txt
