@@ -3,7 +3,7 @@
 # in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
-# STAGES (default "tests bench http coalesce multi max"; also gemm); GEMMS: the routes the bench stage runs
+# STAGES (default "tests bench http coalesce multi max"; also gemm, hostprof, mini, compiled); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -110,5 +110,19 @@ if has max; then  # the max preset: single and batch figures only
   (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&
   (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-max.json timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max \
      --device cuda --repeat 1 --json > $OUT/bench-max.json 2> $OUT/bench-max.err); cat $OUT/bench-max.json; el bench max
+fi
+if has hostprof; then
+  (cd /tmp && timeout ${HOSTPROF_TIMEOUT:-120} python3 $OLDPWD/tools/host_profile.py $M $OUT/host_profile.txt); el hostprof
+fi
+if has mini; then
+  (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-mini --preset mini --device cuda > /dev/null) &&
+  (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-mini.json timeout ${MINI_TIMEOUT:-200} python3 -m basal_local.cli bench --model /tmp/m-mini \
+     --device cuda --repeat 2 --json --invariance ${INVARIANCE:-8} --baseline transformers > $OUT/bench-mini.json 2> $OUT/bench-mini.err)
+  cat $OUT/bench-mini.json; el mini
+fi
+if has compiled; then
+  (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-compiled.json timeout ${COMPILED_TIMEOUT:-300} python3 -m basal_local.cli bench --model $M \
+     --device cuda --repeat 2 --json --baseline transformers-compiled > $OUT/bench-compiled.json 2> $OUT/bench-compiled.err)
+  cat $OUT/bench-compiled.json; el compiled
 fi
 el end
