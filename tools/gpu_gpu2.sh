@@ -31,7 +31,7 @@ fi
 if has gemm; then
   timeout ${GEMM_TIMEOUT:-120} python3 tools/gemm_chunks.py "$OUT/gemm_chunks.json" ${GEMM_PRESETS:-4.5B} 2>&1 | tail -4; el gemm
 fi
-if has bench || has http || has multi; then
+if has bench || has http || has multi || has hostprof || has compiled; then
   [ -d $M ] || (cd /tmp && python3 -m basal_local.cli make-test-model $M --preset $PRESET --device cuda > /dev/null) || exit 1
   el make-test-model
 fi
