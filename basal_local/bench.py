@@ -106,6 +106,8 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     return {
         "mode": "in-process", "model": model.name, "backend": backend.name, "device": backend.device,
         "attention": getattr(backend, "attention", ""),
+        "gemm": getattr(getattr(backend, "fast", None), "gemm", ""),
+        "gemm_plan": getattr(getattr(backend, "fast", None), "gemm_plan", {}),
         "dtype": info.dtype, "layers": info.layers, "hidden": info.hidden_size, "load_s": round(load_s, 2),
         "warmup_s": round(warmup_s, 2),
         "decisions": len(latencies),
@@ -261,9 +263,53 @@ def bench_http(url: str, clients: int, total: int) -> dict[str, Any]:
             "mean_batch_requests": round(sum(batch_sizes) / len(batch_sizes), 2)}
 
 
+def _post_basal(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    req = urllib.request.Request(url + "/v1/basal", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.load(resp), int(resp.headers.get("x-basal-batch-requests", "0") or 0)
+
+
+def bench_http_invariance(url: str, trials: int) -> dict[str, Any]:
+    """Over HTTP: a request's answers alone, then again sent at the same moment as 31 others (so they share
+    batches); the probabilities must be the same bits (JSON floats print every bit of a float64)."""
+    import random
+
+    url = url.rstrip("/")
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+        model = json.load(resp)["models"][0]["name"]
+    bodies = single_question_requests(model)
+    rng = random.Random(0)
+    equal, batches = 0, []
+    for _ in range(trials):
+        target = rng.choice(bodies)
+        alone, _ = _post_basal(url, target)
+        others = rng.sample([b for b in bodies if b is not target], 31)
+        barrier = threading.Barrier(32)
+        got: dict[str, Any] = {}
+
+        def send(body, mine: bool, barrier=barrier, got=got) -> None:
+            barrier.wait()
+            out, size = _post_basal(url, body)
+            if mine:
+                got["answers"], got["batch"] = out["answers"], size
+
+        threads = [threading.Thread(target=send, args=(b, False)) for b in others[:15]]
+        threads.append(threading.Thread(target=send, args=(target, True)))
+        threads += [threading.Thread(target=send, args=(b, False)) for b in others[15:]]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        equal += got.get("answers") == alone["answers"]
+        batches.append(got.get("batch", 0))
+    return {"trials": trials, "bitwise_equal": equal, "batch_requests_of_target": batches}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.http:
         result = bench_http(args.http, args.clients, args.requests)
+        if getattr(args, "invariance", 0):
+            result["invariance_alone_vs_amid_31"] = bench_http_invariance(args.http, args.invariance)
     else:
         from .model.registry import demo_model_dir, resolve_model
 

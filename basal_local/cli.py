@@ -77,6 +77,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         f"(default {d.long_tokens})")
     p.add_argument("--long-slice-ms", type=float, dest="long_slice_ms",
                    help=f"how long the long lane may hold the device while others wait (default {d.long_slice_ms:g})")
+    p.add_argument("--coalesce-ms", type=float, dest="coalesce_ms",
+                   help=f"after a batch of n requests, wait up to this long for n/2 to queue before a small batch "
+                        f"(default {d.coalesce_ms:g}; 0 disables)")
     p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None,
                    help="do not keep the chat template's K/V per language (default: kept)")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from . import plan, twins
+from . import gemm, plan, twins
 
-__all__ = ["plan", "twins", "triton_available", "triton_kernels"]
+__all__ = ["gemm", "plan", "twins", "triton_available", "triton_kernels"]
 
 
 def triton_available() -> bool:

@@ -170,14 +170,16 @@ def test_cuda_fused_kernels_match_twins():
             assert torch.equal(kernels.linear(big[:5], wt, bias), ya[:5])
 
 
+@pytest.mark.parametrize("gemm", ["verified", "chunked", "triton"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_cuda_bitwise_batch_invariance(small_model, dtype):
+def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
     """A prompt alone, in a batch, in a tree beside its question's other order and beside other questions of
-    the same state: bitwise equal letter logits (Triton GEMMs; the cuBLAS route is measured in tools/)."""
+    the same state: bitwise equal letter logits with each GEMM route: cuBLAS at verified row counts (the
+    default), fixed chunks, Triton GEMMs."""
     from basal_local.engine.packer import PromptSpec
 
-    md, backend, prefixes = loaded(small_model, "cuda", dtype, gemm="triton")
-    assert backend.fast is not None and backend.fast.gemm == "triton"
+    md, backend, prefixes = loaded(small_model, "cuda", dtype, gemm=gemm)
+    assert backend.fast is not None and backend.fast.gemm == gemm
     rng = random.Random(7)
     specs = [s for seed in range(6) for s in random_specs(md, random.Random(seed))]
     for trial in range(6):
@@ -195,3 +197,16 @@ def test_cuda_bitwise_batch_invariance(small_model, dtype):
     pack = pack_prompts(specs[:10], prefixes)
     steps = list(backend.forward_steps(pack.batches[0]))
     assert np.array_equal(steps[-1], backend.forward(pack.batches[0]))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_second_gpu_gives_the_same_bits(small_model):
+    """One replica per GPU (issue 13): a backend on cuda:1 (graphs, Triton launches on its own device) returns
+    the same letter logits, bit for bit, as on cuda:0, alone and in a batch."""
+    md, b0, prefixes = loaded(small_model, "cuda:0", "f16")
+    _, b1, _ = loaded(small_model, "cuda:1", "f16")
+    specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
+    for group in (specs[:1], specs):
+        pack = pack_prompts(group, prefixes)
+        assert all(np.array_equal(a, b) for a, b in zip(readout_logits(b0, pack), readout_logits(b1, pack)))
+    assert torch.cuda.memory_allocated(1) > 0

@@ -127,3 +127,51 @@ def test_fast_forward_on_twins_equals_reference(tiny_model):
     batch = pack_prompts(random_specs(md, random.Random(5))[:2], prefixes).batches[0]
     steps = list(fast.forward_steps(batch))
     assert len(steps) == md.config.num_hidden_layers and np.array_equal(steps[-1], fast.forward(batch))
+
+
+def test_chunked_linear_twin_is_row_invariant():
+    """M-chunked GEMM (the default f16/bf16 GEMM route on CUDA): equals F.linear, pads to whole chunks, and a
+    row's bits are the same alone, at any offset, or amid many rows, because every library call has one shape."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 16, generator=gen)
+    w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    full = twins.chunked_linear(x, w, b, 8)
+    assert full.shape == (37, 24) and torch.allclose(full, torch.nn.functional.linear(x, w, b), atol=1e-5)
+    for start, rows in ((0, 1), (5, 4), (30, 7), (3, 33)):
+        assert torch.equal(twins.chunked_linear(x[start:start + rows], w, b, 8), full[start:start + rows])
+    strided = x.t().contiguous().t()  # a non-contiguous view gives the same bits
+    assert torch.equal(twins.chunked_linear(strided, w, None, 8), twins.chunked_linear(x, w, None, 8))
+    assert twins.chunked_linear(x[:0], w, b, 8).shape == (0, 24)
+
+
+def test_row_pieces_use_allowed_sizes_only():
+    from basal_local.cuda_kernels.gemm import row_pieces
+
+    assert row_pieces(300, [256, 512]) == [(0, 300, 512)]
+    assert row_pieces(256, [256, 512]) == [(0, 256, 256)]
+    assert row_pieces(1100, [256, 512]) == [(0, 512, 512), (512, 512, 512), (1024, 76, 256)]
+    assert row_pieces(0, [64]) == []
+
+
+def test_verified_gemm_sizes_and_sized_linear():
+    """The verified route keeps only the row counts on which a GEMM gives the largest call's bits; a GEMM that
+    changes its reduction below 64 rows (as a library may, e.g. split-K) is then never called below 64 rows,
+    and a row's bits are the same alone and amid others."""
+    from basal_local.cuda_kernels import gemm
+
+    def drifting(x, w, b):  # exact above 63 rows, a different rounding below (a stand-in for split-K)
+        y = torch.nn.functional.linear(x, w, b)
+        return y if x.shape[0] >= 64 else (y.double() + 1e-3).float()
+
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    sizes, agrees = gemm.agreeing_sizes(w, b, [4, 16, 64, 128, 256], linear=drifting)
+    assert sizes == [64, 128, 256] and not agrees[16] and agrees[64]
+    assert gemm.plan_sizes(w, b, [4, 16, 64, 128, 256], 512, 32, linear=drifting)["sizes"] == [64, 128, 256]
+    assert gemm.plan_sizes(w, b, [4, 16, 64, 128, 256], 32, 32, linear=drifting)["sizes"] == [32]
+    x = torch.randn(600, 16, generator=gen)
+    full = gemm.sized_linear(x, w, b, sizes, linear=drifting)
+    assert torch.allclose(full, torch.nn.functional.linear(x, w, b), atol=1e-5)
+    for start, rows in ((0, 1), (7, 30), (250, 100), (0, 600)):
+        assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, sizes, linear=drifting),
+                           full[start:start + rows])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from basal_local.api.systemone import validate_systemone
-from basal_local.engine.engine import EngineSettings, ModelEngine
+from basal_local.engine.engine import EngineSettings, Lane, ModelEngine
 from basal_local.engine.gate import DeviceGate
 from basal_local.engine.scheduler import Cancelled
 from basal_local.model import load_model_dir
@@ -281,3 +281,40 @@ def test_answers_alone_equal_answers_in_a_batch_of_32(tiny_model):
         assert worst <= 1e-6, worst
     finally:
         engine.stop()
+
+
+def test_small_queue_waits_briefly_for_the_last_batch_to_come_back():
+    """Batch coalescing: after a batch of 30, a queue of 2 waits (at most coalesce_ms) until 15 are back, so
+    closed-loop clients do not alternate full and tiny batches; after a batch of 1 nothing waits."""
+    import types
+
+    engine = types.SimpleNamespace(model=types.SimpleNamespace(name="m"), replica=0,
+                                   settings=EngineSettings(coalesce_ms=400))
+    lane = Lane(engine, "main", urgent=True)
+    lane.queue = ["a", "b"]
+    lane.last_jobs, lane.last_s, lane.last_end = 30, 2.0, time.perf_counter()
+
+    def come_back():
+        time.sleep(0.02)
+        for i in range(13):
+            lane.put(i)
+
+    threading.Thread(target=come_back).start()
+    t0 = time.perf_counter()
+    with lane._cond:
+        lane._coalesce()
+    waited = time.perf_counter() - t0
+    assert len(lane.queue) >= 15 and 0.015 <= waited < 0.3
+    # nobody comes back: the window ends the wait
+    lane.queue = ["a"]
+    lane.last_end, engine.settings.coalesce_ms = time.perf_counter(), 30
+    t0 = time.perf_counter()
+    with lane._cond:
+        lane._coalesce()
+    assert 0.02 <= time.perf_counter() - t0 < 0.3 and lane.queue == ["a"]
+    # after a batch of one (a single client) a request never waits
+    lane.last_jobs, lane.last_end = 1, time.perf_counter()
+    t0 = time.perf_counter()
+    with lane._cond:
+        lane._coalesce()
+    assert time.perf_counter() - t0 < 0.01

@@ -19,14 +19,20 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from basal_local.cuda_kernels import gemm, triton_available, triton_kernels, twins
 from basal_local.cuda_kernels import plan as tplan
-from basal_local.cuda_kernels import triton_available, triton_kernels, twins
 
 from ..base import PackedBatch
 
 TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 READOUT_BUCKETS = (4, 16, 64, 256)
 MAX_GRAPHS = 96
+GEMMS = ("verified", "chunked", "cublas", "triton")
+# rows per cuBLAS call where a weight's GEMMs use a fixed chunk: part of the numerics contract (a row's bits
+# depend on it), never chosen by the batch; tools/gemm_chunks.py measured the trade-off (docs/CUDA_NOTES.md)
+GEMM_CHUNK = 512
+# the verified route uses cuBLAS as is where its results agree for every row count from at most this many rows
+VERIFIED_FLOOR_MAX = 512
 
 
 def _tile_cap(size: int) -> int:
@@ -40,16 +46,30 @@ class FastPath:
         self.use_triton = use_triton and triton_available()
         self.ops = triton_kernels() if self.use_triton else twins
         if gemm == "auto":
-            gemm = os.environ.get("BASAL_LOCAL_GEMM", "cublas")
-        if gemm not in ("cublas", "triton"):
-            raise ValueError(f"unknown GEMM {gemm!r} (cublas or triton)")
-        if gemm == "triton" and (not self.use_triton or backend.dtype == torch.float32):
-            gemm = "cublas"  # the f32 path keeps cuBLAS (exact f32; no TF32)
+            gemm = os.environ.get("BASAL_LOCAL_GEMM", "verified")
+        if gemm not in GEMMS:
+            raise ValueError(f"unknown GEMM {gemm!r} ({', '.join(GEMMS)})")
+        if gemm == "triton" and not self.use_triton:
+            gemm = "verified"
+        if backend.dtype == torch.float32:
+            gemm = "cublas"  # the f32 path keeps plain cuBLAS (exact f32; no TF32)
         self.gemm = gemm
-        self.linear = self.ops.linear if gemm == "triton" else twins.linear
+        chunk = int(os.environ.get("BASAL_LOCAL_GEMM_CHUNK", GEMM_CHUNK))
+        # fixed-chunk route: every GEMM on blocks of exactly `chunk` rows, so graph sizes are whole chunks
+        self.chunk = chunk if gemm == "chunked" else 1
+        self.gemm_plan: dict[str, dict] = {}
+        if gemm == "triton":
+            self.linear = self.ops.linear
+        elif gemm == "chunked":
+            self.linear = lambda x, w, b: twins.chunked_linear(x, w, b, chunk)
+        elif gemm == "verified":
+            self.linear = self._verified_linear(chunk)
+        else:
+            self.linear = twins.linear
         self.block_m = self.ops.ATTN_BLOCK_M if self.use_triton else 64
         self.graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None
+        self._capture_stream = None
         self.prefix_names: list[str] = []
         self.prefix_rows: dict[str, tuple[int, int]] = {}
         self.prefix_k: list[torch.Tensor] = []
@@ -60,6 +80,25 @@ class FastPath:
         angles = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * backend.inv_freq[None, :half]
         self.cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(backend.device)
         self.sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(backend.device)
+
+    def _verified_linear(self, chunk: int):
+        """cuBLAS at verified row counts per weight shape (cuda_kernels.gemm): checked once here, on this device."""
+        layer = self.b.layers[0]
+        candidates = sorted(set(TOKEN_BUCKETS) | set(READOUT_BUCKETS))
+        sizes: dict[tuple[int, int, bool], list[int]] = {}
+        for w, bias in ((layer.qkv_weight, layer.qkv_bias), (layer.o_proj_weight, layer.o_proj_bias),
+                        (layer.gate_up_weight, layer.gate_up_bias), (layer.down_proj_weight, layer.down_proj_bias)):
+            key = (w.shape[0], w.shape[1], bias is not None)
+            if key not in sizes:
+                plan = gemm.plan_sizes(w, bias, candidates, VERIFIED_FLOOR_MAX, chunk)
+                sizes[key] = plan["sizes"]
+                self.gemm_plan[f"{w.shape[0]}x{w.shape[1]}"] = {
+                    "route": plan["route"], "sizes": plan["sizes"][0] if plan["route"] == "verified" else chunk,
+                    "disagree": [m for m, ok in plan["agrees"].items() if not ok]}
+
+        def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            return gemm.sized_linear(x, w, b, sizes[(w.shape[0], w.shape[1], b is not None)])
+        return linear
 
     # ---- cached prefixes ---------------------------------------------------------------------------------
     def set_prefixes(self, prefix_kv: dict) -> None:
@@ -205,7 +244,7 @@ class FastPath:
     def forward(self, batch: PackedBatch) -> np.ndarray:
         if self.b.cuda_graphs and batch.num_tokens <= TOKEN_BUCKETS[-1] and \
                 len(batch.readout_index) <= READOUT_BUCKETS[-1]:
-            size = next(s for s in TOKEN_BUCKETS if s >= batch.num_tokens)
+            size = self.bucket(batch.num_tokens)
             r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))
             if (size, r_cap) in self.graphs or len(self.graphs) < MAX_GRAPHS:
                 try:
@@ -218,6 +257,11 @@ class FastPath:
                     return self._logits(out, batch)
         *_, logits = self.forward_steps(batch)
         return logits
+
+    def bucket(self, tokens: int) -> int:
+        """The graph size for a forward of `tokens`: the next bucket, rounded up to whole GEMM chunks."""
+        size = next(s for s in TOKEN_BUCKETS if s >= tokens)
+        return -(-size // self.chunk) * self.chunk
 
     def _graph(self, size: int, r_cap: int) -> tuple:
         key = (size, r_cap)
@@ -241,16 +285,16 @@ class FastPath:
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+            if self._capture_stream is None:  # torch's default capture stream lives on the first device used
+                self._capture_stream = torch.cuda.Stream()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 *_, out = self.layers(v)
             self.graphs[key] = (graph, static, layout, out)
         return self.graphs[key]
 
     def warmup(self, max_tokens: int) -> None:
-        for size in TOKEN_BUCKETS:
-            if size > max(max_tokens, TOKEN_BUCKETS[0]):
-                break
+        for size in sorted({self.bucket(s) for s in TOKEN_BUCKETS if s <= max(max_tokens, TOKEN_BUCKETS[0])}):
             for r_cap in READOUT_BUCKETS:
                 if r_cap <= max(4, size // 32):
                     self._graph(size, r_cap)

@@ -9,6 +9,8 @@ layer runs o_proj, MLP, final norm and the letter logits only at the readout row
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,25 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def _on_device(fn):
+    """Run a backend method with its own GPU current (one replica per GPU: CUDA graphs, streams and Triton
+    launches use the thread's current device, which is cuda:0 unless set)."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with self._device_scope():
+            return fn(self, *args, **kwargs)
+    return wrapper
+
+
+def _on_device_steps(fn):
+    """`_on_device` for a generator: the device stays current while its steps run."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with self._device_scope():
+            yield from fn(self, *args, **kwargs)
+    return wrapper
 
 
 class _Layer:
@@ -64,7 +85,13 @@ class TorchBackend:
         self.attention = attention
         self.prefix_kv: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
+    def _device_scope(self):
+        if self.device.startswith("cuda"):
+            return torch.cuda.device(torch.device(self.device))
+        return contextlib.nullcontext()
+
     # ---- loading -------------------------------------------------------------------------------------------
+    @_on_device
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())
@@ -125,11 +152,12 @@ class TorchBackend:
                 if t is not None:
                     yield t
 
+    @_on_device
     def memory(self) -> dict[str, int]:
         out = {"weights_bytes": sum(t.numel() * t.element_size() for t in self._tensors())}
         if self.device.startswith("cuda"):
-            out["device_allocated_bytes"] = torch.cuda.memory_allocated()
-            out["device_peak_bytes"] = torch.cuda.max_memory_allocated()
+            out["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
 
     # ---- pieces --------------------------------------------------------------------------------------------
@@ -192,6 +220,7 @@ class TorchBackend:
             raise FloatingPointError("non-finite letter logit")
         return logits.cpu().numpy()
 
+    @_on_device
     def forward(self, batch: PackedBatch) -> np.ndarray:
         if self.fast is not None:
             with torch.inference_mode():
@@ -210,6 +239,7 @@ class TorchBackend:
             raise RuntimeError("forward_steps ended without letter logits")
         return logits
 
+    @_on_device_steps
     @torch.inference_mode()
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None,
                       _attention: TreeAttention | None = None) -> Iterator[np.ndarray | None]:
@@ -274,11 +304,13 @@ class TorchBackend:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            # a capture stream of this backend's device (torch's default one lives on the first device used)
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=torch.cuda.Stream()):
                 out = self._graph_body(static, prefixes)
             self._graphs[key] = (graph, static, out, prefixes)
         return self._graphs[key]
 
+    @_on_device
     @torch.inference_mode()
     def warmup(self, max_tokens: int = GRAPH_BUCKETS[-1]) -> None:
         """Capture the CUDA graphs of every bucket up to `max_tokens` now, not on the first request."""
@@ -308,6 +340,7 @@ class TorchBackend:
         x = self._layer(len(self.layers) - 1, out, cos, sin, prefixes, attention, rows=readout)
         return self._letter_logits(x, batch.letter_ids)
 
+    @_on_device
     def add_prefix(self, key: str, token_ids: list[int]) -> None:
         n = len(token_ids)
         batch = PackedBatch(
@@ -322,6 +355,7 @@ class TorchBackend:
         if self.fast is not None:
             self.fast.set_prefixes(self.prefix_kv)
 
+    @_on_device
     @torch.inference_mode()
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
         """One plain causal forward of a single prompt; float32 hidden states after the final RMSNorm [T, H]."""

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Issues 9 and 13 in one device call (nvidia-h200-x2): the CUDA tests, the M-chunked cuBLAS microbenchmark,
+# in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
+# cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
+# Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
+# STAGES (default "tests bench http coalesce multi max"; also gemm, hostprof, mini, compiled); GEMMS: the routes the bench stage runs
+# (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export BASAL_LOCAL_HOME=/tmp/bh
+(cd /tmp && python3 -c "import basal_local.server.daemon, basal_local.server.app, basal_local.commands.serving") || echo "DAEMON IMPORT FAILS"
+STAGES=${STAGES:-tests bench http coalesce multi max}
+PRESET=${PRESET:-4.5B}
+M=${MODEL_DIR:-/tmp/m-$PRESET}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+  nproc; } | tee "$OUT/gpu.txt"
+if has tests; then
+  rm -rf /tmp/t && cp -r tests /tmp/t
+  (cd /tmp && timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider t/test_cuda.py t/test_cuda_kernels.py 2>&1 \
+     | grep -v "it/s" > "$OUT/cuda_tests.txt")
+  grep -E "passed|failed|Error|assert" "$OUT/cuda_tests.txt" | tail -15; el tests
+fi
+if has gemm; then
+  timeout ${GEMM_TIMEOUT:-120} python3 tools/gemm_chunks.py "$OUT/gemm_chunks.json" ${GEMM_PRESETS:-4.5B} 2>&1 | tail -4; el gemm
+fi
+if has bench || has http || has multi || has hostprof || has compiled; then
+  [ -d $M ] || (cd /tmp && python3 -m basal_local.cli make-test-model $M --preset $PRESET --device cuda > /dev/null) || exit 1
+  el make-test-model
+fi
+if has bench; then
+  for g in ${GEMMS:-verified}; do
+    route=${g%%:*}; chunk=${g#*:}; [ "$chunk" = "$g" ] && chunk=256
+    name=$route$([ $route = chunked ] && echo $chunk)
+    (cd /tmp && BASAL_LOCAL_GEMM=$route BASAL_LOCAL_GEMM_CHUNK=$chunk BASAL_BENCH_PARTIAL=$OUT/partial-$name.json \
+      timeout ${BENCH_TIMEOUT:-150} python3 -m basal_local.cli bench --model $M --device cuda --repeat 2 --json \
+      --invariance ${INVARIANCE:-8} ${BENCH_ARGS---long-doc} > $OUT/bench-$name.json 2> $OUT/bench-$name.err)
+    python3 -c "
+import json,sys
+r=json.load(open('$OUT/bench-$name.json')) if open('$OUT/bench-$name.json').read().strip() else json.load(open('$OUT/partial-$name.json'))
+x=r.get('extras',{})
+print('$name', r.get('gemm_plan'))
+print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r['throughput']['batch16']['decisions_per_s'], 'warmup', r['warmup_s'], x.get('invariance_alone_vs_amid_31'), {k: v for k, v in x.items() if k.startswith('long')}, r.get('memory_after_bench'))
+" 2>&1 | tail -2
+    el bench $name
+  done
+fi
+wait_ready() {  # port pid
+  for _ in $(seq 1 150); do
+    curl -sf http://127.0.0.1:$1/health > /dev/null && return 0
+    kill -0 $2 2>/dev/null || return 1
+    sleep 1
+  done; return 1
+}
+ticks() {  # pid -> "tid comm cputicks" per thread
+  for t in /proc/$1/task/*; do echo "$(basename $t) $(cat $t/comm | tr ' ' _) $(awk '{print $14+$15}' $t/stat)"; done
+}
+cpu_report() {  # pid, before-file, seconds, label: process cores used and the busiest threads
+  ticks $1 > /tmp/after.txt
+  python3 - /tmp/before.txt /tmp/after.txt $3 "$4" <<'PY' | tee -a $OUT/cpu.txt
+import sys
+b = {l.split()[0]: int(l.split()[2]) for l in open(sys.argv[1]) if len(l.split()) == 3}
+rows = []
+for l in open(sys.argv[2]):
+    p = l.split()
+    if len(p) == 3:
+        rows.append(((int(p[2]) - b.get(p[0], 0)) / 100.0 / float(sys.argv[3]), p[1]))
+rows.sort(reverse=True)
+print(sys.argv[4], "cores used %.2f;" % sum(r[0] for r in rows), "busiest threads:",
+      ", ".join("%s %.2f" % (n, c) for c, n in rows[:6]))
+PY
+}
+serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), serve args...
+  local name=$1 runs=$2; shift 2
+  local port=$((18000 + RANDOM % 1000))
+  (cd /tmp && exec python3 -m basal_local.cli serve --model $M --port $port "$@") > $OUT/serve-$name.log 2>&1 &
+  local pid=$!
+  if ! wait_ready $port $pid; then echo "daemon $name did not start"; tail -5 $OUT/serve-$name.log; kill $pid; return 1; fi
+  el "daemon $name ready"
+  local U=http://127.0.0.1:$port
+  local B="python3 -m basal_local.cli bench --http $U --json"
+  for r in $runs; do
+    local n=${r//[ci]/} extra=""
+    [[ $r == *i ]] && extra="--invariance ${INVARIANCE:-8}"
+    local total=$((n * 40)); [ $n = 1 ] && total=268
+    ticks $pid > /tmp/before.txt; local t0=$(date +%s.%N)
+    (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n.json
+    cpu_report $pid /tmp/before.txt $(python3 -c "import time; print(time.time() - $t0)") "$name c$n"
+  done
+  [ -n "${ANSWERS-1}" ] && (cd /tmp && python3 $OLDPWD/tools/http_answers.py $U $OUT/answers-$name.json 64)
+  curl -s $U/api/stats > $OUT/stats-$name.json
+  kill $pid; wait $pid 2>/dev/null
+  for f in $OUT/http-$name-*.json; do echo "$(basename $f): $(cat $f)"; done
+  el "daemon $name done"
+}
+has http && serve_and_measure 1gpu "c1 c32i c64" --device ${DEV:-cuda}
+has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
+has multi && serve_and_measure 2gpu "c64 c128" --devices cuda:0,cuda:1
+if has http && has multi; then
+  (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu.json) | tee $OUT/answers-compare.txt
+fi
+if has max; then  # the max preset: single and batch figures only
+  (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&
+  (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-max.json timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max \
+     --device cuda --repeat 1 --json > $OUT/bench-max.json 2> $OUT/bench-max.err); cat $OUT/bench-max.json; el bench max
+fi
+if has hostprof; then
+  (cd /tmp && timeout ${HOSTPROF_TIMEOUT:-120} python3 $OLDPWD/tools/host_profile.py $M $OUT/host_profile.txt); el hostprof
+fi
+if has mini; then
+  (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-mini --preset mini --device cuda > /dev/null) &&
+  (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-mini.json timeout ${MINI_TIMEOUT:-200} python3 -m basal_local.cli bench --model /tmp/m-mini \
+     --device cuda --repeat 2 --json --invariance ${INVARIANCE:-8} --baseline transformers > $OUT/bench-mini.json 2> $OUT/bench-mini.err)
+  cat $OUT/bench-mini.json; el mini
+fi
+if has compiled; then
+  (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-compiled.json timeout ${COMPILED_TIMEOUT:-300} python3 -m basal_local.cli bench --model $M \
+     --device cuda --repeat 2 --json --baseline transformers-compiled > $OUT/bench-compiled.json 2> $OUT/bench-compiled.err)
+  cat $OUT/bench-compiled.json; el compiled
+fi
+el end
