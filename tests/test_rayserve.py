@@ -212,7 +212,7 @@ def _alive(pid: int) -> bool:
 
 
 class RayDaemon:
-    """`basal-local serve --ray` in its own process session; stop() ends it and every process below it."""
+    """`basal-local serve --ray` as a subprocess; stop() ends it and every process seen below it."""
 
     def __init__(self, args: list[str]) -> None:
         self.port = free_port()
@@ -220,7 +220,7 @@ class RayDaemon:
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--ray", "--port",
                                       str(self.port), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                                     text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
         self.tree: dict[int, str] = {}
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
 

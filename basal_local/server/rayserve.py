@@ -178,7 +178,7 @@ class Front:
         self.body_timeout_s = body_timeout_s
 
     def __serve_build_asgi_app__(self):
-        return self.asgi
+        return _Asgi(self.asgi)
 
     async def asgi(self, scope: dict[str, Any], receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -212,6 +212,17 @@ class Front:
                             scope.get("method"), scope.get("path"), attempt + 1, RETRIES + 1, type(exc).__name__)
                 await asyncio.sleep(RETRY_PAUSE_S * (attempt + 1))
         await _send_unavailable(send, scope.get("path", ""))
+
+
+class _Asgi:
+    """An ASGI 3 callable around a bound method (uvicorn, which runs the lifespan, takes a bound method whose
+    `__call__` is not a coroutine function for ASGI 2)."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.handler(scope, receive, send)
 
 
 def _replica_died(exc: BaseException) -> bool:
