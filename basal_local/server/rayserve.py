@@ -338,6 +338,9 @@ def connect(ray, options: RayOptions) -> bool:
                                  "start one there with `ray start --head`, or drop --ray-address to start one on "
                                  "this machine") from None
         return False
+    # Ray runs its workers at nice 15 by default; the engine replicas are the whole workload here, so they run
+    # at the priority `basal-local serve` itself has (a local cluster only; a cluster's own settings stay)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         ray.init(num_cpus=options.num_cpus, **kwargs)
     except Exception as exc:
@@ -364,8 +367,11 @@ def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, de
     A local cluster started here is shut down with everything on it; on an existing cluster only this
     application is deleted (other Serve applications stay)."""
     ray, serve = import_ray()
-    started = connect(ray, options)
+    # SIGTERM while the cluster starts or the replicas load: unwind like Ctrl-C, through the clean-up below
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = deploying = False
     try:
+        started = connect(ray, options)
         gpus = use_gpus(ray, settings, options)
         if options.max_replicas is None and gpus:
             options.max_replicas = max(options.min_replicas, int(ray.cluster_resources().get("GPU", 0)))
@@ -374,6 +380,7 @@ def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, de
                                  f"{options.min_replicas}", "give --max-replicas at least --min-replicas")
         if banner:
             print(banner, flush=True)
+        deploying = True
         try:
             serve.start(http_options={"host": settings.host, "port": settings.port})
             app = build_application(settings, model_refs_for_cluster(model_refs), options, demo, gpus)
@@ -392,20 +399,26 @@ def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, de
         _wait_for_signal()
         return 0
     finally:
-        _take_down(ray, serve, started)
+        _take_down(ray, serve, started, deploying)
         print("basal-local: stopped", flush=True)
 
 
-def _take_down(ray, serve, started: bool) -> None:
+def _take_down(ray, serve, started: bool, deployed: bool) -> None:
+    """A local cluster started here goes entirely; on a cluster we joined, only our application (if we got as far
+    as deploying it)."""
     try:
         if started:
             serve.shutdown()
-        else:
+        elif deployed:
             serve.delete(APP_NAME)
     except Exception as exc:  # the cluster may be gone already
         log.debug("taking the application down: %s", exc)
-    if started or ray.is_initialized():
+    if ray.is_initialized():
         ray.shutdown()
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _wait_for_signal() -> None:
