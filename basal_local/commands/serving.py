@@ -177,9 +177,18 @@ def serve_ray_command(args: argparse.Namespace, settings, banner: str) -> int:
     options = RayOptions(address=args.ray_address, min_replicas=args.min_replicas or 1,
                          max_replicas=args.max_replicas)
     try:
-        return serve_ray(settings, settings.models, options, demo=args.demo, banner=banner)
+        code = serve_ray(settings, settings.models, options, demo=args.demo, banner=banner)
     except RayUnavailable as exc:
-        raise UserError(exc.cause, exc.fix, status=1) from None
+        print("\n".join(UserError(exc.cause, exc.fix).lines()), file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("basal-local: interrupted", file=sys.stderr)
+        code = 130
+    # Ray's client threads can keep the interpreter from exiting; everything is taken down and flushed by now
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def NO_MODEL_HINT() -> str:  # noqa: N802 -- kept next to the message it returns

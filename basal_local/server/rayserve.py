@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,6 +332,11 @@ def connect(ray, options: RayOptions) -> bool:
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING,
                               "log_to_driver": False}
     if options.address:
+        unreachable = _unreachable(options.address)
+        if unreachable:  # ray.init would retry for minutes
+            raise RayUnavailable(f"no Ray cluster reachable at {options.address} ({unreachable})",
+                                 "start one there with `ray start --head`, or drop --ray-address to start one on "
+                                 "this machine")
         try:
             ray.init(address=options.address, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -348,6 +354,22 @@ def connect(ray, options: RayOptions) -> bool:
                              "see /tmp/ray/session_latest/logs/raylet.out; a busy machine can miss Ray's start-up "
                              "deadlines, try again") from None
     return True
+
+
+def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why HOST:PORT does not accept a connection, or None (also for `auto` and `ray://`, which Ray resolves)."""
+    if address in ("auto", "local") or "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host:
+        host, port = address, "6379"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except ValueError:
+        return f"{port!r} is not a port"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 def use_gpus(ray, settings: Settings, options: RayOptions) -> bool:
@@ -400,7 +422,8 @@ def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, de
         return 0
     finally:
         _take_down(ray, serve, started, deploying)
-        print("basal-local: stopped", flush=True)
+        if deploying:
+            print("basal-local: stopped", flush=True)
 
 
 def _take_down(ray, serve, started: bool, deployed: bool) -> None:
