@@ -211,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close a connection whose request body has not arrived in this time (default 10)")
     p.add_argument("--drain", type=float, dest="drain_s", metavar="SECONDS",
                    help="on SIGTERM, wait this long for requests in flight (default 10)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: one engine replica per GPU (or CPU) actor of a Ray cluster, "
+                        "behind Ray's HTTP proxy on --host/--port (needs the extra: pip install 'basal-local[ray]')")
+    p.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
+                   help="with --ray: the cluster to join (auto, or HOST:6379); default: start one on this machine")
+    p.add_argument("--min-replicas", type=_positive, dest="min_replicas",
+                   help="with --ray: engine replicas to keep (default 1)")
+    p.add_argument("--max-replicas", type=_positive, dest="max_replicas",
+                   help="with --ray: autoscale up to this many (default: every GPU of the cluster, or --min-replicas "
+                        "on CPUs)")
     p.add_argument("--tui", action="store_true", help="show the live dashboard (basal-local top) in this terminal")
     p.add_argument("--demo-traffic", action="store_true", dest="demo_traffic",
                    help="send the bundled sample requests in a loop (to watch the dashboard move)")

@@ -101,7 +101,10 @@ def serve_command(args: argparse.Namespace) -> int:
     refusal = public_bind_refusal(settings.host, settings.api_key, settings.insecure_public)
     if refusal:
         raise UserError(refusal)
-    check_device(settings.device)
+    ray_mode = bool(getattr(args, "ray", False))
+    check_ray_flags(args, ray_mode)
+    if not ray_mode:  # with --ray the engines run on the cluster's nodes, not here
+        check_device(settings.device)
     dirs: list[Path] = []
     for ref in settings.models:
         try:
@@ -113,11 +116,11 @@ def serve_command(args: argparse.Namespace) -> int:
             raise UserError(f"{ref} is not a model basal-local can serve: {exc}",
                             "give --model a Basal model directory, or a name from `basal-local list`") from None
         dirs.append(path)
-    if not port_free(settings.host, settings.port):
+    if not port_free(settings.host, settings.port) and not getattr(args, "ray_address", None):
         raise UserError(f"port {settings.port} on {settings.host} is already in use (another program, or a "
                         "basal-local already running: `basal-local ps`)",
                         f"choose another with --port, e.g. --port {settings.port + 1}")
-    if args.demo:
+    if args.demo and not ray_mode:  # with --ray each replica prepares the demo model on its own node
         dirs.insert(0, demo_model_dir(on_generate=lambda path: print(
             f"basal-local: preparing the demo model in {path} (generated once, a few seconds)...", flush=True)))
     cfg = args.config or config_path()
@@ -132,6 +135,8 @@ def serve_command(args: argparse.Namespace) -> int:
     else:
         banner = (f"basal-local {__version__}: serving on http://{settings.host}:{settings.port} "
                   f"(loading models...)\n{footer}")
+    if ray_mode:
+        return serve_ray_command(args, settings, banner)
     if getattr(args, "tui", False) or getattr(args, "demo_traffic", False):
         from ..server.tuimode import serve_with_options
 
@@ -139,6 +144,47 @@ def serve_command(args: argparse.Namespace) -> int:
     code = serve(settings, dirs, banner)
     # Everything is stopped and flushed; the interpreter's final garbage collection of a loaded model can take
     # seconds, which would stretch a SIGTERM past its drain deadline. Leave now, with the status.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
+    """The Ray flags go with --ray, and --ray with none of the one-host options; Ray itself must import."""
+    given = [flag for flag, key in (("--ray-address", "ray_address"), ("--min-replicas", "min_replicas"),
+                                    ("--max-replicas", "max_replicas")) if getattr(args, key, None) is not None]
+    if not ray_mode:
+        if given:
+            raise UserError(f"{given[0]} only works with --ray", "add --ray, or drop " + given[0])
+        return
+    for flag, key in (("--devices", "devices"), ("--replicas", "replicas"), ("--tui", "tui"),
+                      ("--demo-traffic", "demo_traffic")):
+        if getattr(args, key, None):
+            raise UserError(f"{flag} does not go with --ray (Ray places one engine replica per actor)",
+                            f"drop {flag}; use --min-replicas/--max-replicas to size the deployment")
+    from ..server.rayserve import RayUnavailable, import_ray
+
+    try:
+        import_ray()
+    except RayUnavailable as exc:
+        raise UserError(exc.cause, exc.fix) from None
+
+
+def serve_ray_command(args: argparse.Namespace, settings, banner: str) -> int:
+    from ..server.rayserve import RayOptions, RayUnavailable, serve_ray
+
+    options = RayOptions(address=args.ray_address, min_replicas=args.min_replicas or 1,
+                         max_replicas=args.max_replicas)
+    try:
+        code = serve_ray(settings, settings.models, options, demo=args.demo, banner=banner)
+    except RayUnavailable as exc:
+        print("\n".join(UserError(exc.cause, exc.fix).lines()), file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("basal-local: interrupted", file=sys.stderr)
+        code = 130
+    # Ray's client threads can keep the interpreter from exiting; everything is taken down and flushed by now
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
