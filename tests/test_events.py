@@ -141,9 +141,9 @@ def test_batch_tree_json_is_the_packers_trie():
         for qid, q in (("q1", q1), ("q2", q2)):
             for order, tail in enumerate(([7, 8], [8, 7])):
                 specs.append(PromptSpec(template + state + q + tail, "en", [7, 8]))
-                owners.append((rid, qid, order))
+                owners.append((rid, qid, order, ""))
     pack = pack_prompts(specs, {"en": template})
-    tree = batch_tree(pack, owners)
+    tree = batch_tree(pack.rows, owners)
     assert len(tree) == 1 and tree[0]["prefix"] == "en" and tree[0]["prefix_tokens"] == len(template)
 
     def walk(nodes):
