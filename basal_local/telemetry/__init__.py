@@ -20,7 +20,7 @@ from typing import Any
 
 from .bus import Event, EventBus, Subscription
 
-__all__ = ["BatchRecord", "Event", "EventBus", "Lazy", "Subscription", "Telemetry", "outcome_of", "percentile",
+__all__ = ["KEEP_UNBUILT", "BatchRecord", "Event", "EventBus", "Lazy", "Subscription", "Telemetry", "outcome_of", "percentile",
            "resolve"]
 
 OUTCOMES = ("answered", "failed", "rejected", "overloaded", "cancelled")

@@ -17,7 +17,6 @@ from ..widgets.batch_tree import BatchTree
 from ..widgets.format import clock, ms, saving_line
 from .base import DashboardScreen
 
-
 SIZE_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, None)]
 
 
