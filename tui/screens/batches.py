@@ -20,7 +20,7 @@ from .base import DashboardScreen
 SIZE_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, None)]
 
 
-def size_histogram(sizes: dict[int, int], width: int = 10) -> Table:
+def size_histogram(sizes: dict[int, int], width: int = 8) -> Table:
     """Batches per size bucket (requests in the batch: 1, 2, 3-4, ... 65+), one bar each, scaled to the largest."""
     counts = [sum(n for size, n in sizes.items() if lo <= size and (hi is None or size <= hi))
               for lo, hi in SIZE_BUCKETS]
@@ -33,23 +33,24 @@ def size_histogram(sizes: dict[int, int], width: int = 10) -> Table:
     return grid
 
 
-def histogram_title(sizes: dict[int, int]) -> str:
+def histogram_subtitle(sizes: dict[int, int]) -> str:
+    """`mean M of N`: requests per batch over the N batches counted."""
     batches = sum(sizes.values())
     if not batches:
-        return "req/batch"
+        return "no batches"
     mean = sum(size * n for size, n in sizes.items()) / batches
-    return f"req/batch, mean {mean:.1f}"
+    return f"mean {mean:.1f} of {batches}"
 
 
 class BatchesScreen(DashboardScreen):
     AUTO_FOCUS = "#batches"
-    KEYS = [("\u2191\u2193", "batch")]
+    KEYS = [("\u2191\u2193", "batch"), ("c", "clear")]
     DEFAULT_CSS = """
     BatchesScreen #batches { height: auto; max-height: 9; }
     BatchesScreen #saving { height: 1; }
     BatchesScreen #lower { height: 1fr; border-top: solid $primary-darken-2; }
     BatchesScreen BatchTree { height: 1fr; width: 1fr; }
-    BatchesScreen #sizes { width: 26; height: auto; border: round $primary-darken-2; padding: 0 0; }
+    BatchesScreen #sizes { width: 23; height: auto; border: round $primary-darken-2; padding: 0 0; }
     """
 
     def __init__(self) -> None:
@@ -90,7 +91,8 @@ class BatchesScreen(DashboardScreen):
             if not self.follow and current in ids:
                 table.move_cursor(row=ids.index(current))
         sizes = self.query_one("#sizes", Static)
-        sizes.border_title = histogram_title(data.batch_sizes)
+        sizes.border_title = "req/batch"
+        sizes.border_subtitle = histogram_subtitle(data.batch_sizes)
         sizes.update(size_histogram(data.batch_sizes))
         self._show_selected(data)
 

@@ -50,6 +50,7 @@ def memory_text(data: DashboardData) -> Text:
 
 
 class OverviewScreen(DashboardScreen):
+    KEYS = [("c", "clear stats")]  # the app's key; shown where counters and sparklines are
     DEFAULT_CSS = """
     OverviewScreen #kpis { grid-size: 4; grid-gutter: 0 1; height: 8; }
     OverviewScreen .panel { border: round $primary-darken-2; height: auto; padding: 0 1; }
