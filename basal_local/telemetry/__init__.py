@@ -285,6 +285,7 @@ class Telemetry:
     def snapshot(self) -> dict[str, Any]:
         # the sequence number first: a client that subscribes `since` it sees every later event
         last_seq = self.bus.history[-1]["seq"] if self.bus.history else 0
+        trees_built = self.trees_built  # before this snapshot builds the trees it shows
         with self._lock:
             requests = [{k: v for k, v in r.items() if k not in DETAIL_KEYS} for r in self.requests]
             batches = list(self.batches)
@@ -299,5 +300,6 @@ class Telemetry:
         snap["batches"] = [_fields(b, build=True) for b in batches[-32:]]
         snap["requests"] = requests[-64:]
         snap["last_seq"] = last_seq
+        snap["trees_built"] = trees_built
         snap["memory"] = self.memory()
         return snap
