@@ -276,6 +276,13 @@ def test_unread_trees_beyond_the_window_let_their_tries_go():
     assert telemetry.trees_built == 2
 
 
+def test_a_tree_that_fails_to_build_reads_as_null_and_breaks_no_reader():
+    lazy = Lazy(lambda: 1 / 0)
+    assert json.dumps({"tree": lazy}, default=resolve) == '{"tree": null}' and lazy.built
+    with pytest.raises(TypeError):
+        json.dumps({"x": object()}, default=resolve)
+
+
 def test_multi_branches_and_large_choice_rounds_are_named_in_the_tree(engine):
     eng, backend = engine
     body = {"model": eng.model.name, "state": "A parcel arrived broken and late.", "questions": {

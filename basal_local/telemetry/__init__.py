@@ -10,6 +10,7 @@ engine hands over a builder, and the JSON is built when someone reads it (an `/a
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -20,8 +21,10 @@ from typing import Any
 
 from .bus import Event, EventBus, Subscription
 
-__all__ = ["KEEP_UNBUILT", "BatchRecord", "Event", "EventBus", "Lazy", "Subscription", "Telemetry", "outcome_of", "percentile",
-           "resolve"]
+__all__ = ["KEEP_UNBUILT", "BatchRecord", "Event", "EventBus", "Lazy", "Subscription", "Telemetry", "outcome_of",
+           "percentile", "resolve"]
+
+log = logging.getLogger(__name__)
 
 OUTCOMES = ("answered", "failed", "rejected", "overloaded", "cancelled")
 DETAIL_KEYS = ("asked", "answers", "detail")  # kept for GET /api/requests/{id}, left out of lists and events
@@ -52,7 +55,11 @@ class Lazy:
             build = self._build
             if build is None:  # forgotten before anyone read it
                 return None
-            self._value = build()
+            try:
+                self._value = build()
+            except Exception:  # a reader (an event stream, /api/stats) must never break on a dashboard detail
+                log.exception("building a dashboard record failed; it reads as null")
+                self._value = None
             self._built, self._build = True, None
             if self._on_build is not None:
                 self._on_build()
