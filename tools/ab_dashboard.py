@@ -2,6 +2,7 @@
 
     python tools/ab_dashboard.py [--pairs 3] [--requests 1500] [--clients 16] [--listener sse|top]
                                  [--model DIR] [--device cpu] [--json]
+    python tools/ab_dashboard.py --tree-cost
 
 Starts one `basal-local serve --demo` (the generated tiny demo model unless --model: the smallest compute per
 request, so the telemetry's share of the time is the largest; the same setup as the HTTP figures of
@@ -152,6 +153,46 @@ def run_one(daemon: Daemon, url: str, args: argparse.Namespace, listen: bool) ->
             "trees_built": after["trees_built"] - before["trees_built"]}
 
 
+def tree_cost(repeats: int = 30) -> str:
+    """In process, no daemon: one batch of 16 single-question sample requests of the demo model: what packing,
+    the trie walk, the tree and its JSON cost (best of `repeats`)."""
+    from basal_local.api.systemone import validate_systemone
+    from basal_local.bench import single_question_requests
+    from basal_local.engine.packer import pack_prompts
+    from basal_local.engine.plan import plan_request
+    from basal_local.engine.pretty import batch_tree
+    from basal_local.model import load_model_dir
+    from basal_local.model.registry import demo_model_dir
+
+    model = load_model_dir(demo_model_dir())
+    tokenizer = model.tokenizer
+    prefixes = {lang: tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    specs, owners = [], []
+    for j, body in enumerate(single_question_requests(model.name)[:16]):
+        plan = plan_request(validate_systemone(body, model.name), tokenizer, model.config.max_position_embeddings,
+                            prefixes)
+        for qp in plan.questions:
+            owners += [(f"r{j}", qp.question.qid, o, "") for o in range(len(qp.token_ids))]
+        specs += plan.prompt_specs()
+
+    def best(work) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t)
+        return min(times) * 1000.0
+
+    pack = pack_prompts(specs, prefixes)
+    packing = best(lambda: pack_prompts(specs, prefixes))
+    walk = best(lambda: [row.trie.blocks() for row in pack.rows])
+    tree = best(lambda: batch_tree(pack.rows, owners))
+    as_json = best(lambda: json.dumps(batch_tree(pack.rows, owners)))
+    return (f"16 requests, {len(specs)} prompts, {pack.packed_tokens} packed tokens: pack_prompts {packing:.3f} ms, "
+            f"trie walk {walk:.3f} ms, batch_tree {tree:.3f} ms, batch_tree + json.dumps {as_json:.3f} ms "
+            f"(best of {repeats})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
@@ -161,7 +202,12 @@ def main() -> int:
     parser.add_argument("--model", help="model directory (default: the demo model, generated once if missing)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tree-cost", action="store_true", dest="tree_cost",
+                        help="only time packing vs building a batch tree, in process, and exit")
     args = parser.parse_args()
+    if args.tree_cost:
+        print(tree_cost())
+        return 0
     started = time.perf_counter()
     model_dir = args.model or "demo"
     daemon = Daemon((["--model", model_dir] if args.model else ["--demo"]) + ["--device", args.device])
@@ -169,7 +215,7 @@ def main() -> int:
     try:
         daemon.wait_ready()
         url = f"http://127.0.0.1:{daemon.port}"
-        bench(url, args.clients, max(100, args.requests // 5))  # warm-up: planner pools, allocator, caches
+        bench(url, args.clients, max(48, args.requests // 5))  # warm-up: planner pools, allocator, caches
         for pair in range(args.pairs):
             order = [False, True] if pair % 2 == 0 else [True, False]
             for listen in order:
