@@ -266,3 +266,135 @@ def test_cli_top_and_serve_flags():
     args = build_parser().parse_args(["serve", "--demo", "--tui", "--demo-traffic"])
     assert args.func is cmd_serve and args.tui and args.demo_traffic and args.demo
     assert local_url("0.0.0.0", 8000) == "http://127.0.0.1:8000" and local_url("::1", 80) == "http://[::1]:80"
+
+
+async def test_c_clears_the_dashboards_stats_but_not_the_daemons():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "1 (+1 4xx)" not in text and "0 (+1 4xx)" in text  # before: the daemon's totals
+        assert sum(app.data.series("requests", 10)) == 5 and app.data.batch_sizes == {3: 1, 2: 1}
+        app.daemon_event({"kind": "received", "ts": NOW - 0.5, "id": "req-live", "endpoint": "basal", "client": ""})
+        await pilot.press("c")
+        await settle(pilot, app)
+        # counters since the clear: the daemon's totals minus the baseline; rates, sparklines, percentiles gone
+        assert app.data.total("rejected") == 0 and app.data.total("overloaded") == 0
+        assert app.screen.query_one("#kpi-errors").query_one("Label").content == "0 (+0 4xx)"
+        assert app.screen.query_one("#kpi-overloaded").query_one("Label").content == "0"
+        assert app.data.series("requests", 10) == [0] * 10 and app.data.latency(0, 50) is None
+        assert app.data.batch_sizes == {} and not app.data.batches
+        assert list(app.data.requests) == ["req-live"]  # the one still in flight stays
+        assert app.data.stats["totals"]["rejected"] == 1  # the daemon's own figure is untouched
+        # a later 529 counts from the new baseline
+        stats = dict(app.data.stats, totals=dict(app.data.stats["totals"], overloaded=3))
+        app.daemon_stats(stats)
+        await settle(pilot, app)
+        assert app.screen.query_one("#kpi-overloaded").query_one("Label").content == "2"
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert "clear stats" in screen_text(app) and "untouched" in screen_text(app)
+
+
+async def test_log_level_filter_and_follow():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("5")
+        await settle(pilot, app)
+        screen = app.screen
+        for n, level in enumerate(["DEBUG", "INFO", "WARNING", "ERROR"]):
+            app.daemon_event({"kind": "log", "ts": T0 + 9 + n / 10, "level": level, "logger": "basal_local.x",
+                              "message": f"message at {level.lower()}"})
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "level \u2265 DEBUG" in text and "following" in text
+        assert all(f"message at {lv}" in text for lv in ("debug", "info", "warning", "error"))
+        await pilot.press("l")  # INFO and up
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "level \u2265 INFO" in text and "message at debug" not in text and "message at info" in text
+        await pilot.press("l", "l")  # ERROR only
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "level \u2265 ERROR" in text and "message at warning" not in text and "message at error" in text
+        assert "req-0005 422" not in text  # a 422 is a WARNING line
+        await pilot.press("l")  # back round to DEBUG
+        await settle(pilot, app)
+        assert "message at debug" in screen_text(app)
+        log = screen.query_one("#log")
+        await pilot.press("f")
+        await settle(pilot, app)
+        assert not screen.follow and not log.auto_scroll and "HOLDING" in screen_text(app)
+        for n in range(40):  # more than the pane shows: holding, the view stays where it was
+            app.daemon_event({"kind": "log", "ts": T0 + 9.5, "level": "INFO", "logger": "x", "message": f"flood {n}"})
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "40 new line(s) below" in text and "flood 39" not in text
+        await pilot.press("f")
+        await settle(pilot, app)
+        assert screen.follow and log.auto_scroll and "flood 39" in screen_text(app)
+
+
+async def test_batches_view_histogram_of_requests_per_batch():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("3")
+        await settle(pilot, app)
+        from basal_local.tui.screens.batches import SIZE_BUCKETS
+
+        sizes = app.screen.query_one("#sizes")
+        # the canned batches: one of 3 requests, one of 2; then four more of sizes 1, 5, 8 and 70
+        for n, size in enumerate([1, 5, 8, 70]):
+            app.daemon_event({"kind": "computed", "ts": T0 + 9, "batch_id": 10 + n, "model": "m", "lane": "main",
+                              "requests": size, "questions": size, "packed_tokens": 10, "unpacked_tokens": 20,
+                              "tree": []})
+        await settle(pilot, app)
+        expected = {"1": 1, "2": 1, "3-4": 1, "5-8": 2, "9-16": 0, "17-32": 0, "33-64": 0, "65+": 1}
+        assert len(SIZE_BUCKETS) == len(expected)
+        lines = [line.strip(" \u2502") for line in screen_text(app).splitlines()]
+        for label, count in expected.items():
+            assert any(line.split()[:1] == [label] and line.split()[-1] == str(count) for line in lines), label
+        assert sizes.border_subtitle == f"mean {(3 + 2 + 1 + 5 + 8 + 70) / 6:.1f} of 6"
+
+
+async def test_tree_names_multi_branches_and_large_choice_rounds():
+    app, _ = make_app()
+
+    def leaf(qid, order, unit):
+        return {"tokens": 3, "start": 0, "kind": "order", "owners": [["req-u", qid, order, unit]]}
+
+    branch = {"tokens": 8, "start": 0, "kind": "question", "unit": "multi: damage",
+              "children": [leaf("labels", 0, "multi: damage"), leaf("labels", 1, "multi: damage")]}
+    event = {"kind": "computed", "ts": T0 + 9, "batch_id": 42, "model": "m", "lane": "main", "requests": 1,
+             "questions": 2, "packed_tokens": 100, "unpacked_tokens": 300, "compute_ms": 5.0,
+             "tree": [{"lang": "en", "prefix": "en", "prefix_tokens": 50, "tokens": 100, "prompts": 4,
+                       "children": [{"tokens": 80, "start": 0, "kind": "state",
+                                     "children": [branch, leaf("big", 0, "round 1, group 2")]}]}]}
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.daemon_event(event)
+        await pilot.press("3")
+        await settle(pilot, app)
+        tree = app.screen.query_one("#tree")
+        assert tree.root.label.plain.startswith("batch 42")
+        state = tree.root.children[0].children[0]
+        question, group = state.children
+        assert question.label.plain == "question 8 tok  multi: damage"
+        # the question block names the branch; its leaves need not say it again
+        assert question.children[0].label.plain == "order 3 tok  \u2190 req-u:labels#0"
+        assert group.label.plain == "order 3 tok  \u2190 req-u:big#0 (round 1, group 2)"
+
+
+async def test_a_failed_batch_is_cleared_from_the_queue_panel():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        app.daemon_event({"kind": "batched", "ts": T0 + 9, "batch_id": 9, "model": "basal-demo", "lane": "long",
+                          "request_ids": ["req-x"], "tokens": 5000})
+        await settle(pilot, app)
+        assert "batch 9: 1 req" in screen_text(app)
+        app.daemon_event({"kind": "batch_failed", "ts": T0 + 9.5, "batch_id": 9, "model": "basal-demo",
+                          "lane": "long", "error": "RuntimeError: device lost"})
+        await settle(pilot, app)
+        assert "batch 9" not in screen_text(app) and app.data.running == {}
+        await pilot.press("5")
+        await settle(pilot, app)
+        assert "ERROR   engine: batch 9 failed in basal-demo/long: RuntimeError: device" in screen_text(app)

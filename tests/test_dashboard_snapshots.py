@@ -32,7 +32,7 @@ async def settle(pilot) -> None:
     await pilot.pause()
 
 
-@pytest.mark.parametrize("key", ["1", "2", "3"])
+@pytest.mark.parametrize("key", ["1", "2", "3", "5"])
 def test_views_at_80x24(snap_compare, key):
     async def run_before(pilot):
         await pilot.press(key)

@@ -6,6 +6,7 @@ timeout); the engine must then neither fail the job's batch-mates nor lose its l
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -19,9 +20,10 @@ import pytest
 from basal_local.api.systemone import validate_systemone
 from basal_local.engine.engine import EngineSettings, JobResult, ModelEngine
 from basal_local.engine.gate import DeviceGate
+from basal_local.engine.plan import next_round
 from basal_local.engine.scheduler import Cancelled, EngineStopped
 from basal_local.model import load_model_dir
-from basal_local.telemetry import Telemetry
+from basal_local.telemetry import KEEP_UNBUILT, BatchRecord, Lazy, Telemetry, resolve
 
 from .conftest import free_port
 
@@ -189,6 +191,124 @@ def test_cancelled_requests_are_counted_once_and_never_computed(engine):
         with pytest.raises(Cancelled):
             job.future.result(WAIT)
     assert backend.calls == 1
+
+
+# ---- telemetry of batches: failed batches, trees built only when read ------------------------------------
+
+def test_a_failed_batch_is_no_longer_running(engine):
+    """The lane's `running` entry goes with the failure (not at the lane's next batch), and a `batch_failed`
+    event names the batch, so a dashboard clears it too."""
+    eng, backend = engine
+    telemetry = eng.telemetry
+    sub = telemetry.bus.subscribe()
+    real_forward = backend.forward
+
+    def broken(batch):
+        real_forward(batch)  # announces itself and waits for the test
+        raise RuntimeError("the device fell over")
+
+    backend.forward = broken
+    doomed = eng.submit(plan(eng, "doomed"), request_id="doomed")
+    backend.wait_entered()
+    key = f"{eng.model.name}/main"
+    assert telemetry.running[key]["requests"] == 1  # computing now
+    backend.release()
+    with pytest.raises(RuntimeError, match="fell over"):
+        doomed.future.result(WAIT)
+    assert key not in telemetry.running and telemetry.snapshot()["running"] == {}
+    events = sub.drain()[0]
+    batched = next(e for e in events if e["kind"] == "batched")
+    failed = [e for e in events if e["kind"] == "batch_failed"]
+    assert len(failed) == 1 and failed[0]["batch_id"] == batched["batch_id"] and failed[0]["lane"] == "main"
+    assert "fell over" in failed[0]["error"] and not any(e["kind"] == "computed" for e in events)
+    backend.forward = real_forward
+    later = eng.submit(plan(eng, "later"))
+    backend.release()
+    assert isinstance(later.future.result(WAIT), JobResult) and key not in telemetry.running
+    sub.close()
+
+
+def _walk(nodes):
+    for node in nodes:
+        yield node
+        yield from _walk(node.get("children", []))
+
+
+def test_a_batch_tree_is_built_only_when_someone_reads_it(engine):
+    eng, backend = engine
+    telemetry = eng.telemetry
+    alone = eng.submit(plan(eng, "alone"), request_id="alone")
+    backend.release()
+    assert isinstance(alone.future.result(WAIT), JobResult)
+    record = telemetry.batches[-1]
+    # nobody listens: the record holds a builder, never a tree
+    assert isinstance(record.tree, Lazy) and not record.tree.built and telemetry.trees_built == 0
+    sub = telemetry.bus.subscribe()  # an /api/events reader
+    watched = eng.submit(plan(eng, "watched"), request_id="watched")
+    backend.release()
+    assert isinstance(watched.future.result(WAIT), JobResult)
+    computed = next(e for e in sub.drain()[0] if e["kind"] == "computed")
+    assert telemetry.trees_built == 0  # handed over unbuilt: the reader's serialization builds it
+    sent = json.loads(json.dumps(computed, default=resolve))  # what /api/events writes
+    assert telemetry.trees_built == 1
+    nodes = [n for row in sent["tree"] for n in _walk(row["children"])]
+    assert sum(n["tokens"] for n in nodes) == sent["packed_tokens"] > 0
+    assert {o[0] for n in nodes for o in n.get("owners", [])} == {"watched"}
+    json.dumps(computed, default=resolve)
+    assert telemetry.trees_built == 1  # built once, however many readers
+    # /api/stats builds the earlier one when asked, and only then
+    snap = telemetry.snapshot()
+    assert all(isinstance(b["tree"], list) and b["tree"] for b in snap["batches"]) and telemetry.trees_built == 2
+    sub.close()
+
+
+def test_unread_trees_beyond_the_window_let_their_tries_go():
+    telemetry = Telemetry()
+    built = []
+    lazies = []
+    for n in range(KEEP_UNBUILT + 5):
+        lazy = telemetry.lazy_tree(lambda n=n: built.append(n) or [{"tokens": n}])
+        lazies.append(lazy)
+        telemetry.record_batch(BatchRecord(n, "m", "main", 1, 1, 1, 1, 1, 1, 1.0, 0.0, tree=lazy,
+                                           memory={"x": 1}))
+    assert [lazy.value() for lazy in lazies[:5]] == [None] * 5 and built == []  # forgotten, never built
+    assert lazies[5].value() == [{"tokens": 5}] and lazies[-1].value() == [{"tokens": KEEP_UNBUILT + 4}]
+    assert telemetry.trees_built == 2
+
+
+def test_a_tree_that_fails_to_build_reads_as_null_and_breaks_no_reader():
+    lazy = Lazy(lambda: 1 / 0)
+    assert json.dumps({"tree": lazy}, default=resolve) == '{"tree": null}' and lazy.built
+    with pytest.raises(TypeError):
+        json.dumps({"x": object()}, default=resolve)
+
+
+def test_multi_branches_and_large_choice_rounds_are_named_in_the_tree(engine):
+    eng, backend = engine
+    body = {"model": eng.model.name, "state": "A parcel arrived broken and late.", "questions": {
+        "labels": {"type": "multi", "instructions": "Which problems?", "criteria": {"damage": "Damage", "late": "Late"}},
+        "big": {"type": "choice", "instructions": "Pick one.", "criteria": {f"k{i}": f"Option {i}" for i in range(13)}}}}
+    planned = eng.plan(validate_systemone(body, eng.model.name))
+    sub = eng.telemetry.bus.subscribe()
+    job = eng.submit(planned, request_id="units")
+    backend.release()
+    job.future.result(WAIT)
+    follow = next_round(planned)  # the large choice's finalists, as the server asks them
+    assert follow is not None
+    job = eng.submit(follow, request_id="units")
+    backend.release()
+    job.future.result(WAIT)
+    trees = [json.loads(json.dumps(e, default=resolve))["tree"] for e in sub.drain()[0] if e["kind"] == "computed"]
+    assert len(trees) == 2
+    first = [n for row in trees[0] for n in _walk(row["children"])]
+    units = {n.get("unit") for n in first if n["kind"] == "question"}
+    assert {"multi: damage", "multi: late"} <= units
+    owner_units = {o[3] for n in first for o in n.get("owners", [])}
+    # 13 options: two partitions of two groups each (ENGINE.md), read out in one order each
+    assert {"round 1, group 1", "round 1, group 4"} <= owner_units and "round 2" not in owner_units
+    second = [n for row in trees[1] for n in _walk(row["children"])]
+    assert {o[3] for n in second for o in n.get("owners", [])} == {"round 2"}
+    sub.close()
 
 
 # ---- over a real socket ------------------------------------------------------------------------------------

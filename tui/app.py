@@ -45,6 +45,7 @@ class DashboardApp(App):
         Binding("3", "switch_mode('batches')", "Batches"),
         Binding("4", "switch_mode('models')", "Models"),
         Binding("5", "switch_mode('log')", "Log"),
+        Binding("c", "clear_stats", "Clear stats"),
         Binding("plus", "faster", "Faster", key_display="+"),
         Binding("minus", "slower", "Slower", key_display="-"),
         Binding("enter", "open_request", "Open", show=False),
@@ -114,6 +115,11 @@ class DashboardApp(App):
         self.paused = not self.paused
         self.redraw_status()
         self.notify("paused: the data keeps coming, the display waits" if self.paused else "resumed", timeout=2)
+
+    def action_clear_stats(self) -> None:
+        self.data.clear()
+        self.redraw(force=True)
+        self.notify("statistics cleared here; the daemon's counters are untouched", timeout=2)
 
     def redraw_status(self) -> None:
         self.redraw(force=True)

@@ -65,6 +65,11 @@ class DashboardData:
     # second -> {"requests", "decisions", "tokens", "errors", "overloaded"}
     buckets: dict[int, dict[str, float]] = field(default_factory=dict)
     latencies: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=500))
+    # requests per batch -> batches seen (the batches view's histogram), since attach or the last clear
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    # the daemon's totals when `c` cleared the stats: the views show counters since then
+    baseline: dict[str, int] = field(default_factory=dict)
+    cleared_at: float | None = None
     last_seq: int = 0
     events_seen: int = 0
     version: int = 0  # bumped on every change, so views redraw only when something happened
@@ -82,6 +87,7 @@ class DashboardData:
                     self.latencies.append((record["queue_ms"], record.get("compute_ms", 0.0)))
             for batch in snap.get("batches", []):
                 self.batches.append(batch)
+                self._count_batch(batch)
             self.last_seq = max(self.last_seq, int(snap.get("last_seq", 0)))
         self.version += 1
 
@@ -119,7 +125,14 @@ class DashboardData:
         elif kind == "computed":
             self.running.pop(f"{event.get('model')}/{event.get('lane')}", None)
             self.batches.append(event)
+            self._count_batch(event)
             self._bucket(ts)["tokens"] += event.get("packed_tokens", 0)
+        elif kind == "batch_failed":  # no `computed` follows: the lane is not running it any more
+            key = f"{event.get('model')}/{event.get('lane')}"
+            if self.running.get(key, {}).get("batch_id") == event.get("batch_id"):
+                del self.running[key]
+            self.log.append(LogLine(ts, "ERROR", "engine",
+                                    f"batch {event.get('batch_id')} failed in {key}: {event.get('error', '')}"))
         elif kind in TERMINAL:
             row = self._row(event["id"], ts)
             row.update({k: v for k, v in event.items() if k not in ("kind", "seq", "ts", "id")})
@@ -145,6 +158,31 @@ class DashboardData:
         elif kind == "dropped":
             self.log.append(LogLine(ts, "WARNING", "dashboard",
                                     f"the dashboard fell behind: {event.get('count')} events lost"))
+
+    def clear(self) -> None:
+        """`c`: start the statistics over (the daemon keeps its own): counters, rates and sparklines, latency
+        percentiles, the batch-size histogram, finished requests and past batches. Requests still in flight,
+        running batches, the log and the daemon's identity stay."""
+        self.baseline = {k: int(v) for k, v in self.stats.get("totals", {}).items()}
+        self.cleared_at = self.clock()
+        self.buckets.clear()
+        self.latencies.clear()
+        self.batch_sizes.clear()
+        self.batches.clear()
+        for request_id in [r for r, row in self.requests.items() if row.get("done_ts") or isinstance(
+                row.get("status"), int)]:
+            del self.requests[request_id]
+        self.log.append(LogLine(self.clock(), "INFO", "dashboard", "statistics cleared (the daemon's are untouched)"))
+        self.version += 1
+
+    def total(self, name: str) -> int:
+        """A daemon counter since the last clear (all of it before any)."""
+        return int(self.stats.get("totals", {}).get(name, 0)) - self.baseline.get(name, 0)
+
+    def _count_batch(self, batch: dict[str, Any]) -> None:
+        size = int(batch.get("requests", 0) or 0)
+        if size > 0:
+            self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
 
     def _row(self, request_id: str, ts: float) -> dict[str, Any]:
         row = self.requests.get(request_id)

@@ -23,7 +23,7 @@ from ..telemetry import BatchRecord, Telemetry
 from .gate import DeviceGate
 from .packer import pack_prompts
 from .plan import RequestPlan, finish, plan_request
-from .pretty import batch_tree
+from .pretty import batch_tree, unit_label
 from .scheduler import RATE_START, Cancelled, EngineStopped, Job, form_batch
 
 log = logging.getLogger(__name__)
@@ -154,12 +154,29 @@ class Lane:
                 self.last_jobs, self.last_s = len(batch), self.last_end - started
             except Exception as exc:  # never lose the thread; every member of the batch gets the error
                 log.exception("batch failed in lane %s", self.thread.name)
+                self.engine.telemetry.batch_failed(self.engine.model.name, self.label, exc)
                 handler = self.engine.on_batch_failure
                 if handler is None or not handler(self.engine, exc, batch):
                     for job in batch:
                         job.fail(exc)
             finally:
                 self.running_tokens = 0
+
+
+def _tree_builder(rows: list, jobs: Sequence[Job], owners: list[tuple[int, int, int]]) -> Callable[[], list]:
+    """What builds the batch's tree later, holding only the tries and the owners' names (never the jobs: their
+    plans and token lists would stay alive as long as the batch's record)."""
+    units = [[(job.request_id, qp.question.qid, qp.role, qp.index, qp.question.keys) for qp in job.plan.questions]
+             for job in jobs]
+
+    def build() -> list:
+        named = []
+        for j, q, o in owners:
+            rid, qid, role, index, keys = units[j][q]
+            named.append((rid, qid, o, unit_label(role, index, keys)))
+        return batch_tree(rows, named)
+
+    return build
 
 
 class ModelEngine:
@@ -295,8 +312,7 @@ class ModelEngine:
         self.telemetry.record_batch(BatchRecord(
             batch_id, self.model.name, lane.label, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
-            tree=batch_tree(pack, [(jobs[j].request_id, jobs[j].plan.questions[q].question.qid, o)
-                                   for j, q, o in owners]),
+            tree=self.telemetry.lazy_tree(_tree_builder(pack.rows, jobs, owners)),
             request_ids=[j.request_id for j in jobs], replica=self.replica, device=self.backend.device))
         for j, job in enumerate(jobs):
             try:

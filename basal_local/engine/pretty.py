@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .packer import PackPlan
@@ -29,18 +30,32 @@ def format_pack(pack: PackPlan, tokenizer=None, width: int = 60) -> str:
     return "\n".join(lines)
 
 
-def batch_tree(pack: PackPlan, owners: list[tuple[str, str, int]]) -> list[dict[str, Any]]:
-    """The batch's real tries as JSON for telemetry: one node per row, its blocks nested below.
+def unit_label(role: str, index: int, keys: Sequence[str]) -> str:
+    """How the dashboard names a readout unit that is not a plain question: "multi: <label>" for a branch of a
+    multi question, "round 1, group 2" for a large choice's first round, "round 2" for its finalists."""
+    if role == "branch":
+        return f"multi: {keys[index]}" if index < len(keys) else f"multi: #{index}"
+    if role == "group":
+        return f"round 1, group {index + 1}"
+    if role == "final":
+        return "round 2"
+    return ""
 
-    `owners[p]` = (request id, question id, order) of input prompt p. A block's `kind` says what it holds:
-    "template" (the chat template, when it is not cached), "state" (shared by several questions),
-    "question" (both orders of one question) or "order" (one prompt's own tail, where it reads out).
+
+def batch_tree(rows_: Sequence[Any], owners: list[tuple[str, str, int, str]]) -> list[dict[str, Any]]:
+    """The batch's real tries (`PackPlan.rows`) as JSON for telemetry: one node per row, its blocks nested below.
+
+    `owners[p]` = (request id, question id, order, unit label) of input prompt p (the label from `unit_label`,
+    "" for a plain question). A block's `kind` says what it holds: "template" (the chat template, when it is not
+    cached), "state" (shared by several questions or units), "question" (both orders of one question, or of
+    one unit: then its `unit` names it) or "order" (one prompt's own tail, where it reads out).
+    The engine builds this only when someone reads it (telemetry.Lazy): it costs far more than the packing walk.
     """
     rows = []
-    for row in pack.rows:
+    for row in rows_:
         blocks = row.trie.blocks()
         children: list[list[dict[str, Any]]] = [[] for _ in blocks]
-        # the one (request, question) below a block, or MIXED when there are several (a shared state)
+        # the one (request, question, unit) below a block, or MIXED when there are several (a shared state)
         below: list[Any] = [None] * len(blocks)
         nodes: list[dict[str, Any]] = []
         for block, _parent in blocks:
@@ -53,7 +68,7 @@ def batch_tree(pack: PackPlan, owners: list[tuple[str, str, int]]) -> list[dict[
             block, parent = blocks[i]
             node = nodes[i]
             for p in block.readouts:
-                below[i] = _merge(below[i], owners[p][:2])
+                below[i] = _merge(below[i], (owners[p][0], owners[p][1], owners[p][3]))
             if children[i]:
                 node["children"] = children[i][::-1]
             if not block.children:
@@ -62,6 +77,8 @@ def batch_tree(pack: PackPlan, owners: list[tuple[str, str, int]]) -> list[dict[
                 node["kind"] = "template"
             else:
                 node["kind"] = "state" if below[i] is _MIXED else "question"
+                if node["kind"] == "question" and below[i] is not None and below[i][2]:
+                    node["unit"] = below[i][2]
             if parent >= 0:
                 children[parent].append(node)
                 below[parent] = _merge(below[parent], below[i])

@@ -206,7 +206,7 @@ def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
                              compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
                              batch_requests=result.batch_requests,
                              input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens,
-                             total_ms=result.body["usage"]["latency_ms"], **request_detail(planned, result))
+                             total_ms=result.body["usage"]["latency_ms"], detail=request_detail(planned, result))
     call.status = 200
     call.timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
                    f"batch {result.batch_requests})")

@@ -19,6 +19,7 @@ from litestar import Request, Response, get
 from litestar.response import Stream
 
 from .. import __version__
+from ..telemetry import Lazy, resolve
 
 if TYPE_CHECKING:
     from .app import AppState
@@ -39,12 +40,18 @@ def planned_event(request_id: str, model: str, planned: Any) -> dict[str, Any]:
             "planning_ms": round(planned.planning_s * 1000.0, 3)}
 
 
-def request_detail(planned: Any, result: Any) -> dict[str, Any]:
-    """Questions (type, instructions, options) and answers of a request, for the detail view. No state text."""
-    questions = [{"id": q.qid, "type": q.qtype, "instructions": _cut(q.instructions_text),
-                  "options": [[k, _cut(t)] for k, t in zip(q.keys, q.options)]}
-                 for q in planned.request.questions]
-    return {"asked": questions, "answers": result.body.get("answers", {})}
+def request_detail(planned: Any, result: Any) -> Lazy:
+    """Questions (type, instructions, options) and answers of a request, for the detail view. No state text.
+
+    Built when `/api/requests/{id}` reads it; until then it holds the parsed questions and the answers only."""
+    asked, answers = planned.request.questions, result.body.get("answers", {})
+
+    def build() -> dict[str, Any]:
+        questions = [{"id": q.qid, "type": q.qtype, "instructions": _cut(q.instructions_text),
+                      "options": [[k, _cut(t)] for k, t in zip(q.keys, q.options)]} for q in asked]
+        return {"asked": questions, "answers": answers}
+
+    return Lazy(build)
 
 
 def _queues(state: AppState) -> dict[str, dict[str, Any]]:
@@ -97,7 +104,7 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
 
 
 def _sse(event: dict[str, Any]) -> str:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"), default=resolve)  # a Lazy tree: built now
     seq = event.get("seq")
     return (f"id: {seq}\n" if seq else "") + f"data: {data}\n\n"
 

@@ -2,10 +2,15 @@
 
 Request counters add up at every instant (one lock): received = answered + failed + rejected (4xx) +
 overloaded (529) + cancelled (499) + in_flight. Events go through `EventBus` (bus.py), which never blocks.
+
+What only a dashboard reads (a batch's tree, a request's questions and answers) is recorded as `Lazy`: the
+engine hands over a builder, and the JSON is built when someone reads it (an `/api/events` subscriber, the
+`/api/stats` snapshot, `/api/requests/{id}`). With nobody listening, no tree is ever built.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -16,11 +21,60 @@ from typing import Any
 
 from .bus import Event, EventBus, Subscription
 
-__all__ = ["BatchRecord", "Event", "EventBus", "Subscription", "Telemetry", "outcome_of", "percentile"]
+__all__ = ["KEEP_UNBUILT", "BatchRecord", "Event", "EventBus", "Lazy", "Subscription", "Telemetry", "outcome_of",
+           "percentile", "resolve"]
+
+log = logging.getLogger(__name__)
 
 OUTCOMES = ("answered", "failed", "rejected", "overloaded", "cancelled")
-DETAIL_KEYS = ("asked", "answers")  # kept for GET /api/requests/{id}, left out of lists and events
+DETAIL_KEYS = ("asked", "answers", "detail")  # kept for GET /api/requests/{id}, left out of lists and events
 MEMORY_EVERY_S = 1.0  # device memory is sampled at most this often on the batch path
+KEEP_UNBUILT = 64  # batches whose tree can still be built; older unread ones let their tries go (memory)
+
+
+class Lazy:
+    """A JSON value built on first read, once; `forget()` drops an unbuilt builder (its value reads as None).
+
+    Two threads reading at once may both build it (the same value; the first kept is as good as the second):
+    cheaper than a lock on a path that almost never races."""
+
+    __slots__ = ("_build", "_value", "_built", "_on_build")
+
+    def __init__(self, build: Callable[[], Any], on_build: Callable[[], None] | None = None) -> None:
+        self._build: Callable[[], Any] | None = build
+        self._value: Any = None
+        self._built = False
+        self._on_build = on_build
+
+    @property
+    def built(self) -> bool:
+        return self._built
+
+    def value(self) -> Any:
+        if not self._built:
+            build = self._build
+            if build is None:  # forgotten before anyone read it
+                return None
+            try:
+                self._value = build()
+            except Exception:  # a reader (an event stream, /api/stats) must never break on a dashboard detail
+                log.exception("building a dashboard record failed; it reads as null")
+                self._value = None
+            self._built, self._build = True, None
+            if self._on_build is not None:
+                self._on_build()
+        return self._value
+
+    def forget(self) -> None:
+        if not self._built:
+            self._build = None
+
+
+def resolve(value: Any) -> Any:
+    """`json.dumps(default=resolve)`: a Lazy becomes its value; anything else is not JSON."""
+    if isinstance(value, Lazy):
+        return value.value()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 @dataclass
@@ -36,17 +90,20 @@ class BatchRecord:
     unpacked_tokens: int
     compute_ms: float
     started: float
-    tree: list[dict[str, Any]] = field(default_factory=list)
+    tree: list[dict[str, Any]] | Lazy | None = field(default_factory=list)  # Lazy from the engine: built on read
     replica: int = 0
     device: str = ""
     request_ids: list[str] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
 
 
-def _fields(record: BatchRecord) -> dict[str, Any]:
+def _fields(record: BatchRecord, build: bool = False) -> dict[str, Any]:
     """A shallow dict of a record: the tree is shared, never copied (dataclasses.asdict deep-copies it; nobody
-    mutates a tree once recorded)."""
-    return dict(record.__dict__)
+    mutates a tree once recorded). With `build`, a Lazy tree is built (the snapshot); else it stays Lazy."""
+    fields = dict(record.__dict__)
+    if build and isinstance(fields["tree"], Lazy):
+        fields["tree"] = fields["tree"].value()
+    return fields
 
 
 def outcome_of(status: int) -> str:
@@ -104,6 +161,8 @@ class Telemetry:
         self._memory: dict[str, int] = {}
         self._memory_at = 0.0
         self._listeners: list[Callable[[str, Any], None]] = []
+        self.trees_built = 0  # batch trees built (they are only when read: tests, the A/B measurement)
+        self._unbuilt: deque[Lazy] = deque()
 
     def add_listener(self, listener: Callable[[str, Any], None]) -> None:
         """`listener("batch", BatchRecord)` / `listener("request", dict)` after each record (e.g. /metrics)."""
@@ -129,11 +188,27 @@ class Telemetry:
     def emit(self, kind: str, **fields: Any) -> Event:
         return self.bus.emit(kind, **fields)
 
+    def lazy_tree(self, build: Callable[[], list[dict[str, Any]]]) -> Lazy:
+        """A batch tree that is built when someone reads it (`record_batch` keeps the last KEEP_UNBUILT)."""
+        return Lazy(build, self._tree_built)
+
+    def _tree_built(self) -> None:
+        with self._lock:
+            self.trees_built += 1
+
     def batch_started(self, batch_id: int, model: str, lane: str, request_ids: list[str], tokens: int) -> None:
         with self._lock:
             self.running[f"{model}/{lane}"] = {"batch_id": batch_id, "requests": len(request_ids),
                                                "started": time.time(), "tokens": tokens}
         self.bus.emit("batched", batch_id=batch_id, model=model, lane=lane, request_ids=request_ids, tokens=tokens)
+
+    def batch_failed(self, model: str, lane: str, exc: BaseException) -> None:
+        """The lane's batch raised: it no longer runs (`batch_failed` tells the dashboards which one)."""
+        with self._lock:
+            running = self.running.pop(f"{model}/{lane}", None)
+        if running is not None:  # nothing was running when packing failed before `batch_started`
+            self.bus.emit("batch_failed", batch_id=running["batch_id"], model=model, lane=lane,
+                          error=f"{type(exc).__name__}: {exc}"[:300])
 
     def memory(self, max_age_s: float = MEMORY_EVERY_S) -> dict[str, int]:
         """Device and host memory, sampled at most every `max_age_s` seconds."""
@@ -151,11 +226,20 @@ class Telemetry:
     def record_batch(self, record: BatchRecord) -> None:
         if not record.memory:
             record.memory = self.memory()
+        forget: Lazy | None = None
         with self._lock:
             self.batches.append(record)
             self.counters["batches"] += 1
             self.counters["forwards"] += record.forwards
             self.running.pop(f"{record.model}/{record.lane}", None)
+            if isinstance(record.tree, Lazy):
+                self._unbuilt.append(record.tree)
+                while self._unbuilt and self._unbuilt[0].built:
+                    self._unbuilt.popleft()
+                if len(self._unbuilt) > KEEP_UNBUILT:
+                    forget = self._unbuilt.popleft()
+        if forget is not None:  # an old batch nobody read: its tries go, its tree reads as null
+            forget.forget()
         self.bus.emit("computed", **_fields(record))
         self._tell("batch", record)
 
@@ -194,14 +278,21 @@ class Telemetry:
         self.bus.emit(kind, **{k: v for k, v in record.items() if k not in DETAIL_KEYS})
 
     def request(self, request_id: str) -> dict[str, Any] | None:
+        """A recent request's record, with its questions and answers (built now if they were recorded Lazy)."""
         with self._lock:
             record = self._by_id.get(request_id)
-            return dict(record) if record is not None else None
+            record = dict(record) if record is not None else None
+        if record is not None:
+            detail = record.pop("detail", None)
+            if isinstance(detail, Lazy):
+                record.update(detail.value() or {})
+        return record
 
     # ---- snapshot ------------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         # the sequence number first: a client that subscribes `since` it sees every later event
         last_seq = self.bus.history[-1]["seq"] if self.bus.history else 0
+        trees_built = self.trees_built  # before this snapshot builds the trees it shows
         with self._lock:
             requests = [{k: v for k, v in r.items() if k not in DETAIL_KEYS} for r in self.requests]
             batches = list(self.batches)
@@ -213,8 +304,9 @@ class Telemetry:
             for key in ("queue_ms", "compute_ms", "total_ms", "planning_ms")}
         snap["percentiles"]["batch_requests"] = {
             f"p{q}": percentile([float(b.requests) for b in batches], q) for q in (50, 95, 99)}
-        snap["batches"] = [_fields(b) for b in batches[-32:]]
+        snap["batches"] = [_fields(b, build=True) for b in batches[-32:]]
         snap["requests"] = requests[-64:]
         snap["last_seq"] = last_seq
+        snap["trees_built"] = trees_built
         snap["memory"] = self.memory()
         return snap

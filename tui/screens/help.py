@@ -20,6 +20,10 @@ HELP = """\
 [b]/[/b]  filter requests (words; [b]>200[/b] = slower than 200 ms)
 [b]s[/b]  sort requests (time, queue, compute, status, model, client)
 [b]p[/b]  pause / resume the display (data keeps coming)
+[b]c[/b]  clear stats: errors, 4xx and 529 counts, rates, sparklines, latency
+   percentiles, finished requests, past batches and the batch-size
+   histogram start over here (the daemon's own counters are untouched)
+[b]l f[/b] log view: cycle the lowest level shown; follow / hold the tail
 [b]+ -[/b] refresh faster / slower
 [b]Esc[/b] back / clear the filter      [b]q[/b] quit
 

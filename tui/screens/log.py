@@ -1,16 +1,23 @@
-"""View 5: the daemon's log (through the event stream) and the dashboard's own notes."""
+"""View 5: the daemon's log (through the event stream) and the dashboard's own notes.
+
+`l` cycles the lowest level shown (DEBUG, INFO, WARNING, ERROR): the pane is rewritten from the kept lines.
+`f` follows the tail (new lines scroll into view) or holds the view where it is while lines keep arriving.
+"""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.widgets import RichLog
+from textual.binding import Binding
+from textual.widgets import RichLog, Static
 
 from ..data import MAX_LOG, DashboardData, LogLine
 from ..widgets.format import clock
 from .base import DashboardScreen
 
 LEVEL_STYLE = {"ERROR": "bold red", "CRITICAL": "bold red", "WARNING": "yellow", "INFO": "", "DEBUG": "dim"}
+LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+RANK = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
 
 
 def log_text(line: LogLine) -> Text:
@@ -21,13 +28,36 @@ def log_text(line: LogLine) -> Text:
     return text
 
 
+def shown(line: LogLine, level: str) -> bool:
+    return RANK.get(line.level.upper(), 20) >= RANK[level]
+
+
 class LogScreen(DashboardScreen):
+    KEYS = [("l", "level"), ("f", "follow")]
+    BINDINGS = [Binding("l", "cycle_level", "Level"), Binding("f", "toggle_follow", "Follow")]
+    DEFAULT_CSS = """
+    LogScreen #log-state { height: 1; background: $boost; }
+    """
+
     def __init__(self) -> None:
         super().__init__()
-        self._written: LogLine | None = None  # the last line written (the deque drops old lines)
+        self._written: LogLine | None = None  # the last line considered (the deque drops old lines)
+        self.level = "DEBUG"
+        self.follow = True
+        self.held = 0  # lines that arrived while not following
 
     def body(self) -> ComposeResult:
+        yield Static(id="log-state")
         yield RichLog(max_lines=MAX_LOG, wrap=True, id="log")
+
+    def state_text(self) -> Text:
+        text = Text(f" level \u2265 {self.level}", style="bold")
+        if self.follow:
+            text.append("   following the tail")
+        else:
+            text.append("   HOLDING", style="bold yellow")
+            text.append(f": {self.held} new line(s) below; f follows again")
+        return text
 
     def refresh_data(self, data: DashboardData) -> None:
         pane = self.query_one(RichLog)
@@ -39,6 +69,30 @@ class LogScreen(DashboardScreen):
                     start = i + 1
                     break
         for line in lines[start:]:
-            pane.write(log_text(line))
+            if shown(line, self.level):
+                pane.write(log_text(line), scroll_end=self.follow)
+                if not self.follow:
+                    self.held += 1
         if lines:
             self._written = lines[-1]
+        self.query_one("#log-state", Static).update(self.state_text())
+
+    def rewrite(self) -> None:
+        """Write the kept lines again under the current level."""
+        self.query_one(RichLog).clear()
+        self._written = None
+        self.held = 0
+        self.redraw(force=True)
+
+    def action_cycle_level(self) -> None:
+        self.level = LEVELS[(LEVELS.index(self.level) + 1) % len(LEVELS)]
+        self.rewrite()
+
+    def action_toggle_follow(self) -> None:
+        self.follow = not self.follow
+        pane = self.query_one(RichLog)
+        pane.auto_scroll = self.follow
+        if self.follow:
+            self.held = 0
+            pane.scroll_end(animate=False)
+        self.redraw(force=True)

@@ -50,6 +50,7 @@ def memory_text(data: DashboardData) -> Text:
 
 
 class OverviewScreen(DashboardScreen):
+    KEYS = [("c", "clear stats")]  # the app's key; shown where counters and sparklines are
     DEFAULT_CSS = """
     OverviewScreen #kpis { grid-size: 4; grid-gutter: 0 1; height: 8; }
     OverviewScreen .panel { border: round $primary-darken-2; height: auto; padding: 0 1; }
@@ -81,9 +82,9 @@ class OverviewScreen(DashboardScreen):
         card("inflight").show(f"{inflight} / {limit or '-'}", alert=bool(limit and inflight >= 0.8 * limit))
         card("queue").show(f"{ms(data.latency(0, 50))} / {ms(data.latency(0, 95))} ms", data.series("queue_ms"))
         card("compute").show(f"{ms(data.latency(1, 50))} / {ms(data.latency(1, 95))} ms", data.series("compute_ms"))
-        errors = totals.get("failed", 0)
-        card("errors").show(f"{errors} (+{totals.get('rejected', 0)} 4xx)", data.series("errors"), alert=errors > 0)
-        overloaded = totals.get("overloaded", 0)
+        errors = data.total("failed")  # since `c` cleared the stats, if it did
+        card("errors").show(f"{errors} (+{data.total('rejected')} 4xx)", data.series("errors"), alert=errors > 0)
+        overloaded = data.total("overloaded")
         card("overloaded").show(str(overloaded), data.series("overloaded"), alert=overloaded > 0)
         self.query_one("#queues", Static).update(queue_table(data))
         self.query_one("#memory", Static).update(memory_text(data))

@@ -32,27 +32,34 @@ def row_label(n: int, row: dict[str, Any]) -> Text:
     return text
 
 
-def block_label(block: dict[str, Any]) -> Text:
+def block_label(block: dict[str, Any], labelled: bool = False) -> Text:
+    """`kind N tok`, the unit ("multi: label", "round 2") of a question block, the owners of a leaf; a leaf
+    names its owners' unit unless a block above it (`labelled`) already did."""
     kind = block.get("kind", "block")
     text = Text()
     text.append(f"{kind} ", style=KIND_STYLE.get(kind, ""))
     text.append(f"{block.get('tokens', 0)} tok")
+    if block.get("unit"):
+        text.append(f"  {block['unit']}", style="bold")
     owners = block.get("owners") or []
     if owners:
         names = ", ".join(f"{short_id(str(o[0]))}:{o[1]}#{o[2]}" for o in owners[:3])
         more = f" +{len(owners) - 3}" if len(owners) > 3 else ""
         text.append(f"  \u2190 {names}{more}", style="dim")
+        units = {o[3] for o in owners if len(o) > 3 and o[3]}
+        if units and not labelled and not block.get("unit"):
+            text.append(f" ({', '.join(sorted(units))})", style="bold")
     return text
 
 
-def _add_blocks(node: TreeNode, blocks: list[dict[str, Any]], expand_depth: int) -> None:
+def _add_blocks(node: TreeNode, blocks: list[dict[str, Any]], expand_depth: int, labelled: bool = False) -> None:
     for block in blocks:
         children = block.get("children") or []
         if children:
-            child = node.add(block_label(block), expand=expand_depth > 0)
-            _add_blocks(child, children, expand_depth - 1)
+            child = node.add(block_label(block, labelled), expand=expand_depth > 0)
+            _add_blocks(child, children, expand_depth - 1, labelled or bool(block.get("unit")))
         else:
-            node.add_leaf(block_label(block))
+            node.add_leaf(block_label(block, labelled))
 
 
 def fill_tree(tree: Tree, batch: dict[str, Any] | None, expand_depth: int = 3) -> None:
@@ -61,6 +68,8 @@ def fill_tree(tree: Tree, batch: dict[str, Any] | None, expand_depth: int = 3) -
         tree.root.set_label(Text("no batch yet"))
         return
     tree.root.set_label(batch_label(batch))
+    if batch.get("tree") is None:  # the daemon let an unread batch's tree go (it keeps the last 64 unread)
+        tree.root.add_leaf(Text("tree not kept: the dashboard read this batch too late", style="dim"))
     for n, row in enumerate(batch.get("tree") or []):
         node = tree.root.add(row_label(n, row), expand=True)
         _add_blocks(node, row.get("children") or [], expand_depth)
