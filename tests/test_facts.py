@@ -8,6 +8,7 @@ from decimal import Decimal, InvalidOperation
 import pytest
 
 from basal_local.protocol import facts as F
+from basal_local.protocol import facts_money as FM
 
 HEADER = "Fakty pomocnicze (wyliczone automatycznie, bez oceny prawnej):"
 
@@ -95,13 +96,121 @@ def test_duration_lines():
 
 
 def test_vat_lines_and_exchange_rates():
+    """Only 23 % stands in a sentence naming VAT (5 % stands beside "podatku", not "podatek od towarów"); the
+    exchange rate 4,30 zł is no amount. 100 / 1.23 = 81.3008... -> 81,30. The netto label adds its kind-6 line."""
     text = "Cena 100 zł netto, stawka 23% VAT. Kurs 4,30 zł za euro. Rabat 5% bez podatku."
-    assert F.facts(text) == ["100,00 zł × 1,23 = 123,00 zł; 100,00 zł ÷ 1,23 = 81,30 zł"]
+    assert F.facts(text) == ["100,00 zł × 1,23 = 123,00 zł; 100,00 zł ÷ 1,23 = 81,30 zł",
+                             "100,00 zł netto × 1,23 = 123,00 zł brutto (VAT 23%: 23,00 zł)"]
 
 
-def test_comparisons_with_thousands_separator():
-    lines = F.facts("Budżet 1 500 zł, wydano 1 499,99 zł.")
-    assert lines == ["1 500,00 zł > 1 499,99 zł"]
+def test_vat_rates_by_sentence():
+    """A sentence ends at a line break or at . ! ? before a capital letter: "2025 r. dla" stays one sentence,
+    so 23 % is a VAT rate; 8 % is in a sentence without VAT; 5 % is stated in a line of its own after "VAT"."""
+    text = ("Stawka 23% obowiązuje od 12 marca 2025 r. dla towarów objętych VAT. Stawka 8% dotyczy usług. "
+            "Kwota 99,99 zł.")
+    # 99.99 x 1.23 = 122.9877 -> 122,99; 99.99 / 1.23 = 81.2926... -> 81,29
+    assert F.facts(text) == ["12 marca 2025 r. to środa",
+                             "99,99 zł × 1,23 = 122,99 zł; 99,99 zł ÷ 1,23 = 81,29 zł"]
+    assert FM.vat_rates("Podatek od towarów i usług\n5% dla książek") == []
+    assert FM.vat_rates("Podatek od towarów i usług: 5% dla książek, 8 % dla usług, 15% nic. Potem 23% bez.") == ["5", "8"]
+    assert FM.vat_rates("Stawka VAT: 23%! Druga 8%.") == ["23"]
+
+
+def test_vat_rounding_half_up_and_three_amounts():
+    """8 %: 0.10 / 1.08 = 0.0925... -> 0,09; 12.50 x 1.08 = 13.5; 200 / 1.08 = 185.185... -> 185,19; the fourth
+    amount gets no line (first 3 amounts), a repeated amount counts once."""
+    text = "VAT 8%: 12,50 zł, 12,50 zł, 0,10 zł, 200 zł i 7 zł."
+    assert F.facts(text)[:3] == ["12,50 zł × 1,08 = 13,50 zł; 12,50 zł ÷ 1,08 = 11,57 zł",
+                                 "0,10 zł × 1,08 = 0,11 zł; 0,10 zł ÷ 1,08 = 0,09 zł",
+                                 "200,00 zł × 1,08 = 216,00 zł; 200,00 zł ÷ 1,08 = 185,19 zł"]
+
+
+@pytest.mark.parametrize("text, rate", [
+    ("Kurs EUR/PLN 4,2735.", Decimal("4.2735")), ("kurs wymiany: 4,30 zł", Decimal("4.30")),
+    ("Po kursie 1 EUR = 4,31 zł.", Decimal("4.31")), ("1 euro = 4,32 zł", Decimal("4.32")),
+    ("4,33 zł/EUR", Decimal("4.33")), ("4,34 zł za 1 euro", Decimal("4.34")), ("4.35 PLN za EUR", Decimal("4.35")),
+])
+def test_stated_exchange_rates(text, rate):
+    assert [r for *_, r in FM.stated_rates(text)][:1] == [rate]
+    assert [m for m in FM.mentions(text) if m.currency == "PLN"] == []  # a rate is no amount of money
+
+
+def test_amounts_beside_euro_are_amounts():
+    """Only a stated rate is excluded: "100 EUR, czyli 430 zł" has an amount of 430 zł (and no rate)."""
+    found = FM.mentions("Faktura 100 EUR, czyli 430 zł; wcześniej 1.250,5 zł i 2 000 złotych.")
+    assert [(m.value, m.currency) for m in found] == [(Decimal(100), "EUR"), (Decimal(430), "PLN"),
+                                                       (Decimal("1250.5"), "PLN"), (Decimal(2000), "PLN")]
+    assert FM.stated_rates("Faktura 100 EUR, czyli 430 zł") == []
+
+
+def test_euro_times_stated_rate():
+    """(6) euro x the first stated rate, first 3 euro amounts: 200 x 4.2735 = 854.70; 50.50 x 4.2735 =
+    215.81175 -> 215,81; 2.5 x 4.2735 = 10.68375 -> 10,68; the fourth euro amount gets no line."""
+    text = "Faktury: 200 EUR, 50,50 euro, 2,5 € i 7 EUR. Kurs EUR/PLN 4,2735."
+    assert F.facts(text) == ["200,00 EUR × 4,2735 = 854,70 zł", "50,50 EUR × 4,2735 = 215,81 zł",
+                             "2,50 EUR × 4,2735 = 10,68 zł"]
+    # ROUND_HALF_UP: 2.5 x 4.25 = 10.625 -> 10,63 (half-even would give 10,62)
+    assert F.facts("Opłata 2,5 EUR, 1 EUR = 4,25 zł.") == ["2,50 EUR × 4,25 = 10,63 zł"]
+    assert F.facts("Opłata 2,5 EUR.") == []  # no stated rate, nothing to multiply
+
+
+def test_budget_minus_spending():
+    """(6) the budget minus every amount after a spending word (wydano, wydatki, koszt, zapłacono)."""
+    text = "Budżet: 10 000 zł. Wydano 3 450,75 zł na sprzęt, wydatki na szkolenia: 1 200 zł, bonus 99 zł."
+    assert F.facts(text)[0] == "Budżet − wydatki: 10 000,00 zł − 3 450,75 zł − 1 200,00 zł = 5 349,25 zł"
+    assert F.facts("Budżet 1 500 zł, wydano 1 499,99 zł.") == [
+        "Budżet − wydatki: 1 500,00 zł − 1 499,99 zł = 0,01 zł", "1 500,00 zł > 1 499,99 zł"]
+    assert F.facts("Budżet 100 zł, zapłacono 250 zł.")[0] == "Budżet − wydatki: 100,00 zł − 250,00 zł = -150,00 zł"
+
+
+def test_quantity_times_unit_price_and_total():
+    """(6) `3 szt. po 49,99 zł`, `2 × 120 zł`, `4 x 0,125 zł`: 149.97, 240, 0.5; the total of every item."""
+    text = "Pozycje: 3 szt. po 49,99 zł, 2 × 120 zł, 4 x 0,125 zł oraz 1 sztuka po 0,005 zł."
+    assert F.facts(text)[:4] == ["3 × 49,99 zł = 149,97 zł", "2 × 120,00 zł = 240,00 zł",
+                                 "4 × 0,13 zł = 0,50 zł",
+                                 # 149.97 + 240 + 0.5 + 0.005 = 390.475 -> 390,48 (each item shown rounded)
+                                 "Razem: 149,97 zł + 240,00 zł + 0,50 zł + 0,01 zł = 390,48 zł"]
+    assert F.facts("Kupiono 1 x 0,125 zł.") == ["1 × 0,13 zł = 0,13 zł"]  # half up: 0.125 -> 0,13
+
+
+def test_tiered_price_list():
+    """(6) the highest tier reached by the ordered quantity: 60 >= 51 -> 9 zł; 60 x 9 = 540."""
+    text = ("Cennik: do 10 szt. – 12 zł/szt., od 11 szt. – 10,50 zł/szt., powyżej 50 szt. – 9 zł/szt. "
+            "Klient zamawia 60 szt.")
+    assert F.facts(text)[0] == "Cennik progowy: 60 szt. × 9,00 zł = 540,00 zł (próg od 51 szt.)"
+    assert F.facts(text.replace("60 szt.", "11 szt."))[0] == (
+        "Cennik progowy: 11 szt. × 10,50 zł = 115,50 zł (próg od 11 szt.)")
+    assert F.facts(text.replace("60 szt.", "10 szt."))[0] == (
+        "Cennik progowy: 10 szt. × 12,00 zł = 120,00 zł (próg od 1 szt.)")
+    assert not any(line.startswith("Cennik") for line in F.facts("Od 11 szt. 10 zł. Zamawiam 20 szt."))
+
+
+def test_delivery_fee():
+    """(6) order value + delivery fee, none from the free-delivery threshold on."""
+    assert F.facts("Wartość zamówienia 180 zł. Dostawa 12,99 zł, darmowa dostawa od 200 zł.")[0] == (
+        "Zamówienie + dostawa: 180,00 zł + 12,99 zł = 192,99 zł")
+    assert F.facts("Wartość zamówienia 200 zł. Dostawa 12,99 zł, gratis od 200 zł.")[0] == (
+        "Zamówienie + dostawa: 200,00 zł + 0,00 zł = 200,00 zł (darmowa dostawa od 200,00 zł)")
+    assert F.facts("2 × 30 zł. Koszt wysyłki 9 zł.")[:2] == [
+        "2 × 30,00 zł = 60,00 zł", "Zamówienie + dostawa: 60,00 zł + 9,00 zł = 69,00 zł"]
+    assert not any(line.startswith("Zamówienie") for line in F.facts("Dostawa 15 zł."))  # no order value
+
+
+def test_net_and_gross_of_labelled_amounts():
+    """(6) netto x factor / brutto ÷ factor at the first stated VAT rate, 23 % when none is stated; the VAT is
+    the difference of the rounded amounts. 540 / 1.08 = 500; 99.99 x 1.23 = 122.9877 -> 122,99."""
+    lines = F.facts("Cena netto 1 000 zł, stawka VAT 8%. Cena 540 zł brutto.")
+    assert lines[2:4] == ["1 000,00 zł netto × 1,08 = 1 080,00 zł brutto (VAT 8%: 80,00 zł)",
+                          "540,00 zł brutto ÷ 1,08 = 500,00 zł netto (VAT 8%: 40,00 zł)"]
+    assert F.facts("Usługa 99,99 zł netto, 10 zł.") == [
+        "99,99 zł netto × 1,23 = 122,99 zł brutto (VAT 23%: 23,00 zł)", "99,99 zł > 10,00 zł"]
+
+
+def test_comparisons_of_consecutive_amounts():
+    """(7) consecutive distinct amounts, symbols only, at most 6."""
+    text = "Kwoty: " + ", ".join(f"{v} zł" for v in (5, 7, 7, 3, 9, 1, 8, 2, 6, 4))
+    assert F.facts(text) == ["5,00 zł < 7,00 zł", "7,00 zł > 3,00 zł", "3,00 zł < 9,00 zł", "9,00 zł > 1,00 zł",
+                             "1,00 zł < 8,00 zł", "8,00 zł > 2,00 zł"]
 
 
 def test_caps():
