@@ -266,3 +266,88 @@ def test_facts_switch_language_and_evidence_stays_in_the_original_state(app_clie
 
     lang, _, prompts = render_question(injected, Question("q", "choice", "", ("yes", "no"), ("yes", "no"), "choice"))
     assert lang == "pl" and injected in prompts[0]
+
+
+# A corpus of Polish texts with dates and amounts; each block worked out by hand from §6.6 (weekdays from a
+# calendar, day counts and amounts by hand; the comments give the arithmetic).
+CORPUS = [
+    ("Klient pyta o status paczki.", []),
+    ("Dzisiaj, 14.04.2025, klient pisze, że zamówienie z 2025-03-28 (wartość 1 299,99 zł) nie dotarło. "
+     "Zwrot w ciągu 14 dni.", [
+         "14 kwietnia 2025 r. to poniedziałek",
+         "28 marca 2025 r. to piątek",
+         "Od 14 kwietnia 2025 r. do 28 marca 2025 r.: 17 dni (wcześniej)",  # 3 days to 31 III + 14
+         "28 marca 2025 r.: 17 dni temu",
+         "14 kwietnia 2025 r. + 14 dni (kalendarzowo) = 28 kwietnia 2025 r. (poniedziałek)",
+         "28 marca 2025 r. + 14 dni (kalendarzowo) = 11 kwietnia 2025 r. (piątek)",
+     ]),
+    ("Umowa najmu z 31.01.2025 r. na 6 miesięcy; kaucja 2 000 zł, czynsz 1 850,50 zł. "
+     "Spotkanie 1 listopada 2025 r.", [
+         "31 stycznia 2025 r. to piątek",
+         "1 listopada 2025 r. to sobota; dzień ustawowo wolny od pracy (Wszystkich Świętych)",
+         # 28 (to 28 II) + 31 + 30 + 31 + 30 + 31 + 31 + 30 + 31 (to 31 X) + 1
+         "Od 31 stycznia 2025 r. do 1 listopada 2025 r.: 274 dni (później)",
+         "31 stycznia 2025 r. + 6 miesięcy (kalendarzowo) = 31 lipca 2025 r. (czwartek)",
+         "1 listopada 2025 r. + 6 miesięcy (kalendarzowo) = 1 maja 2026 r. (piątek)",
+         "2 000,00 zł > 1 850,50 zł",
+     ]),
+    ("Faktura VAT z 2025-12-24: usługa 1 000 zł netto, stawka 23%. Zaliczka 246 zł brutto. Kurs 4,25 zł za euro.", [
+        "24 grudnia 2025 r. to środa; dzień ustawowo wolny od pracy (Wigilia Bożego Narodzenia)",
+        "1 000,00 zł × 1,23 = 1 230,00 zł; 1 000,00 zł ÷ 1,23 = 813,01 zł",  # 813.008...
+        "246,00 zł × 1,23 = 302,58 zł; 246,00 zł ÷ 1,23 = 200,00 zł",
+        "1 000,00 zł netto × 1,23 = 1 230,00 zł brutto (VAT 23%: 230,00 zł)",
+        "246,00 zł brutto ÷ 1,23 = 200,00 zł netto (VAT 23%: 46,00 zł)",
+        "1 000,00 zł > 246,00 zł",
+    ]),
+    ("Budżet projektu: 10 000 zł. Wydano 3 450,75 zł na sprzęt, wydatki na szkolenia: 1 200 zł. "
+     "Licencja kosztuje 500 EUR, kurs 1 EUR = 4,2650 zł.", [
+         "500,00 EUR × 4,2650 = 2 132,50 zł",
+         "Budżet − wydatki: 10 000,00 zł − 3 450,75 zł − 1 200,00 zł = 5 349,25 zł",
+         "10 000,00 zł > 3 450,75 zł",
+         "3 450,75 zł > 1 200,00 zł",
+     ]),
+    ("Zamówienie z 5.05.2025: 3 szt. po 49,99 zł i 2 × 120 zł. Dostawa kurierem 18,50 zł, darmowa dostawa "
+     "od 300 zł.", [
+         "5 maja 2025 r. to poniedziałek",
+         "3 × 49,99 zł = 149,97 zł",
+         "2 × 120,00 zł = 240,00 zł",
+         "Razem: 149,97 zł + 240,00 zł = 389,97 zł",
+         "Zamówienie + dostawa: 389,97 zł + 0,00 zł = 389,97 zł (darmowa dostawa od 300,00 zł)",
+         "49,99 zł < 120,00 zł",
+         "120,00 zł > 18,50 zł",
+         "18,50 zł < 300,00 zł",
+     ]),
+    ("Cennik: do 10 szt. – 12 zł/szt., od 11 szt. – 10,50 zł/szt., powyżej 50 szt. – 9 zł/szt. "
+     "Klient zamawia 60 szt. Wysyłka 15 zł.", [
+         "Cennik progowy: 60 szt. × 9,00 zł = 540,00 zł (próg od 51 szt.)",
+         "Zamówienie + dostawa: 540,00 zł + 15,00 zł = 555,00 zł",
+         "12,00 zł > 10,50 zł",
+         "10,50 zł > 9,00 zł",
+         "9,00 zł < 15,00 zł",
+     ]),
+    ("Terminy: 2.01.2025, 9.01.2025, 16.01.2025, 23.01.2025, 30.01.2025, 6.02.2025, 13.02.2025. "
+     "Przerwa 2 tygodnie.", [
+         "2 stycznia 2025 r. to czwartek", "9 stycznia 2025 r. to czwartek", "16 stycznia 2025 r. to czwartek",
+         "23 stycznia 2025 r. to czwartek", "30 stycznia 2025 r. to czwartek", "6 lutego 2025 r. to czwartek",
+         "Od 2 stycznia 2025 r. do 9 stycznia 2025 r.: 7 dni (później)",
+         "Od 9 stycznia 2025 r. do 16 stycznia 2025 r.: 7 dni (później)",
+         "Od 16 stycznia 2025 r. do 23 stycznia 2025 r.: 7 dni (później)",
+         "Od 23 stycznia 2025 r. do 30 stycznia 2025 r.: 7 dni (później)",
+         "Od 30 stycznia 2025 r. do 6 lutego 2025 r.: 7 dni (później)",
+         # the 12th line: 3 duration lines are cut to 1 by the total cap
+         "2 stycznia 2025 r. + 2 tygodnie (kalendarzowo) = 16 stycznia 2025 r. (czwartek)",
+     ]),
+    ("Reklamacja z 2024-05-30 (Boże Ciało) i zwrot 31 marca 2024 r.; termin: rok.", [
+        "30 maja 2024 r. to czwartek; dzień ustawowo wolny od pracy (Boże Ciało)",  # Easter 31 III 2024 + 60
+        "31 marca 2024 r. to niedziela; dzień ustawowo wolny od pracy (Wielkanoc)",
+        "Od 30 maja 2024 r. do 31 marca 2024 r.: 60 dni (wcześniej)",
+        "30 maja 2024 r. + 1 rok (kalendarzowo) = 30 maja 2025 r. (piątek)",
+        "31 marca 2024 r. + 1 rok (kalendarzowo) = 31 marca 2025 r. (poniedziałek)",
+    ]),
+]
+
+
+@pytest.mark.parametrize("text, lines", CORPUS, ids=[f"corpus{i}" for i in range(len(CORPUS))])
+def test_corpus_blocks(text, lines):
+    expected = text if not lines else text + "\n\n" + HEADER + "\n" + "\n".join("- " + line for line in lines)
+    assert F.inject(text) == expected
