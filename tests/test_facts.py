@@ -141,6 +141,7 @@ def test_amounts_beside_euro_are_amounts():
     assert [(m.value, m.currency) for m in found] == [(Decimal(100), "EUR"), (Decimal(430), "PLN"),
                                                        (Decimal("1250.5"), "PLN"), (Decimal(2000), "PLN")]
     assert FM.stated_rates("Faktura 100 EUR, czyli 430 zł") == []
+    assert FM.stated_rates("Kursu nie podano, zapłacono 100 zł.") == []  # "kurs" and a number in one clause
 
 
 def test_euro_times_stated_rate():

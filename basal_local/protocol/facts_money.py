@@ -27,8 +27,8 @@ _PLN = r"(?:zł|złotych|złote|złoty|PLN)(?!\w)"
 _EUR = r"(?:EUR|euro|€)(?!\w)"
 _MENTION = re.compile(_NUM + r"\s?(?:(" + _PLN + r")|(" + _EUR + r"))")
 _RATE_STATED = (
-    # kurs EUR/PLN: 4,30 (not the 1 of "kurs 1 EUR = 4,30 zł", which the next form reads)
-    re.compile(r"\bkurs\w*(?:[^\d\n.;!?]|\.(?!\s)){0,40}?" + _NUM + r"(?!\s?" + _EUR + ")", re.IGNORECASE),
+    # kurs EUR/PLN: 4,30 in one clause (not the 1 of "kurs 1 EUR = 4,30 zł", which the next form reads)
+    re.compile(r"\bkurs\w*(?:[^\d\n.,;!?]|\.(?!\s)){0,40}?" + _NUM + r"(?!\s?" + _EUR + ")", re.IGNORECASE),
     re.compile(r"(?<!\d)1\s?" + _EUR + r"\s?=\s?" + _NUM),  # 1 EUR = 4,30 zł
     re.compile(_NUM + r"\s?" + _PLN + r"\s?(?:/\s?|za\s+(?:1\s+)?)" + _EUR, re.IGNORECASE),  # 4,30 zł/EUR
 )
