@@ -292,3 +292,22 @@ def test_evidence_errors(daemon):
     status, _, out = http("POST", f"{daemon.url}/v1/basal", {**base, "questions": {
         "q": {"type": "multi", "criteria": ["a"], "evidence": 1}}})
     assert status == 422 and out == {"error": "question 'q': evidence is not supported for multi"}
+
+
+@pytest.mark.parametrize("dialect", ["systemone", "basal"])
+def test_facts_block_reaches_the_prompt(daemon, ref, dialect):
+    """facts "auto": the answer is the reference's for the state with the block worked out by hand in
+    tests/test_facts.py appended (so the block reaches the prompt byte for byte, before language detection)."""
+    from .test_facts import CORPUS, HEADER
+
+    text, lines = CORPUS[4]  # budget, spending, a euro amount and an exchange rate
+    body = {"model": M, "state": text, "facts": "auto",
+            "questions": {"q": {"type": "noul", "instructions": "Czy budżet wystarczy?"}}}
+    status, _, out = http("POST", f"{daemon.url}/v1/{dialect}", body)
+    assert status == 200, out
+    state = text + "\n\n" + HEADER + "\n" + "\n".join("- " + line for line in lines)
+    p, tokens = ref.probabilities("pl", state, "Czy budżet wystarczy?", list(YES_NO["pl"]))
+    p = calibrate(p, TEMPS["noul"])
+    # measured 3e-10 here; a single character changed in the block (− for -) moves it by 2.4e-5
+    assert abs(out["answers"]["q"]["noul"] - p[0]) <= 1e-6
+    assert out["usage"]["input_tokens"] == tokens
