@@ -85,8 +85,21 @@ def test_gap_lines():
 
 
 def test_relative_to_today():
-    lines = F.facts("Dzisiaj, czyli 20.03.2025, klient pisze o zamówieniu z 10.03.2025.")
-    assert "10 marca 2025 r.: 10 dni temu" in lines
+    """(3) one line per listed date before the stated today (20 III - 10 III = 10 days, 20 III - 28 II = 20)."""
+    lines = F.facts("Dzisiaj, czyli 20.03.2025, klient pisze o zamówieniu z 10.03.2025 i fakturze z 28.02.2025.")
+    assert lines[5:7] == ["10 marca 2025 r.: 10 dni temu", "28 lutego 2025 r.: 20 dni temu"]
+    assert lines[3:5] == ["Od 20 marca 2025 r. do 10 marca 2025 r.: 10 dni (wcześniej)",
+                          "Od 10 marca 2025 r. do 28 lutego 2025 r.: 10 dni (wcześniej)"]  # 28 II + 10 = 10 III
+    # a later date is no "temu"; the today date must start within 40 characters after dziś/dzisiaj
+    assert not any("temu" in line for line in F.facts("Dziś jest 1.03.2025, dostawa 5.03.2025."))
+    near = "dziś" + "-" * 40 + " 5.03.2025, wcześniej 1.03.2025"
+    assert "1 marca 2025 r.: 4 dni temu" in F.facts(near.replace("-" * 40 + " ", "-" * 39 + " "))  # at 40
+    assert not any("temu" in line for line in F.facts(near))  # at 41
+
+
+def test_gap_of_one_day_says_dni():
+    """§6.6 writes the gap as `N dni`; we keep it for N = 1 too (the spec's literal, not Polish agreement)."""
+    assert F.facts("2025-03-03 i 2025-03-04")[2] == "Od 3 marca 2025 r. do 4 marca 2025 r.: 1 dni (później)"
 
 
 def test_duration_lines():
