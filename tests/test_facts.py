@@ -175,6 +175,9 @@ def test_budget_minus_spending():
     assert F.facts("Budżet 1 500 zł, wydano 1 499,99 zł.") == [
         "Budżet − wydatki: 1 500,00 zł − 1 499,99 zł = 0,01 zł", "1 500,00 zł > 1 499,99 zł"]
     assert F.facts("Budżet 100 zł, zapłacono 250 zł.")[0] == "Budżet − wydatki: 100,00 zł − 250,00 zł = -150,00 zł"
+    # the word nearest the amount decides: "z budżetu wydano" is spending
+    assert F.facts("Budżet 900 zł. Z budżetu wydano 300 zł.")[0] == (
+        "Budżet − wydatki: 900,00 zł − 300,00 zł = 600,00 zł")
 
 
 def test_quantity_times_unit_price_and_total():

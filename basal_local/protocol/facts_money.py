@@ -184,10 +184,22 @@ def euro_lines(text: str, found: list[Mention]) -> list[str]:
             for e in euros]
 
 
+def _nearest(label: str, words: dict[str, re.Pattern[str]]) -> str | None:
+    """Which word stands last in the label ("Z budżetu wydano 300 zł" is spending, "wydatki: budżet 9 zł" a
+    budget)."""
+    best, where = None, -1
+    for name, pattern in words.items():
+        for m in pattern.finditer(label):
+            if m.start() > where:
+                best, where = name, m.start()
+    return best
+
+
 def budget_lines(labelled: list[tuple[Mention, str]]) -> list[str]:
     """The first budget minus every spending stated after a spending word."""
-    budget = next((m.value for m, label in labelled if _BUDGET.search(label)), None)
-    spent = [m.value for m, label in labelled if _SPENT.search(label) and not _BUDGET.search(label)]
+    kinds = [(m.value, _nearest(label, {"budget": _BUDGET, "spent": _SPENT})) for m, label in labelled]
+    budget = next((value for value, kind in kinds if kind == "budget"), None)
+    spent = [value for value, kind in kinds if kind == "spent"]
     if budget is None or not spent:
         return []
     rest = CTX.subtract(budget, _total(spent))
