@@ -9,6 +9,7 @@ exception's text.
 """
 from __future__ import annotations
 
+import bisect
 import calendar
 import datetime as dt
 import re
@@ -143,10 +144,12 @@ def _gap_lines(dates: list[dt.date]) -> list[str]:
 
 
 def _today(text: str, positions: list[tuple[int, dt.date]]) -> dt.date | None:
+    """The first date starting within 40 characters after a `dziś`/`dzisiaj` (positions are sorted)."""
+    starts = [pos for pos, _ in positions]
     for m in _TODAY.finditer(text):
-        for pos, day in positions:
-            if m.end() <= pos <= m.end() + TODAY_WINDOW:
-                return day
+        i = bisect.bisect_left(starts, m.end())
+        if i < len(starts) and starts[i] <= m.end() + TODAY_WINDOW:
+            return positions[i][1]
     return None
 
 
@@ -164,7 +167,9 @@ def _durations(text: str) -> list[tuple[int, str]]:
         item = (int(m.group(1) or 1), _UNITS[m.group(2)])
         if item[0] > 0 and item not in found:
             found.append(item)
-    return found[:MAX_DURATIONS]
+            if len(found) == MAX_DURATIONS:
+                break
+    return found
 
 
 def _duration_lines(dates: list[dt.date], durations: list[tuple[int, str]]) -> list[str]:
@@ -184,7 +189,8 @@ def facts(text: str) -> list[str]:
     for _, day in positions:
         if day not in dates:
             dates.append(day)
-    dates = dates[:MAX_DATES]
+            if len(dates) == MAX_DATES:
+                break
     lines = (_date_lines(dates) + _gap_lines(dates) + _relative_lines(_today(text, positions), dates)
              + _duration_lines(dates, _durations(text)) + money_lines(text))
     return lines[:MAX_TOTAL]

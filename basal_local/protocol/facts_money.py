@@ -49,6 +49,7 @@ _NET_GROSS_BEFORE = re.compile(r"\b(netto|brutto)\b[^\d]*$", re.IGNORECASE)
 _PIECES = r"(?:szt\.?|sztuk[ia]?)"
 _QTY_PRICE = re.compile(r"(?<![\d,.])(\d+)\s?(?:" + _PIECES + r"\s?)?(?:×|x|po)\s?(?=\d)", re.IGNORECASE)
 _TIER = re.compile(r"\b(od|powyżej|ponad|do)\s+(\d+)\s?" + _PIECES + r"[^\d\n]{0,15}?(?=\d)", re.IGNORECASE)
+_TIER_BEFORE = re.compile(r"(?:\bod|\bdo|\bpowyżej|\bponad)\s+$", re.IGNORECASE)
 _ORDERED = re.compile(r"\b(?:zamawia|zamówi|zamówienie\s+na|kupuj|kupi)\w*[^\d\n]{0,20}?(\d+)\s?" + _PIECES,
                       re.IGNORECASE)
 _LABEL_WINDOW = 40  # characters before an amount searched for its label (budżet, wydano, dostawa, netto...)
@@ -65,8 +66,11 @@ class Mention:
 
 
 # ---- numbers and amounts ------------------------------------------------------------------------------------
+_SEPARATORS = str.maketrans("", "", " \u00a0\u202f.")
+
+
 def _number(whole: str, comma: str | None, dot: str | None) -> Decimal:
-    digits = re.sub(r"[ \u00a0\u202f.]", "", whole)
+    digits = whole.translate(_SEPARATORS)
     frac = comma if comma is not None else dot
     return Decimal(f"{digits}.{frac}" if frac else digits)
 
@@ -108,12 +112,15 @@ def stated_rates(text: str) -> list[tuple[int, int, int, Decimal]]:
     return sorted(found)
 
 
-def mentions(text: str) -> list[Mention]:
+def mentions(text: str, rates: list[tuple[int, int, int, Decimal]] | None = None) -> list[Mention]:
     """Every sum of money in order of appearance; a stated exchange rate (and its `1 EUR`) is none."""
-    rates = stated_rates(text)
+    rates = stated_rates(text) if rates is None else rates
+    # the mentions a rate holds: its number (`4,30 zł`) and the `1 EUR` its match starts with
+    numbers = {number for _, _, number, _ in rates}
+    starts = {start for start, _, _, _ in rates}
     found = []
     for m in _MENTION.finditer(text):
-        if any(number == m.start(1) or a <= m.start() and m.end() <= b for a, b, number, _ in rates):
+        if m.start(1) in numbers or m.start() in starts:
             continue
         found.append(Mention(m.start(), m.end(), _number(m.group(1), m.group(2), m.group(3)),
                              "PLN" if m.group(4) else "EUR"))
@@ -129,9 +136,12 @@ def _total(values: list[Decimal]) -> Decimal:
 
 
 def _unique(values: list[Decimal]) -> list[Decimal]:
+    """First occurrences in order (12,5 and 12,50 are one value)."""
+    seen: set[Decimal] = set()
     out: list[Decimal] = []
     for v in values:
-        if v not in out:
+        if v not in seen:
+            seen.add(v)
             out.append(v)
     return out
 
@@ -173,9 +183,8 @@ def vat_lines(rates: list[str], amounts: list[Decimal]) -> list[str]:
 
 
 # ---- (6) money arithmetic -----------------------------------------------------------------------------------
-def euro_lines(text: str, found: list[Mention]) -> list[str]:
+def euro_lines(rates: list[tuple[int, int, int, Decimal]], found: list[Mention]) -> list[str]:
     """Euro amounts × the first stated exchange rate."""
-    rates = stated_rates(text)
     if not rates:
         return []
     rate = rates[0][3]
@@ -213,7 +222,7 @@ def _items(text: str, pln: list[Mention]) -> list[tuple[int, Decimal]]:
     items = []
     for m in _QTY_PRICE.finditer(text):
         price = by_start.get(m.end())
-        if price is None or re.search(r"(?:\bod|\bdo|\bpowyżej|\bponad)\s+$", text[:m.start()], re.IGNORECASE):
+        if price is None or _TIER_BEFORE.search(text, max(0, m.start() - 20), m.start()):
             continue
         items.append((int(m.group(1)), price.value))
     return items
@@ -316,7 +325,8 @@ def compare_lines(amounts: list[Decimal]) -> list[str]:
 
 def money_lines(text: str) -> list[str]:
     """Line kinds 5, 6 and 7 in order; every amount is rounded once first, so 1e26 fails whatever is shown."""
-    found = mentions(text)
+    stated = stated_rates(text)
+    found = mentions(text, stated)
     for m in found:
         quantize(m.value)
     pln = [m for m in found if m.currency == "PLN"]
@@ -325,6 +335,6 @@ def money_lines(text: str) -> list[str]:
     rates = vat_rates(text)
     items = _items(text, pln)
     tier = _tier_price(text, pln)
-    return (vat_lines(rates, amounts) + euro_lines(text, found) + budget_lines(labelled) + item_lines(items)
+    return (vat_lines(rates, amounts) + euro_lines(stated, found) + budget_lines(labelled) + item_lines(items)
             + tier_lines(tier) + delivery_lines(labelled, items, tier) + net_gross_lines(text, labelled, rates)
             + compare_lines(amounts))
