@@ -368,3 +368,17 @@ CORPUS = [
 def test_corpus_blocks(text, lines):
     expected = text if not lines else text + "\n\n" + HEADER + "\n" + "\n".join("- " + line for line in lines)
     assert F.inject(text) == expected
+
+
+def test_a_large_state_takes_linear_time():
+    """100 KB of dates, amounts, rates and items: about 1 s of CPU (the quadratic version took 53 s here);
+    the bound is generous for a loaded 2-core machine."""
+    import time
+
+    parts = ["2 x 3 zł", "kurs 4,30", "1 EUR = 4,2 zł", "Budżet 100 zł", "wydano 5 zł", "VAT 23%.", "12.03.2025",
+             "od 11 szt. 4 zł", "dziś", "14 dni", "Zamawiam 5 szt.", "netto 7 zł", "Dostawa 9 zł", "100 EUR", "\n"]
+    text = " ".join(parts[(i * 7) % len(parts)] for i in range(10000))
+    assert len(text) > 100_000
+    started = time.process_time()
+    assert len(F.facts(text)) == 12
+    assert time.process_time() - started < 20
