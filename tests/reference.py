@@ -28,6 +28,8 @@ USER = {
     "en": 'State:\n{state}\n\nQuestion: {q}\nOptions:\n{opts}\n\nAnswer in the format {"answer": "<letter>"}.',
 }
 YES_NO = {"pl": ("Tak", "Nie"), "en": ("Yes", "No")}
+# CALIBRATION.json temperatures of the generated test models (`make-test-model`: the basal-1.5-mini values)
+TEMPS = {"choice": 1.1387886347566916, "noul": 1.3939382634489992, "score": 1.5422108254079405}
 
 
 def text(value: Any) -> str:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from .conftest import Daemon, http
-from .reference import ReferenceTokenizer, render
+from .reference import TEMPS, ReferenceTokenizer, render
 
 M = "basal-test-tiny"
 STATE = {"zgłoszenie": "Paczka dotarła uszkodzona 🙁", "kwota": 129.99, "tagi": ["dostawa", None]}
@@ -28,7 +28,6 @@ QUESTIONS = {
     "level": {"type": "score", "instructions": "Priorytet?", "criteria": ["niski", {"p": "średni"}, ["wysoki"]]},
     "hidden": {"type": "choice", "option_keys": "hide", "criteria": {"0": "Refund", "1": "Repair"}},
 }
-TEMPS = {"choice": 1.1387886347566916, "noul": 1.3939382634489992, "score": 1.5422108254079405}
 
 
 def prompts_of(model_dir, body, dialect):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import AnswerRefused, ProtocolError
 
 UNION_MEMBERS = (
     ("string_type", "str", "Input should be a valid string"),
@@ -85,10 +85,17 @@ def internal(detail: str, dialect: str | None = "systemone") -> ApiError:
 
 def protocol_error(exc: ProtocolError, dialect: str) -> ApiError:
     """A valid request the runtime cannot answer: §2.1 "unsupported" on /v1/systemone, §8 422 on /v1/basal."""
-    if dialect == "systemone":
+    if dialect == "systemone" or exc.same_body_on_both_dialects:
         loc: list[Any] = ["body", "questions", exc.qid] if exc.qid is not None else ["body"]
         return unsupported(exc.kind, loc, exc.message)
     return basal_error(exc.message)
+
+
+def refusal_error(exc: AnswerRefused, dialect: str) -> ApiError:
+    """An answer refused by the decision rule (§2.1, last line): a 422 `value_error` at the question."""
+    if dialect == "systemone":
+        return validation_error([field_error("value_error", ["body", "questions", exc.qid], exc.message)])
+    return basal_error(f"question '{exc.qid}': {exc.message}")
 
 
 # TypeSafe's direct API errors name their class (CLIENTS.md: `{"detail":{"error_type","message"}}`).

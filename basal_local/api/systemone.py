@@ -101,19 +101,11 @@ def _noul(qid: str, q: dict, loc: list[Any], instructions: str, out: _Collector)
                                       "Input should be a valid dictionary or instance of NoulCriteria", criteria,
                                       {"class_name": "NoulCriteria"}))
         return None
-    criteria = criteria or {}
-    before = len(out.schema)
-    for side in ("true", "false"):
-        _check_text(criteria.get(side), [*loc, "criteria", side], out)
-    if len(out.schema) != before:
-        return None
-    if q.get("instructions") is None and q.get("criteria") is None:
+    question = _noul_outcomes(qid, criteria, loc, instructions, out)
+    if question is not None and q.get("instructions") is None and criteria is None:
         out.usage.append(f"Noul question must have criteria or instructions: {qid}")
         return None
-    true_desc, false_desc = criteria.get("true"), criteria.get("false")
-    texts = ("" if true_desc is None else to_text(true_desc), "" if false_desc is None else to_text(false_desc))
-    return Question(qid, "noul", instructions, ("true", "false"), texts, "noul",
-                    default_yes_no=(true_desc is None, false_desc is None))
+    return question
 
 
 def _score(qid: str, q: dict, loc: list[Any], instructions: str, out: _Collector) -> Question | None:

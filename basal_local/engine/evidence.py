@@ -11,11 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ..api.errors import unsupported
+from ..protocol.errors import NoEvidenceHead
 from ..protocol.evidence import select_spans, state_chars, state_tokens
 from .plan import RequestPlan
-
-NO_HEAD = "evidence is not available for this model (no evidence_head.pt)"
 
 
 def attach_evidence(plan: RequestPlan, engine: Any) -> None:
@@ -26,7 +24,7 @@ def attach_evidence(plan: RequestPlan, engine: Any) -> None:
         return
     head = engine.model.evidence_head
     if head is None:
-        raise unsupported("unsupported_feature", ["body", "questions", wanted[0].qid], NO_HEAD)
+        raise NoEvidenceHead(wanted[0].qid)
     tokenizer = engine.model.tokenizer
     units = {qp.question.qid: qp for qp in plan.questions if qp.role == "main"}
     for q in wanted:

@@ -16,13 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ..api.errors import ApiError, basal_error, validation_error
 from ..model.directory import Calibration
 from ..model.tokenizer import BasalTokenizer
 from ..protocol.act import ActError, act_answer
 from ..protocol.answers import answer, usage
 from ..protocol.decision import average_orders, calibrate
-from ..protocol.errors import ContextTooLong
+from ..protocol.errors import AnswerRefused, ContextTooLong
 from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
 from ..protocol.questions import DecisionRequest, Question, detect_language
@@ -62,7 +61,7 @@ class RequestPlan:
     round: int = 1
     carried: dict[UnitKey, list[float]] = field(default_factory=dict)  # unit probabilities of earlier rounds
     evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    error: ApiError | None = None  # set by finish when an answer refuses (act max_error without defer)
+    error: AnswerRefused | None = None  # set by finish when an answer refuses (act max_error without defer)
     context: tuple[BasalTokenizer, int, dict[str, Sequence[int]]] | None = None
 
     def prompt_specs(self) -> list[PromptSpec]:
@@ -195,12 +194,6 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
     return follow
 
 
-def _refusal(request: DecisionRequest, qid: str, msg: str) -> ApiError:
-    if request.dialect == "systemone":
-        return validation_error([{"type": "value_error", "loc": ["body", "questions", qid], "msg": msg}])
-    return basal_error(f"question '{qid}': {msg}")
-
-
 def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
             unit: QuestionPlan | None) -> dict[str, Any]:
     request = plan.request
@@ -221,7 +214,7 @@ def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calib
         try:
             return act_answer(q.spec, q.keys, p_cal, calibration.thresholds, bool(calibration.temperatures))
         except ActError as exc:
-            plan.error = plan.error or _refusal(request, q.qid, exc.msg)
+            plan.error = plan.error or AnswerRefused(q.qid, exc.msg)
             return {"type": "act"}
     return answer(q, p_cal, request.dialect)
 

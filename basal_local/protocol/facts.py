@@ -1,42 +1,35 @@
 """`facts: "auto"` (PROTOCOL.md §6.6): a block of computed helper facts appended to a Polish state.
 
-Written from the spec's description only. Line kinds, in this order, each capped, 12 lines in all:
-dates with weekday and statutory holiday, gaps between consecutive dates, "N dni temu" against a stated
-today, date + duration (calendar arithmetic, months clamped to the month end), VAT of stated rates,
-comparisons of amounts. Amounts use `decimal.Decimal` (28 digits, ROUND_HALF_UP to 0.01) and print as
-`1 234,56 zł`. Errors of the arithmetic (an amount of 1e26 or more, a date past year 9999, year 0)
-propagate: the dialects turn them into the spec's 422 with the exception's text.
+Written from the spec's description only. Line kinds, in this order, 12 lines in all: (1) dates with weekday
+and statutory holiday, (2) gaps between consecutive dates, (3) "N dni temu" against a stated today, (4) date +
+duration (calendar arithmetic, months clamped to the month end); the money kinds (5) VAT of stated rates,
+(6) money arithmetic and (7) comparisons live in `facts_money.py`. Errors of the arithmetic (an amount of 1e26
+or more, a date past year 9999, year 0) propagate: the dialects turn them into the spec's 422 with the
+exception's text.
 """
-
 from __future__ import annotations
 
+import bisect
 import calendar
 import datetime as dt
 import re
-from decimal import ROUND_HALF_UP, Context, Decimal
+
+from .facts_money import MAX_AMOUNTS, MAX_COMPARE, MAX_EURO, MAX_PLAIN, format_amount, money_lines
 
 HEADER = "Fakty pomocnicze (wyliczone automatycznie, bez oceny prawnej):"
-MAX_DATES, MAX_DURATIONS, MAX_AMOUNTS, MAX_TOTAL, MAX_COMPARE, MAX_PLAIN, MAX_EURO = 6, 3, 3, 12, 6, 3, 3
-MAX_RELATIVE = 3  # "N dni temu" lines (one per stated date before today)
+MAX_DATES, MAX_DURATIONS, MAX_TOTAL = 6, 3, 12
+__all__ = ["HEADER", "MAX_AMOUNTS", "MAX_COMPARE", "MAX_DATES", "MAX_DURATIONS", "MAX_EURO", "MAX_PLAIN",
+           "MAX_TOTAL", "facts", "format_amount", "inject"]
 TODAY_WINDOW = 40
 
 MONTHS = ("stycznia", "lutego", "marca", "kwietnia", "maja", "czerwca", "lipca", "sierpnia", "września",
           "października", "listopada", "grudnia")
 WEEKDAYS = ("poniedziałek", "wtorek", "środa", "czwartek", "piątek", "sobota", "niedziela")
-VAT_RATES = {"23": Decimal("1.23"), "8": Decimal("1.08"), "5": Decimal("1.05")}
-
-_CTX = Context(prec=28, rounding=ROUND_HALF_UP)
-_CENT = Decimal("0.01")
-_TEXT_DATE = re.compile(r"\b(\d{1,2})\s+(" + "|".join(MONTHS) + r")\s+(\d{4})(?:\s*r\.)?")
+_TEXT_DATE = re.compile(r"\b(\d{1,2})\s+(" + "|".join(MONTHS) + r")\s+(\d{4})\b(?:\s*r\.)?")
 _DOTTED_DATE = re.compile(r"\b(\d{1,2})\.(\d{1,2})\.(\d{4})\b")
 _ISO_DATE = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b")
 _TODAY = re.compile(r"\b(?:dziś|dzisiaj)\b", re.IGNORECASE)
 _DURATION = re.compile(r"\b(?:(\d+)\s+)?(dni|dzień|tydzień|tygodnie|tygodni|miesiąc|miesiące|miesięcy|rok|lata|lat)\b")
-_AMOUNT = re.compile(r"(?<![\d,.])(\d{1,3}(?:[ \u00a0]\d{3})+|\d+)(?:[,.](\d{1,2}))?\s?(?:zł|PLN)\b(?!\s*/)")
-_RATE = re.compile(r"(?<![\d,.])(23|8|5)\s?%")
-_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
-_VAT_WORDS = re.compile(r"VAT|podatek od towarów", re.IGNORECASE)
-_EXCHANGE = re.compile(r"kurs|EUR|€", re.IGNORECASE)
 
 _UNITS = {"dni": "d", "dzień": "d", "tydzień": "w", "tygodnie": "w", "tygodni": "w", "miesiąc": "m", "miesiące": "m",
           "miesięcy": "m", "rok": "y", "lata": "y", "lat": "y"}
@@ -104,31 +97,6 @@ def unit_form(count: int, unit: str) -> str:
     return many
 
 
-# ---- amounts ------------------------------------------------------------------------------------------------
-def format_amount(value: Decimal) -> str:
-    """`1 234,56 zł`: ROUND_HALF_UP to 0.01 in a 28-digit context (InvalidOperation from 1e26 on)."""
-    q = value.quantize(_CENT, context=_CTX)
-    sign = "-" if q < 0 else ""
-    whole, frac = f"{abs(q):f}".split(".")
-    groups = []
-    while len(whole) > 3:
-        groups.insert(0, whole[-3:])
-        whole = whole[:-3]
-    groups.insert(0, whole)
-    return f"{sign}{' '.join(groups)},{frac} zł"
-
-
-def _amounts(text: str) -> list[tuple[int, Decimal]]:
-    found = []
-    for m in _AMOUNT.finditer(text):
-        before = text[max(0, m.start() - 20): m.start()]
-        if _EXCHANGE.search(before):
-            continue  # an exchange rate, not an amount of money
-        whole = re.sub(r"[ \u00a0]", "", m.group(1))
-        found.append((m.start(), Decimal(f"{whole}.{m.group(2) or '0'}")))
-    return found
-
-
 # ---- line kinds ---------------------------------------------------------------------------------------------
 def _make_date(year: str, month: str | int, day: str) -> dt.date | None:
     month_no = MONTHS.index(month) + 1 if isinstance(month, str) and not month.isdigit() else int(month)
@@ -176,18 +144,19 @@ def _gap_lines(dates: list[dt.date]) -> list[str]:
 
 
 def _today(text: str, positions: list[tuple[int, dt.date]]) -> dt.date | None:
+    """The first date starting within 40 characters after a `dziś`/`dzisiaj` (positions are sorted)."""
+    starts = [pos for pos, _ in positions]
     for m in _TODAY.finditer(text):
-        for pos, day in positions:
-            if m.end() <= pos <= m.end() + TODAY_WINDOW:
-                return day
+        i = bisect.bisect_left(starts, m.end())
+        if i < len(starts) and starts[i] <= m.end() + TODAY_WINDOW:
+            return positions[i][1]
     return None
 
 
 def _relative_lines(today: dt.date | None, dates: list[dt.date]) -> list[str]:
     if today is None:
         return []
-    lines = [f"{format_date(day)}: {(today - day).days} dni temu" for day in dates if day < today]
-    return lines[:MAX_RELATIVE]
+    return [f"{format_date(day)}: {(today - day).days} dni temu" for day in dates if day < today]
 
 
 def _durations(text: str) -> list[tuple[int, str]]:
@@ -198,7 +167,9 @@ def _durations(text: str) -> list[tuple[int, str]]:
         item = (int(m.group(1) or 1), _UNITS[m.group(2)])
         if item[0] > 0 and item not in found:
             found.append(item)
-    return found[:MAX_DURATIONS]
+            if len(found) == MAX_DURATIONS:
+                break
+    return found
 
 
 def _duration_lines(dates: list[dt.date], durations: list[tuple[int, str]]) -> list[str]:
@@ -211,34 +182,6 @@ def _duration_lines(dates: list[dt.date], durations: list[tuple[int, str]]) -> l
     return lines
 
 
-def _vat_lines(text: str, amounts: list[Decimal]) -> list[str]:
-    rates: list[str] = []
-    for sentence in _SENTENCE.split(text):
-        if not _VAT_WORDS.search(sentence):
-            continue
-        for m in _RATE.finditer(sentence):
-            if m.group(1) not in rates:
-                rates.append(m.group(1))
-    lines = []
-    for rate in rates:
-        factor = VAT_RATES[rate]
-        shown = f"{factor:f}".replace(".", ",")
-        for amount in amounts[:MAX_AMOUNTS]:
-            gross = (amount * factor).quantize(_CENT, context=_CTX)
-            net = _CTX.divide(amount, factor)
-            lines.append(f"{format_amount(amount)} × {shown} = {format_amount(gross)}; "
-                         f"{format_amount(amount)} ÷ {shown} = {format_amount(net)}")
-    return lines
-
-
-def _compare_lines(amounts: list[Decimal]) -> list[str]:
-    lines = []
-    for a, b in zip(amounts, amounts[1:]):
-        if a != b:
-            lines.append(f"{format_amount(a)} {'>' if a > b else '<'} {format_amount(b)}")
-    return lines[:MAX_COMPARE]
-
-
 def facts(text: str) -> list[str]:
     """The fact lines for a state text (possibly none)."""
     positions = find_dates(text)
@@ -246,12 +189,10 @@ def facts(text: str) -> list[str]:
     for _, day in positions:
         if day not in dates:
             dates.append(day)
-    dates = dates[:MAX_DATES]
-    amounts = [value for _, value in _amounts(text)]
-    for value in amounts:
-        format_amount(value)  # an amount the arithmetic cannot hold fails here, like every later use would
+            if len(dates) == MAX_DATES:
+                break
     lines = (_date_lines(dates) + _gap_lines(dates) + _relative_lines(_today(text, positions), dates)
-             + _duration_lines(dates, _durations(text)) + _vat_lines(text, amounts) + _compare_lines(amounts))
+             + _duration_lines(dates, _durations(text)) + money_lines(text))
     return lines[:MAX_TOTAL]
 
 

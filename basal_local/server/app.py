@@ -26,12 +26,12 @@ from litestar.exceptions import HTTPException
 
 from .. import __version__
 from ..api import parse_body, route, validate
-from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error
+from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error, refusal_error
 from ..engine.engine import JobResult, ModelEngine
 from ..engine.evidence import attach_evidence
 from ..engine.plan import RequestPlan, next_round
 from ..engine.scheduler import Cancelled, EngineStopped
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import AnswerRefused, ProtocolError
 from ..telemetry import Telemetry
 from .body import BodyError, BodyLimits, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
@@ -256,6 +256,8 @@ async def _decide(request: Request, dialect: str) -> Response:
         return _error(call, err)
     except ProtocolError as exc:
         return _error(call, protocol_error(exc, dialect))
+    except AnswerRefused as exc:
+        return _error(call, refusal_error(exc, dialect))
     except BodyError as exc:
         return _error(call, http_error(exc.status, exc.code, exc.message, dialect), close=exc.close)
     except (ClientGone, Cancelled) as exc:
