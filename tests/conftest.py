@@ -18,6 +18,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".test-cache"
 
+# The README's test command installs with `pip install --no-compile` (compiling every .py of torch and
+# transformers to bytecode is minutes of CPU on a 2-core machine, and the tests import a fraction of them). So
+# let this process and the daemons it starts cache the bytecode of what they do import, once, even where the
+# environment says PYTHONDONTWRITEBYTECODE (otherwise every daemon would compile torch again).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 def generated_model(tmp_path_factory, preset: str, seed: int) -> Path:
     """A generated model directory; reused across runs from $BASAL_LOCAL_TEST_MODELS when that is set.

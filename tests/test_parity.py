@@ -106,29 +106,41 @@ def smollm2_gguf() -> Path:
 
 
 def smollm2_dir() -> tuple[Path, object]:
-    """SmolLM2 as our model layout (config.json + f32 safetensors, lm_head untied), and the transformers model."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    """SmolLM2 as our model layout (config.json + f32 safetensors, lm_head untied), and the transformers model
+    loaded from that directory by transformers itself. The GGUF is read by tests/gguf_weights.py (seconds; the
+    transformers GGUF loader takes minutes of CPU and gives the same tensors: see the slow test below)."""
+    from safetensors.numpy import save_file
+    from transformers import LlamaForCausalLM
+
+    from .gguf_weights import llama_from_gguf
 
     gguf = smollm2_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     target = CACHE / "smollm2-135m-f32"
     if not (target / "model.safetensors").exists():
         target.mkdir(parents=True, exist_ok=True)
-        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-        state["lm_head.weight"] = hf.get_output_embeddings().weight.detach().clone().contiguous()
-        c = hf.config
-        config = {**SMOL_CONFIG, "num_hidden_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
-                  "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-                  "num_key_value_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
-                  "vocab_size": c.vocab_size, "max_position_embeddings": c.max_position_embeddings,
-                  "rms_norm_eps": c.rms_norm_eps, "rope_parameters": {"rope_type": "default",
-                                                                      "rope_theta": c.rope_parameters["rope_theta"]}}
+        fields, state = llama_from_gguf(gguf)
+        rope_theta = fields.pop("rope_theta")
+        config = {**SMOL_CONFIG, **fields, "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}}
         tmp = target / f"model.safetensors.tmp{os.getpid()}"
-        save_file(state, str(tmp))
+        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp))
         (target / "config.json").write_text(json.dumps(config))
         tmp.rename(target / "model.safetensors")
-    return target, hf
+    return target, LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_gguf_reader_equals_the_transformers_gguf_loader():
+    """tests/gguf_weights.py gives exactly the tensors transformers' own GGUF loader gives (minutes of CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from .gguf_weights import llama_from_gguf
+
+    gguf = smollm2_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    _, state = llama_from_gguf(gguf)
+    theirs = {**hf.state_dict(), "lm_head.weight": hf.get_output_embeddings().weight}
+    assert set(theirs) == set(state)
+    assert all(np.array_equal(theirs[k].detach().numpy(), state[k]) for k in state)
 
 
 def test_smollm2_pretrained_weights_match_transformers():

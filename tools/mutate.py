@@ -165,7 +165,7 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: int, models: Path | N
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
     if models is not None:  # test models generated once by the unmutated code (tests/conftest.py)
         env["BASAL_LOCAL_TEST_MODELS"] = str(models)
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]
     started = time.perf_counter()
     try:
         out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
