@@ -382,3 +382,23 @@ def test_a_large_state_takes_linear_time():
     started = time.process_time()
     assert len(F.facts(text)) == 12
     assert time.process_time() - started < 20
+
+
+def test_a_state_longer_than_any_context_is_refused_before_the_scan(app_client):
+    """facts: "auto" on a state over MAX_SCAN_CHARS is the spec's 422 at once (no minutes of scanning for a
+    request the context check would refuse anyway); one character less is scanned as usual."""
+    import time
+
+    assert F.inject("x" * F.MAX_SCAN_CHARS) == "x" * F.MAX_SCAN_CHARS  # at the limit: scanned, nothing found
+    too_long = "x" * (F.MAX_SCAN_CHARS + 1)
+    started = time.process_time()
+    with pytest.raises(ValueError, match="state too long for facts"):
+        F.inject(too_long)
+    assert time.process_time() - started < 0.5
+    body = {"model": "basal-test-tiny", "state": too_long, "facts": "auto",
+            "questions": {"q": {"type": "noul", "instructions": "Late?"}}}
+    out = app_client.post("/v1/systemone", json=body)
+    assert out.status_code == 422 and out.json()["detail"][0]["type"] == "value_error"
+    assert out.json()["detail"][0]["loc"] == ["body", "state"]
+    out = app_client.post("/v1/basal", json=body)
+    assert out.status_code == 422 and out.json()["error"].startswith("state too long for facts")

@@ -196,8 +196,17 @@ def facts(text: str) -> list[str]:
     return lines[:MAX_TOTAL]
 
 
+# No model's context holds a state this long (32,768 positions at most, and no token of the Basal tokenizers
+# stands for 30 characters), so such a request can never be answered; refusing it here keeps a hostile
+# multi-megabyte `facts: "auto"` body from costing minutes of CPU (the scan runs ~10 s per MB) before the
+# context check would refuse it anyway.
+MAX_SCAN_CHARS = 1_000_000
+
+
 def inject(text: str) -> str:
     """The state with the facts block appended, or unchanged when there is nothing to add."""
+    if len(text) > MAX_SCAN_CHARS:
+        raise ValueError(f"state too long for facts: {len(text)} characters (at most {MAX_SCAN_CHARS})")
     lines = facts(text)
     if not lines:
         return text
