@@ -25,18 +25,7 @@ from basal_local.server.rayserve import REPLICA_HEADER, EngineReplica, Front
 from basal_local.server.settings import Settings
 
 from .conftest import free_port, http
-
-M = "basal-test-tiny"
-
-
-def bodies(n: int) -> list[dict]:
-    return [{"model": M, "state": f"Ticket {i}: the parcel {'is late' if i % 3 else 'arrived broken'}.",
-             "questions": {"q": {"type": "choice", "criteria": {"a": "Damage", "b": "Delay", "c": None}},
-                           "n": {"type": "noul", "instructions": f"Urgent #{i % 4}?"}}} for i in range(n)]
-
-
-def probabilities(answer: dict) -> np.ndarray:
-    return np.array([answer["n"]["noul"], *answer["q"]["probabilities"].values()])
+from .test_replicas import bodies, probabilities  # the same requests as the one-host test
 
 
 def scope(path: str, body: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> dict:
