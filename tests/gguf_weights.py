@@ -56,7 +56,7 @@ class _Cursor:
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata with arrays replaced by their lengths, {GGUF tensor name: f32 array in NumPy's row-major shape})."""
-    from gguf import GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
     with open(path, "rb") as f:
@@ -82,8 +82,6 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     tensors = {}
     for name, dims, qtype, offset in infos:
         qt = GGMLQuantizationType(qtype)
-        from gguf import GGML_QUANT_SIZES
-
         block, size = GGML_QUANT_SIZES[qt]
         count = int(np.prod(dims))
         nbytes = count // block * size
