@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from .zygote import cli_popen
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".test-cache"
 
@@ -81,9 +83,12 @@ class Daemon:
     def __init__(self, args: list[str], env: dict | None = None, command: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = command or [sys.executable, "-m", "basal_local.cli", "serve"]
-        self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        options = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
+                   "env": {**os.environ, **(env or {})}}
+        if command is None:  # `basal-local serve`, forked from the suite's preloaded server (tests/zygote.py)
+            self.proc = cli_popen(["serve", "--port", str(self.port), *args], **options)
+        else:
+            self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], **options)
         self._lines: collections.deque[str] = collections.deque(maxlen=self.LOG_LINES)
         self._drain = threading.Thread(target=self._read, daemon=True)
         self._drain.start()

@@ -18,6 +18,7 @@ import pytest
 from basal_local import __version__
 
 from .conftest import Daemon, free_port
+from .zygote import cli_popen, cli_run
 
 
 def cli(*args: str, env: dict | None = None, stdin: str | None = None):
@@ -43,7 +44,7 @@ def cli(*args: str, env: dict | None = None, stdin: str | None = None):
 
 def subcli(*args: str, env: dict | None = None, timeout: float = 300):
     """`basal-local ARGS` as its own process (for what only a process shows: exit status of serve, pipes)."""
-    return subprocess.run([sys.executable, "-m", "basal_local.cli", *args], capture_output=True, text=True,
+    return cli_run([*args], capture_output=True, text=True,
                           input="", timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -149,8 +150,8 @@ def test_serve_exits_non_zero_when_a_model_fails_to_load(home, tiny_model):
 
 
 def test_broken_pipe_is_quiet(home, tiny_model):
-    proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "show", str(tiny_model)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **home})
+    proc = cli_popen(["show", str(tiny_model)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     env={**os.environ, **home})
     proc.stdout.close()  # the reader is gone before the first line is written
     _, err = proc.communicate(timeout=300)
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err

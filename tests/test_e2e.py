@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -18,6 +16,7 @@ import torch
 
 from .conftest import Daemon, http
 from .reference import TEMPS, ReferenceTokenizer, render
+from .zygote import cli_run
 
 M = "basal-test-tiny"
 STATE = {"zgłoszenie": "Paczka dotarła uszkodzona 🙁", "kwota": 129.99, "tagi": ["dostawa", None]}
@@ -31,7 +30,7 @@ QUESTIONS = {
 
 
 def prompts_of(model_dir, body, dialect):
-    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(model_dir),
+    out = cli_run(["prompts", "--model", str(model_dir),
                           "--dialect", dialect], input=json.dumps(body).encode(), capture_output=True, check=True)
     return json.loads(out.stdout)
 
@@ -176,7 +175,7 @@ def test_demo_command_answers_and_stops_cleanly(tmp_path):
 
 
 def test_no_model_names_demo(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "serve"], capture_output=True, text=True,
+    out = cli_run(["serve"], capture_output=True, text=True,
                          env={"BASAL_LOCAL_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 2
     assert "--demo" in out.stderr and "pull" in out.stderr
@@ -194,11 +193,11 @@ def test_prompts_cli_round_trip(tiny_model):
     assert [{k: o[k] for k in ("prompt", "input_ids", "letter_ids")} for o in n["orders"]] == reference
     assert "A. Tak\nB. Nie" in reference[0]["prompt"] and "A. Nie\nB. Tak" in reference[1]["prompt"]
     assert all(o["input_ids"][:2] == [1, 3] for o in reference)
-    bad = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(tiny_model)],
+    bad = cli_run(["prompts", "--model", str(tiny_model)],
                          input=b'{"model": "basal-test-tiny", "state": 1}', capture_output=True)
     assert bad.returncode == 2 and b"HTTP 422" in bad.stderr
     assert json.loads(bad.stdout)["detail"][0]["loc"] == ["body", "state", "str"]
-    tree = subprocess.run([sys.executable, "-m", "basal_local.cli", "prompts", "--model", str(tiny_model), "--tree"],
+    tree = cli_run(["prompts", "--model", str(tiny_model), "--tree"],
                           input=json.dumps(body), capture_output=True, check=True, text=True).stdout
     # the two orders share every token up to where their option lists differ: one shared block, two leaves
     ids = [o["input_ids"] for o in reference]
@@ -254,12 +253,12 @@ def test_two_models_in_one_process(tiny_model, tmp_path):
 
 
 def test_bench_command_in_process_and_http(daemon, tiny_model):
-    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "bench", "--model", str(tiny_model), "--device",
+    out = cli_run(["bench", "--model", str(tiny_model), "--device",
                           "cpu", "--json"], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
     assert result["decisions"] == 67 and result["single_ms"]["median"] > 0
     assert result["throughput"]["batch32"]["packed_tokens"] < result["throughput"]["batch32"]["unpacked_tokens"]
-    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "bench", "--http", daemon.url, "--clients", "8",
+    out = cli_run(["bench", "--http", daemon.url, "--clients", "8",
                           "--requests", "40", "--json"], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
     assert result["requests"] == 40 and result["errors"] == 0 and result["req_per_s"] > 0

@@ -26,6 +26,7 @@ from basal_local.server.settings import Settings
 
 from .conftest import free_port, http
 from .test_replicas import bodies, probabilities  # the same requests as the one-host test
+from .zygote import cli_run
 
 
 def scope(path: str, body: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> dict:
@@ -151,7 +152,7 @@ def test_the_front_retries_a_request_whose_replica_died():
 
 def test_ray_flags_need_ray_and_the_ray_mode_refuses_one_host_flags(tiny_model):
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "basal_local.cli", "serve", "--model", str(tiny_model), *args],
+        return cli_run(["serve", "--model", str(tiny_model), *args],
                               capture_output=True, text=True, timeout=60)
 
     out = cli("--min-replicas", "2")

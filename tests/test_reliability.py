@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -19,6 +17,7 @@ import pytest
 
 from . import rawhttp
 from .conftest import Daemon, free_port
+from .zygote import cli_run
 
 M = "basal-test-tiny"
 SMALL = {"model": M, "state": "The parcel arrived broken.",
@@ -331,7 +330,7 @@ def test_errors_outside_the_dialects_have_one_json_shape(d):
 
 
 def test_public_host_needs_a_key(tiny_model):
-    out = subprocess.run([sys.executable, "-m", "basal_local.cli", "serve", "--model", str(tiny_model),
+    out = cli_run(["serve", "--model", str(tiny_model),
                           "--host", "0.0.0.0", "--port", str(free_port())], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2
@@ -426,7 +425,7 @@ def test_a_truncated_or_corrupt_model_file_is_refused_with_its_name(tiny_model, 
             weights.write_bytes(data[: len(data) // 2])
         else:
             weights.write_bytes(data[:8] + b"[" + data[9:])
-        out = subprocess.run([sys.executable, "-m", "basal_local.cli", "serve", "--model", str(model),
+        out = cli_run(["serve", "--model", str(model),
                               "--port", str(free_port())], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, out
         assert "model.safetensors" in out.stderr and "Traceback" not in out.stderr, out.stderr
