@@ -39,7 +39,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention: str = "auto",
-                     backend_name: str = "torch") -> dict[str, Any]:
+                     backend_name: str = "torch", decisions: int = 0) -> dict[str, Any]:
     from basal_local.backends.select import make_backend
 
     from .api.systemone import validate_systemone
@@ -60,6 +60,8 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     engine = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
     warmup_s = time.perf_counter() - t0  # template K/V and, on CUDA, graph capture of every bucket
     requests = [validate_systemone(r, model.name) for r in single_question_requests(model.name)]
+    if decisions:  # --decisions N: the first N of the sample set (a quick run)
+        requests = requests[:decisions]
 
     def sync():
         if backend.device.startswith("cuda"):
@@ -315,7 +317,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
-                                  getattr(args, "backend", "torch"))
+                                  getattr(args, "backend", "torch"), getattr(args, "decisions", 0))
         _save_partial(result)
         if result["device"].startswith("cuda"):
             result["memory_after_bench"] = _cuda_memory_now()

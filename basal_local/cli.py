@@ -317,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32"], help="(default auto)")
     p.add_argument("--repeat", type=_positive, default=1, help="passes over the sample set (default 1)")
+    p.add_argument("--decisions", type=_positive, metavar="N",
+                   help="in-process: only the first N decisions of the sample set (default: all 67)")
     p.add_argument("--http", help="URL of a running daemon: measure over HTTP instead")
     p.add_argument("--clients", type=_positive, default=1, help="concurrent HTTP clients (default 1)")
     p.add_argument("--requests", type=int, default=0, help="HTTP requests to send (default: the sample set)")
