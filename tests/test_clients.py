@@ -135,13 +135,19 @@ def test_jev_cli(served):
 
 
 def test_request_ids_on_every_response(served):
-    for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("GET", "/api/stats"),
-                         ("GET", "/openapi.json"), ("POST", "/v1/systemone")):
-        _, headers, _ = http(method, served.url + path, {} if method == "POST" else None)
+    # errors too: 404 and 405 come from the router (before any route middleware), 403 from the access guard
+    for method, path, extra, want in (("GET", "/v1/models", {}, 200), ("GET", "/health", {}, 200),
+                                      ("GET", "/api/stats", {}, 200), ("GET", "/openapi.json", {}, 200),
+                                      ("POST", "/v1/systemone", {}, 422), ("GET", "/no/such/path", {}, 404),
+                                      ("DELETE", "/v1/systemone", {}, 405),
+                                      ("GET", "/v1/models", {"origin": "http://evil.example"}, 403)):
+        status, headers, _ = http(method, served.url + path, {} if method == "POST" else None, headers=extra)
         lower = {k.lower(): v for k, v in headers.items()}
+        assert status == want, (method, path, status)
         assert lower.get("x-request-id") and lower["x-request-id"] == lower.get("x-typesafe-request-id"), path
-    _, headers, _ = http("GET", served.url + "/v1/models", headers={"x-request-id": "abc-123"})
-    assert {k.lower(): v for k, v in headers.items()}["x-typesafe-request-id"] == "abc-123"
+    for path, extra in (("/v1/models", {}), ("/nowhere", {}), ("/v1/models", {"origin": "http://evil.example"})):
+        _, headers, _ = http("GET", served.url + path, headers={"x-request-id": "abc-123", **extra})
+        assert {k.lower(): v for k, v in headers.items()}["x-typesafe-request-id"] == "abc-123", path
 
 
 def test_unknown_model_names_the_served_ones(served):

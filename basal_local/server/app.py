@@ -352,10 +352,10 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def create_app(state: AppState) -> Litestar:
-    from .extras import extra_handlers, wrap_asgi
+    from .extras import extra_handlers, stamp_request_id, wrap_asgi
 
     app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state)],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
-                   exception_handlers={Exception: _http_exception})
+                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id])
     app.state.basal = state
     return app

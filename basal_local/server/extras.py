@@ -82,6 +82,17 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
+def stamp_request_id(message: dict, scope: dict) -> None:
+    """Litestar `before_send`: a response that never reached the middleware below (404 and 405 come from the
+    router, before any route's middleware) gets its request id headers too."""
+    if message["type"] != "http.response.start":
+        return
+    headers = message.setdefault("headers", [])
+    if not any(k.lower() == b"x-request-id" for k, _ in headers):
+        rid = (_header(scope, b"x-request-id") or uuid.uuid4().hex).encode("latin-1")
+        headers.extend([(b"x-request-id", rid), (b"x-typesafe-request-id", rid)])
+
+
 def wrap_asgi(state: AppState):
     """The middleware factory for Litestar: ids on every response, spread 529s, metrics when enabled."""
     spreader = RetrySpreader(state.max_inflight)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,10 +128,13 @@ class AccessPolicy:
         return None
 
 
-async def send_error(send: Any, err: ApiError, close: bool = False) -> None:
-    """Answer an ASGI request with an ApiError's JSON body (and `Connection: close` when asked)."""
+async def send_error(send: Any, err: ApiError, close: bool = False, request_id: str | None = None) -> None:
+    """Answer an ASGI request with an ApiError's JSON body (and `Connection: close` when asked), with the
+    request id headers every response carries (the client's `x-request-id` echoed, else a new one)."""
     body = json.dumps(err.body, ensure_ascii=False).encode("utf-8")
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    rid = (request_id or uuid.uuid4().hex).encode("latin-1")
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"x-request-id", rid), (b"x-typesafe-request-id", rid)]
     headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items()]
     if close:
         headers.append((b"connection", b"close"))
@@ -158,7 +162,8 @@ class Guard:
             err = self.policy.check(scope.get("method", "GET"), scope.get("path", ""), headers)
             if err is not None:
                 # the body (if any) is not read: the connection cannot carry another request
-                await send_error(send, err, close=scope.get("method") in BODY_METHODS)
+                await send_error(send, err, close=scope.get("method") in BODY_METHODS,
+                                 request_id=headers.get("x-request-id"))
                 return
         await self.app(scope, receive, send)
 
