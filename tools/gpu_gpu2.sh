@@ -60,7 +60,7 @@ wait_ready() {  # port pid
   done; return 1
 }
 ticks() {  # pid -> "tid pid:comm cputicks" per thread, of the process and its children (replica processes)
-  for p in $1 $(pgrep -P $1); do
+  for p in $1 $(for d in /proc/[0-9]*; do [ "$(awk '{print $4}' $d/stat 2>/dev/null)" = "$1" ] && basename $d; done); do
     for t in /proc/$p/task/*; do echo "$(basename $t) $p:$(cat $t/comm | tr ' ' _) $(awk '{print $14+$15}' $t/stat)"; done
   done 2>/dev/null
 }
