@@ -272,3 +272,12 @@ def test_stopping_the_daemon_leaves_no_replica_process(processes):
     while time.time() < deadline and any(alive(pid) for pid in kids):
         time.sleep(0.1)
     assert not [pid for pid in kids if alive(pid)]
+
+
+def test_replica_processes_are_the_default_for_a_model_on_several_gpus_only():
+    from basal_local.server.daemon import use_processes
+    from basal_local.server.settings import Settings
+
+    auto, on, off = Settings(), Settings(replica_processes=True), Settings(replica_processes=False)
+    assert use_processes(auto, ["cuda:0", "cuda:1"]) and not use_processes(off, ["cuda:0", "cuda:1"])
+    assert not use_processes(auto, ["cpu"]) and not use_processes(auto, ["cuda:1"]) and use_processes(on, ["cpu"])

@@ -137,6 +137,23 @@ class _RelayTelemetry(Telemetry):
         self.out.put(("batch", fields))
 
 
+class _RelayLog(logging.Handler):
+    """A worker's log records go to the front's loggers (its terminal, log file and dashboard log pane)."""
+
+    def __init__(self, out: queue.SimpleQueue) -> None:
+        super().__init__()
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            self.out.put(("log", record.levelno, record.name, text))
+        except Exception:  # logging must never take the worker down
+            pass
+
+
 def _sender(conn, out: queue.SimpleQueue, engine_ref: list, done: threading.Event) -> None:
     """Drain the out-queue into the pipe; also runs the later rounds of large choices (off the lane threads)."""
     while True:
@@ -226,14 +243,16 @@ def worker_main(conn, spec: WorkerSpec) -> None:
     """A worker process: load the model on its device, then serve the front's jobs until stop or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front drains and then says stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level, format=f"%(levelname)s replica {spec.replica}: %(message)s")
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    root = logging.getLogger()
+    root.handlers[:] = [_RelayLog(out)]
+    root.setLevel(spec.log_level)
     from basal_local.backends.select import make_backend
 
     from ..model.directory import load_model_dir
     from .engine import ModelEngine
     from .gate import DeviceGate
 
-    out: queue.SimpleQueue = queue.SimpleQueue()
     done = threading.Event()
     engine_ref: list = [None]
     try:
@@ -245,7 +264,11 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         engine = ModelEngine(model, backend, DeviceGate(spec.settings.long_slice_ms / 1000.0), telemetry,
                              spec.settings, replica=spec.replica)
     except Exception as exc:
-        conn.send([("load_error", f"replica {spec.replica} on {spec.device}: {exc}")])
+        log.debug("loading failed", exc_info=True)
+        records = []
+        while not out.empty():
+            records.append(out.get())
+        conn.send([*records, ("load_error", f"replica {spec.replica} on {spec.device}: {exc}")])
         conn.close()
         return
     engine_ref[0] = engine
@@ -554,6 +577,8 @@ class ProcessReplicaSet:
         elif kind == "failed":
             r.running_ids = set()
             self.telemetry.batch_failed(self.model.name, message[1], RuntimeError(message[2]))
+        elif kind == "log":
+            logging.getLogger(message[2]).log(message[1], "replica %d: %s", r.replica, message[3])
         elif kind == "count":
             self.telemetry.count(message[1], message[2])
         elif kind == "tree":
