@@ -247,7 +247,7 @@ def test_a_killed_replica_process_loses_nothing(processes, daemon):
         deadline = time.time() + 30  # kill it while it holds requests
         while time.time() < deadline:
             _, _, stats = http("GET", processes.url + "/api/stats")
-            if stats["replicas"][1]["waiting"] >= 2:
+            if stats["replicas"][1]["in_flight"] >= 2:
                 break
             time.sleep(0.01)
         os.kill(victim, signal.SIGKILL)

@@ -522,8 +522,9 @@ class ProcessReplicaSet:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"model": self.model.name, "replica": r.replica, "device": r.backend.device,
-                 "alive": r.alive and r.replica not in self.dead, "batches": r.batches, "waiting": len(r.pending),
-                 "queued_tokens": r.queued, "pid": r.process.pid} for r in self.replicas]
+                 "alive": r.alive and r.replica not in self.dead, "batches": r.batches,
+                 "waiting": len(_RemoteLane(r).queue), "in_flight": len(r.pending), "queued_tokens": r.queued,
+                 "pid": r.process.pid} for r in self.replicas]
 
     # ---- from the workers (reader threads) ---------------------------------------------------------------
     def _take(self, r: RemoteReplica, token: int) -> _Pending | None:

@@ -94,6 +94,7 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
     state.backend_name, state.device, state.dtype = info["backend"], info["device"], info["dtype"]
+    state.telemetry.memory_probe = engine.replicas[-1].backend.memory  # its last batch's figures
     for r in engine.replicas:
         log.info("loaded %s from %s: %d layers, %s on %s (replica %d, pid %d)", model.name, model.path,
                  r.info["layers"], r.info["dtype"], r.info["device"], r.replica, r.info["pid"])
