@@ -158,7 +158,11 @@ def special_bodies() -> list[dict]:
                 "big": {"type": "choice", "criteria": [f"opcja {i}" for i in range(14)]},
                 "kind": {"type": "choice", "instructions": "Rodzaj?", "criteria": {"damage": "Uszkodzenie",
                                                                                      "late": None},
-                         "evidence": True}}}]
+                         "evidence": True}}},
+            {"model": M, "state": "The refund request is for a broken kettle.", "questions": {
+                "refund": {"type": "act", "instructions": "Refund?", "max_error": 0.05,
+                           "costs": {"approve": {"true": 0, "false": 1240}, "reject": {"true": 300, "false": 0}}}}},
+            {"model": M, "state": "x" * 40000, "questions": {"q": {"type": "noul", "instructions": "Long?"}}}]
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +214,19 @@ def close(got, want, tol: float = 1e-6) -> bool:
 def test_replica_processes_answer_like_one_daemon_and_share_the_work(processes, daemon):
     work = bodies(24) + special_bodies()
     alone = [http("POST", daemon.url + "/v1/systemone", b) for b in work]
-    assert all(status == 200 for status, _, _ in alone), alone
-    assert "evidence" in alone[-1][2]["answers"]["kind"]
+    # the act refuses on this model (422 from the answer, in the worker); the long state is refused by planning
+    assert [status for status, _, _ in alone] == [200] * (len(work) - 2) + [422, 422], alone
+    assert "evidence" in alone[-3][2]["answers"]["kind"]
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda b: http("POST", processes.url + "/v1/systemone", b), work * 2))
     for i, (status, headers, out) in enumerate(together):
-        assert status == 200, out
-        assert close(out["answers"], alone[i % len(work)][2]["answers"]), (out, alone[i % len(work)])
-        assert out["usage"]["input_tokens"] == alone[i % len(work)][2]["usage"]["input_tokens"]
+        want_status, _, want = alone[i % len(work)]
+        assert status == want_status, (out, want)
+        if status != 200:  # the same error body
+            assert out == want
+            continue
+        assert close(out["answers"], want["answers"]), (out, want)
+        assert out["usage"]["input_tokens"] == want["usage"]["input_tokens"]
         assert int(headers["x-basal-batch-requests"]) >= 1
     _, _, health = http("GET", processes.url + "/health")
     assert [(r["replica"], r["device"], r["alive"]) for r in health["replicas"]] == [(0, "cpu", True),
@@ -230,7 +239,7 @@ def test_replica_processes_answer_like_one_daemon_and_share_the_work(processes, 
     ids = [b["batch_id"] for b in stats["batches"]]
     assert len(set(ids)) == len(ids) and {b["replica"] for b in stats["batches"]} == {0, 1}
     assert {b["lane"] for b in stats["batches"]} == {"main", "main-r1"}
-    assert stats["totals"]["answered"] == len(together)
+    assert stats["totals"]["answered"] == len(together) - 4
     assert any(b["tree"] for b in stats["batches"])  # a batch tree, built in its worker when read
     with urllib.request.urlopen(processes.url + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
