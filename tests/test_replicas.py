@@ -7,6 +7,7 @@ requests retried on the other one.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -212,7 +213,7 @@ def close(got, want, tol: float = 1e-6) -> bool:
 
 
 def test_replica_processes_answer_like_one_daemon_and_share_the_work(processes, daemon):
-    work = bodies(24) + special_bodies()
+    work = bodies(16) + special_bodies()
     alone = [http("POST", daemon.url + "/v1/systemone", b) for b in work]
     # the act refuses on this model (422 from the answer, in the worker); the long state is refused by planning
     assert [status for status, _, _ in alone] == [200] * (len(work) - 2) + [422, 422], alone
@@ -241,13 +242,23 @@ def test_replica_processes_answer_like_one_daemon_and_share_the_work(processes, 
     assert {b["lane"] for b in stats["batches"]} == {"main", "main-r1"}
     assert stats["totals"]["answered"] == len(together) - 4
     assert any(b["tree"] for b in stats["batches"])  # a batch tree, built in its worker when read
+    # the dashboard's stream carries the workers' events (replayed from the start of the history)
+    wanted = {(kind, lane) for kind in ("queued", "batched", "computed") for lane in ("main", "main-r1")}
+    with urllib.request.urlopen(processes.url + "/api/events?since=0", timeout=30) as stream:
+        for line in stream:
+            if line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                wanted.discard((event["kind"], event.get("lane")))
+                if not wanted:
+                    break
+    assert not wanted
     with urllib.request.urlopen(processes.url + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     assert 'basal_batch_requests_count{lane="main-r1",model="basal-test-tiny"}' in metrics
 
 
 def test_a_killed_replica_process_loses_nothing(processes, daemon):
-    work = bodies(40)
+    work = bodies(32)
     alone = [http("POST", daemon.url + "/v1/systemone", b)[2]["answers"] for b in work]
     _, _, stats = http("GET", processes.url + "/api/stats")
     victim = next(r["pid"] for r in stats["replicas"] if r["replica"] == 1)
