@@ -546,8 +546,8 @@ class ProcessReplicaSet:
             fields = message[2]
             plan = pending.job.plan
             # the worker ran every round: the front's plan takes the last round's figures (and no next round)
-            plan.round, plan.input_tokens, plan.planning_s = fields["round"], fields["input_tokens"], fields[
-                "planning_s"]
+            plan.round, plan.planning_s = fields["round"], fields["planning_s"]
+            plan.input_tokens, plan.packed_tokens = fields["input_tokens"], fields["packed_tokens"]
             plan.error = None if fields["error"] is None else decode_error(fields["error"])
             pending.job.resolve(JobResult(fields["body"], fields["queue_ms"], fields["compute_ms"],
                                           fields["batch_requests"], self._batch_id(r, fields["batch_id"])))
