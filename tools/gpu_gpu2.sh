@@ -108,7 +108,7 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
 }
 has http && serve_and_measure 1gpu "${HTTP_RUNS:-c1 c32i c64}" --device ${DEV:-cuda}
 has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
-has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1
+has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --no-replica-processes
 # issue 13: each replica in its own process (the front keeps HTTP, planning, routing)
 has multiproc && serve_and_measure 2gpu-proc "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --replica-processes
 if has http && has multi; then
