@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"(default {defaults.device}: cuda when available, else cpu)")
     p.add_argument("--devices", help="one engine replica per device: cuda:0,cuda:1 or all (overrides --device)")
     p.add_argument("--replicas", type=_positive, help="engine replicas per device (default 1)")
+    p.add_argument("--replica-processes", action=argparse.BooleanOptionalAction, default=None,
+                   dest="replica_processes",
+                   help="each engine replica in its own process, the HTTP front in this one (default: on when a "
+                        "model runs on more than one GPU; --no-replica-processes keeps them in one process)")
     p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "q8", "q4"],
                    help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; q8/q4: MLX only, quantized once "
                         "and cached in the user cache folder)")

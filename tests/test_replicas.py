@@ -7,7 +7,13 @@ requests retried on the other one.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import threading
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -143,3 +149,155 @@ def test_every_replica_dead_answers_engine_stopped(replica_set):
     for f in follow:
         with pytest.raises((RuntimeError, EngineStopped)):
             f.future.result(WAIT)
+
+
+# ---- replicas in worker processes (`--replica-processes`): one daemon for the three tests below, in order
+
+def special_bodies() -> list[dict]:
+    """A large choice (two rounds, run inside the worker), evidence (the worker's forward) and a fixed answer."""
+    return [{"model": M, "state": "Paczka dotarła uszkodzona, klient czeka od tygodnia.", "questions": {
+                "big": {"type": "choice", "criteria": [f"opcja {i}" for i in range(14)]},
+                "kind": {"type": "choice", "instructions": "Rodzaj?", "criteria": {"damage": "Uszkodzenie",
+                                                                                     "late": None},
+                         "evidence": True}}},
+            {"model": M, "state": "The refund request is for a broken kettle.", "questions": {
+                "refund": {"type": "act", "instructions": "Refund?", "max_error": 0.05,
+                           "costs": {"approve": {"true": 0, "false": 1240}, "reject": {"true": 300, "false": 0}}}}},
+            {"model": M, "state": "x" * 40000, "questions": {"q": {"type": "noul", "instructions": "Long?"}}}]
+
+
+@pytest.fixture(scope="module")
+def processes(tiny_model):
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--replicas", "2", "--replica-processes",
+                "--metrics"])
+    try:
+        d.wait_ready(timeout=240)
+        yield d
+    finally:
+        d.stop()
+
+
+def children(pid: int) -> list[int]:
+    """Every process whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def close(got, want, tol: float = 1e-6) -> bool:
+    """The same answer: the same keys, choices and texts, numbers within `tol` (the CPU path is not
+    batch-invariant: a question's floats depend on its batch-mates by ~1e-7; the CUDA path's are bitwise)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and list(got) == list(want) and all(close(got[k], want[k], tol) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(close(g, w, tol) for g, w in zip(got, want))
+    if isinstance(want, float):
+        return isinstance(got, float) and abs(got - want) <= tol
+    return got == want
+
+
+def test_replica_processes_answer_like_one_daemon_and_share_the_work(processes, daemon):
+    work = bodies(16) + special_bodies()
+    alone = [http("POST", daemon.url + "/v1/systemone", b) for b in work]
+    # the act refuses on this model (422 from the answer, in the worker); the long state is refused by planning
+    assert [status for status, _, _ in alone] == [200] * (len(work) - 2) + [422, 422], alone
+    assert "evidence" in alone[-3][2]["answers"]["kind"]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda b: http("POST", processes.url + "/v1/systemone", b), work * 2))
+    for i, (status, headers, out) in enumerate(together):
+        want_status, _, want = alone[i % len(work)]
+        assert status == want_status, (out, want)
+        if status != 200:  # the same error body
+            assert out == want
+            continue
+        assert close(out["answers"], want["answers"]), (out, want)
+        assert out["usage"]["input_tokens"] == want["usage"]["input_tokens"]
+        assert int(headers["x-basal-batch-requests"]) >= 1
+    _, _, health = http("GET", processes.url + "/health")
+    assert [(r["replica"], r["device"], r["alive"]) for r in health["replicas"]] == [(0, "cpu", True),
+                                                                                      (1, "cpu", True)]
+    _, _, stats = http("GET", processes.url + "/api/stats")
+    pids = {r["pid"] for r in stats["replicas"]}
+    assert len(pids) == 2 and processes.proc.pid not in pids and set(children(processes.proc.pid)) >= pids
+    assert all(r["batches"] > 0 for r in stats["replicas"]), stats["replicas"]  # both computed
+    # the workers' batches are the daemon's records: unique ids, both lanes, answered requests point at them
+    ids = [b["batch_id"] for b in stats["batches"]]
+    assert len(set(ids)) == len(ids) and {b["replica"] for b in stats["batches"]} == {0, 1}
+    assert {b["lane"] for b in stats["batches"]} == {"main", "main-r1"}
+    assert stats["totals"]["answered"] == len(together) - 4
+    assert any(b["tree"] for b in stats["batches"])  # a batch tree, built in its worker when read
+    # the dashboard's stream carries the workers' events (replayed from the start of the history)
+    wanted = {(kind, lane) for kind in ("queued", "batched", "computed") for lane in ("main", "main-r1")}
+    with urllib.request.urlopen(processes.url + "/api/events?since=0", timeout=30) as stream:
+        for line in stream:
+            if line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                wanted.discard((event["kind"], event.get("lane")))
+                if not wanted:
+                    break
+    assert not wanted
+    with urllib.request.urlopen(processes.url + "/metrics", timeout=30) as resp:
+        metrics = resp.read().decode()
+    assert 'basal_batch_requests_count{lane="main-r1",model="basal-test-tiny"}' in metrics
+
+
+def test_a_killed_replica_process_loses_nothing(processes, daemon):
+    work = bodies(32)
+    alone = [http("POST", daemon.url + "/v1/systemone", b)[2]["answers"] for b in work]
+    _, _, stats = http("GET", processes.url + "/api/stats")
+    victim = next(r["pid"] for r in stats["replicas"] if r["replica"] == 1)
+    with ThreadPoolExecutor(20) as pool:
+        futures = [pool.submit(http, "POST", processes.url + "/v1/systemone", b) for b in work]
+        deadline = time.time() + 30  # kill it while it holds requests
+        while time.time() < deadline:
+            _, _, stats = http("GET", processes.url + "/api/stats")
+            if stats["replicas"][1]["in_flight"] >= 2:
+                break
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result() for f in futures]
+    for (status, _, out), want in zip(results, alone):
+        assert status == 200, out
+        assert close(out["answers"], want), (out, want)
+    _, _, health = http("GET", processes.url + "/health")
+    assert [r["alive"] for r in health["replicas"]] == [True, False]
+    moved = re.search(r"replica 1 of \S+ on cpu is out of rotation: its process ended \(exit code -9\); (\d+) "
+                      "requests go to the others", processes.log)
+    assert moved and int(moved[1]) >= 1, processes.log[-3000:]  # it died holding requests, and they were answered
+    assert close(http("POST", processes.url + "/v1/systemone", work[0])[2]["answers"], alone[0])  # the survivor
+
+
+def test_stopping_the_daemon_leaves_no_replica_process(processes):
+    kids = children(processes.proc.pid)
+    assert kids  # the live worker (and multiprocessing's resource tracker)
+    processes.stop()
+    assert processes.proc.returncode == 0, processes.log[-2000:]
+    deadline = time.time() + 10
+    while time.time() < deadline and any(alive(pid) for pid in kids):
+        time.sleep(0.1)
+    assert not [pid for pid in kids if alive(pid)]
+
+
+def test_replica_processes_are_the_default_for_a_model_on_several_gpus_only():
+    from basal_local.server.daemon import use_processes
+    from basal_local.server.settings import Settings
+
+    auto, on, off = Settings(), Settings(replica_processes=True), Settings(replica_processes=False)
+    assert use_processes(auto, ["cuda:0", "cuda:1"]) and not use_processes(off, ["cuda:0", "cuda:1"])
+    assert not use_processes(auto, ["cpu"]) and not use_processes(auto, ["cuda:1"]) and use_processes(on, ["cpu"])

@@ -3,7 +3,7 @@
 # in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
-# STAGES (default "tests bench http coalesce multi max"; also gemm, hostprof, mini, compiled); GEMMS: the routes the bench stage runs
+# STAGES (default "tests bench http coalesce multi max"; also multiproc, gemm, hostprof, mini, compiled); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -59,8 +59,10 @@ wait_ready() {  # port pid
     sleep 1
   done; return 1
 }
-ticks() {  # pid -> "tid comm cputicks" per thread
-  for t in /proc/$1/task/*; do echo "$(basename $t) $(cat $t/comm | tr ' ' _) $(awk '{print $14+$15}' $t/stat)"; done
+ticks() {  # pid -> "tid pid:comm cputicks" per thread, of the process and its children (replica processes)
+  for p in $1 $(for d in /proc/[0-9]*; do [ "$(awk '{print $4}' $d/stat 2>/dev/null)" = "$1" ] && basename $d; done); do
+    for t in /proc/$p/task/*; do echo "$(basename $t) $p:$(cat $t/comm | tr ' ' _) $(awk '{print $14+$15}' $t/stat)"; done
+  done 2>/dev/null
 }
 cpu_report() {  # pid, before-file, seconds, label: process cores used and the busiest threads
   ticks $1 > /tmp/after.txt
@@ -73,8 +75,12 @@ for l in open(sys.argv[2]):
     if len(p) == 3:
         rows.append(((int(p[2]) - b.get(p[0], 0)) / 100.0 / float(sys.argv[3]), p[1]))
 rows.sort(reverse=True)
-print(sys.argv[4], "cores used %.2f;" % sum(r[0] for r in rows), "busiest threads:",
-      ", ".join("%s %.2f" % (n, c) for c, n in rows[:6]))
+procs = {}
+for c, n in rows:
+    procs[n.split(":")[0]] = procs.get(n.split(":")[0], 0.0) + c
+print(sys.argv[4], "cores used %.2f;" % sum(r[0] for r in rows), "per process:",
+      ", ".join("%s %.2f" % kv for kv in sorted(procs.items())), "; busiest threads:",
+      ", ".join("%s %.2f" % (n, c) for c, n in rows[:8]))
 PY
 }
 serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), serve args...
@@ -100,11 +106,16 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
   for f in $OUT/http-$name-*.json; do echo "$(basename $f): $(cat $f)"; done
   el "daemon $name done"
 }
-has http && serve_and_measure 1gpu "c1 c32i c64" --device ${DEV:-cuda}
+has http && serve_and_measure 1gpu "${HTTP_RUNS:-c1 c32i c64}" --device ${DEV:-cuda}
 has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
-has multi && serve_and_measure 2gpu "c64 c128" --devices cuda:0,cuda:1
+has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --no-replica-processes
+# issue 13: each replica in its own process (the front keeps HTTP, planning, routing)
+has multiproc && serve_and_measure 2gpu-proc "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --replica-processes
 if has http && has multi; then
   (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu.json) | tee $OUT/answers-compare.txt
+fi
+if has http && has multiproc; then
+  (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu-proc.json) | tee $OUT/answers-compare-proc.txt
 fi
 if has max; then  # the max preset: single and batch figures only
   (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&

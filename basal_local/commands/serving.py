@@ -11,7 +11,8 @@ from pathlib import Path
 from .. import __version__
 from . import UserError, port_free
 
-SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas", "dtype", "default_model", "max_inflight",
+SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas",
+              "replica_processes", "dtype", "default_model", "max_inflight",
               "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "coalesce_ms", "prefix_cache", "metrics", "api_key",
               "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
 
@@ -158,7 +159,8 @@ def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
         if given:
             raise UserError(f"{given[0]} only works with --ray", "add --ray, or drop " + given[0])
         return
-    for flag, key in (("--devices", "devices"), ("--replicas", "replicas"), ("--tui", "tui"),
+    for flag, key in (("--devices", "devices"), ("--replicas", "replicas"),
+                      ("--replica-processes", "replica_processes"), ("--tui", "tui"),
                       ("--demo-traffic", "demo_traffic")):
         if getattr(args, key, None):
             raise UserError(f"{flag} does not go with --ray (Ray places one engine replica per actor)",

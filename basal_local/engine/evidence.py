@@ -17,7 +17,13 @@ from .plan import RequestPlan
 
 
 def attach_evidence(plan: RequestPlan, engine: Any) -> None:
-    """Compute the spans of every question with `evidence` into `plan.evidence`; 422 when there is no head."""
+    """Compute the spans of every question with `evidence` into `plan.evidence`; 422 when there is no head.
+
+    An engine with its own `attach_evidence` (replicas in worker processes) computes them where its device is."""
+    own = getattr(engine, "attach_evidence", None)
+    if own is not None:
+        own(plan)
+        return
     request = plan.request
     wanted = [q for q in request.questions if q.evidence]
     if not wanted:

@@ -224,7 +224,8 @@ def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
 
 def _failure(call: _Call, exc: Exception) -> ApiError:
     """A failure of ours as the dialect's 500; a device out of memory as a 503 the client may retry."""
-    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError / torch.cuda.OutOfMemoryError
+    # torch.OutOfMemoryError / torch.cuda.OutOfMemoryError, here or in a replica's process (its `type_name`)
+    if getattr(exc, "type_name", type(exc).__name__) == "OutOfMemoryError":
         log.warning("request %s: the device ran out of memory in its batch", call.request_id)
         return http_error(503, "OUT_OF_MEMORY", "the device ran out of memory for this request's batch; retry "
                           "(with fewer or shorter questions), or start the daemon with a lower "

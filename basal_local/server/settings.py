@@ -21,6 +21,8 @@ class Settings:
     device: str = "auto"
     devices: str | None = None  # "cuda:0,cuda:1" or "all": one engine replica per device
     replicas: int = 1  # replicas per device (several on one big GPU, or on the CPU in tests)
+    # each replica in its own worker process (engine/processes.py); None: when a model is on more than one GPU
+    replica_processes: bool | None = None
     placement: dict[str, list[str]] = field(default_factory=dict)  # config.toml: model name -> its devices
     dtype: str = "auto"
     default_model: str | None = None
