@@ -178,8 +178,9 @@ def processes(tiny_model):
 
 
 def children(pid: int) -> list[int]:
-    """Every process whose parent is `pid` (Linux /proc)."""
-    out = []
+    """Every live process descended from `pid` (Linux /proc): the workers are children of multiprocessing's
+    forkserver, itself a child of the daemon."""
+    parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -187,8 +188,13 @@ def children(pid: int) -> list[int]:
                     fields = fh.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [child for child, parent in parents.items() if parent in frontier]
+        out += kids
+        frontier = kids
     return out
 
 
