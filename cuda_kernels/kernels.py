@@ -207,7 +207,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _letter_kernel(H, W, LETTERS, OUT, stride_h, stride_w, N, n_letters, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     j = tl.program_id(1)
-    letter = tl.load(LETTERS + j)
+    letter = tl.load(LETTERS + j).to(tl.int64)  # int32 or int64 ids; the row offset can pass 2**31
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
