@@ -3,7 +3,7 @@
 # in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
-# STAGES (default "tests bench http coalesce multi max"; also gemm, hostprof, mini, compiled); GEMMS: the routes the bench stage runs
+# STAGES (default "tests bench http coalesce multi max"; also gemm, hostprof, mini, compiled, httptools); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -101,6 +101,10 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
   el "daemon $name done"
 }
 has http && serve_and_measure 1gpu "c1 c32i c64" --device ${DEV:-cuda}
+if has httptools; then  # the same daemon with httptools parsing HTTP instead of h11 (.whl-extra/httptools-*.whl)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl-extra/httptools-*.whl &&
+    PYTHONPATH=/tmp/site2:$PYTHONPATH ANSWERS= serve_and_measure 1gpu-httptools "c1 c32" --device ${DEV:-cuda}
+fi
 has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
 has multi && serve_and_measure 2gpu "c64 c128" --devices cuda:0,cuda:1
 if has http && has multi; then
