@@ -39,7 +39,7 @@ VERIFIED_FLOOR_MAX = 512
 # letter columns of a graph's logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
 # the eager forward run once at warm-up (FastPath.warm_long): the size of a ~16.5k-token document's forward
-LONG_WARMUP_TOKENS = 17408
+LONG_WARMUP_TOKENS = 17371
 
 
 class _Graph(NamedTuple):
@@ -145,7 +145,9 @@ class FastPath:
         layout, offset = {}, 0
         for name, length in fields.items():
             layout[name] = (offset, length)
-            offset += length
+            # every field 16-byte aligned whatever the sizes: Triton compiles one variant per pointer alignment,
+            # so unaligned views (an eager forward of an odd token count) cost seconds of JIT on first use
+            offset += -(-length // 4) * 4
         return layout, offset
 
     def _host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int,
@@ -351,9 +353,9 @@ class FastPath:
 
     def warm_long(self) -> None:
         """One eager forward longer than the largest graph (a long document with a few questions off it), so
-        the first long request finds its kernels, library handles and memory ready (it took 3.3 s cold
-        against 1.0 s warm for a 16.5k-token document on the H200, docs/PERFORMANCE.md)."""
-        n = min(LONG_WARMUP_TOKENS, self.b.config.max_position_embeddings)
+        the first long request finds its kernels, library handles and memory ready (a 16.5k-token document
+        took 3.3 s the first time and 1.0 s after on the H200, docs/PERFORMANCE.md)."""
+        n = min(LONG_WARMUP_TOKENS, self.b.config.max_position_embeddings - 1)
         if n <= TOKEN_BUCKETS[-1]:
             return
         for _ in self.forward_steps(self._dummy(n, 4, children=4)):
