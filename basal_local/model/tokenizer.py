@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,8 +22,8 @@ class TokenizerError(ValueError):
 SHARED_MIN_CHARS = 256
 # texts of twice this many characters are tokenized in parallel pieces of about this size
 PIECE_CHARS = 4096
-# texts of fewer characters in all are tokenized one by one, not on the tokenizer's thread pool
-PARALLEL_CHARS = 8192
+# texts of fewer characters in all are tokenized one by one, not on the tokenizer's thread pool (BasalTokenizer._run)
+SERIAL_CHARS = 8192
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -110,6 +111,7 @@ class BasalTokenizer:
         self._splits = splits_at_spaces(fixed)
         # encode_batch_fast (tokenizers >= 0.20.2) skips the character offsets that ids alone never need
         self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        self.serial_chars = int(os.environ.get("BASAL_LOCAL_TOKENIZE_SERIAL_CHARS", SERIAL_CHARS))
         self.bos = bos_token
         if self._tok.token_to_id(bos_token) is None:
             raise TokenizerError(f"tokenizer_config.json: bos_token {bos_token!r} is not in the vocabulary")
@@ -125,29 +127,36 @@ class BasalTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids of each text, equal to `encode` of each. Where the vocabulary allows exact splits (`_splits`),
-        the text the prompts share (template + state) is tokenized once and long texts in parallel pieces."""
+        the text the prompts share (template + state) is tokenized once and long texts in pieces."""
         texts = list(texts)
-        if not self._splits or not texts:
-            return self._encode_many(texts)
+        if not texts:
+            return []
+        if not self._splits:
+            return self._run(texts)
         cut = 0
         if len(texts) > 1:
             cut = safe_cut(texts[0], min(_common_prefix_len(texts[0], t) for t in texts[1:]))
-        if cut < SHARED_MIN_CHARS:
-            return [self._encode_pieces(t) for t in texts]
-        head = self._encode_pieces(texts[0][:cut])
-        return [head + ids for ids in self._encode_many([t[cut:] for t in texts])]
+        shared = cut >= SHARED_MIN_CHARS
+        parts = [self._pieces(texts[0][:cut])] + [[t[cut:]] for t in texts] if shared else \
+            [self._pieces(t) for t in texts]
+        ids = self._run([p for ps in parts for p in ps])
+        joined, at = [], 0
+        for ps in parts:
+            joined.append([i for chunk in ids[at:at + len(ps)] for i in chunk])
+            at += len(ps)
+        return [joined[0] + tail for tail in joined[1:]] if shared else joined
 
-    def _encode_many(self, texts: list[str]) -> list[list[int]]:
-        """Short texts one by one (the tokenizer's thread pool costs more than it saves on a few hundred
-        characters: 0.34 ms for two ~150-character tails on the H200 host), long ones in parallel."""
-        if sum(len(t) for t in texts) < PARALLEL_CHARS:
+    def _run(self, texts: list[str]) -> list[list[int]]:
+        """Short work one text after another (the tokenizer's thread pool costs ~0.3 ms a call on the 16-core
+        H200 host, more than two prompts take), the rest in one call on the pool, which also releases the GIL
+        for the daemon's other threads. `BASAL_LOCAL_TOKENIZE_SERIAL_CHARS` moves the line (0: always the pool)."""
+        if sum(len(t) for t in texts) < self.serial_chars:
             return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
         return [e.ids for e in self._batch(texts, add_special_tokens=False)]
 
-    def _encode_pieces(self, text: str) -> list[int]:
-        """One text; a long one cut at safe points into pieces tokenized in parallel (the tokenizer's threads)."""
-        if len(text) < 2 * PIECE_CHARS:
-            return self._tok.encode(text, add_special_tokens=False).ids
+    @staticmethod
+    def _pieces(text: str) -> list[str]:
+        """A long text cut at safe points into pieces of about PIECE_CHARS (tokenized in parallel)."""
         cuts = [0]
         while len(text) - cuts[-1] >= 2 * PIECE_CHARS:
             at = text.find(" ", cuts[-1] + PIECE_CHARS)
@@ -156,8 +165,7 @@ class BasalTokenizer:
             if at <= 0:
                 break
             cuts.append(at)
-        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
-        return [i for e in self._batch(pieces, add_special_tokens=False) for i in e.ids]
+        return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
 
     @functools.cached_property
     def max_token_chars(self) -> int:
