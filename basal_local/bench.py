@@ -435,6 +435,7 @@ def _cuda_memory(backend) -> dict[str, float]:
 def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", long_doc: bool = False,
                  invariance: int = 0, repeat: int = 1) -> dict[str, Any]:
     """The long-document figures and the alone-vs-amid-31-others bitwise check, in-process."""
+    import gc
     import random
 
     import numpy as np
@@ -448,6 +449,7 @@ def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", lo
     from .model.directory import load_model_dir
     from .telemetry import Telemetry
 
+    gc.collect()  # the in-process bench's backend (a backend <-> FastPath cycle) must not count in these figures
     model = load_model_dir(model_dir)
     backend = make_backend("torch", device, attention)
     backend.load(model.path, dtype)
