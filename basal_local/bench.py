@@ -7,12 +7,14 @@ In-process figures drive the real engine path (plan -> pack -> backend -> answer
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import platform
 import statistics
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from importlib import resources
 from typing import Any
@@ -215,7 +217,37 @@ def _mlx_version() -> str:
     return f"{mx.__version__} ({'metal' if mx.metal.is_available() else 'cpu'})"
 
 
-def bench_http(url: str, clients: int, total: int) -> dict[str, Any]:
+class _Client:
+    """One benchmark client's connection: kept alive between requests as SDKs do, or new for each request
+    (`keep_alive=False`: the figures then include connecting and urllib's per-request set-up)."""
+
+    def __init__(self, url: str, keep_alive: bool) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.url, self.host, self.port, self.keep_alive = url, parts.hostname or "127.0.0.1", parts.port, keep_alive
+        self.conn: http.client.HTTPConnection | None = None
+
+    def post(self, path: str, data: bytes) -> tuple[bytes, int]:
+        """(body, x-basal-batch-requests) of a 200 answer; raises on anything else."""
+        if not self.keep_alive:
+            req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                return resp.read(), int(resp.headers.get("x-basal-batch-requests", "1"))
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        try:
+            self.conn.request("POST", path, data, {"Content-Type": "application/json"})
+            resp = self.conn.getresponse()
+            body = resp.read()
+        except (OSError, http.client.HTTPException):
+            self.conn.close()
+            self.conn = None
+            raise
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+        return body, int(resp.headers.get("x-basal-batch-requests", "1"))
+
+
+def bench_http(url: str, clients: int, total: int, keep_alive: bool = True) -> dict[str, Any]:
     url = url.rstrip("/")
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
         model = json.load(resp)["models"][0]["name"]
@@ -229,18 +261,16 @@ def bench_http(url: str, clients: int, total: int) -> dict[str, Any]:
     counter = iter(range(total))
 
     def client():
+        conn = _Client(url, keep_alive)
         while True:
             with lock:
                 n = next(counter, None)
             if n is None:
                 return
             data = json.dumps(bodies[n % len(bodies)]).encode()
-            req = urllib.request.Request(url + "/v1/systemone", data, {"Content-Type": "application/json"})
             t = time.perf_counter()
             try:
-                with urllib.request.urlopen(req, timeout=600) as resp:
-                    resp.read()
-                    size = int(resp.headers.get("x-basal-batch-requests", "1"))
+                _, size = conn.post("/v1/systemone", data)
                 ms = (time.perf_counter() - t) * 1000.0
                 with lock:
                     latencies.append(ms)
@@ -262,7 +292,7 @@ def bench_http(url: str, clients: int, total: int) -> dict[str, Any]:
             "req_per_s": round(len(latencies) / elapsed, 2),
             "latency_ms": {"p50": round(_percentile(latencies, .5), 2), "p95": round(_percentile(latencies, .95), 2),
                            "p99": round(_percentile(latencies, .99), 2)},
-            "mean_batch_requests": round(sum(batch_sizes) / len(batch_sizes), 2)}
+            "mean_batch_requests": round(sum(batch_sizes) / len(batch_sizes), 2), "keep_alive": keep_alive}
 
 
 def _post_basal(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -309,7 +339,7 @@ def bench_http_invariance(url: str, trials: int) -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.http:
-        result = bench_http(args.http, args.clients, args.requests)
+        result = bench_http(args.http, args.clients, args.requests, not getattr(args, "new_connections", False))
         if getattr(args, "invariance", 0):
             result["invariance_alone_vs_amid_31"] = bench_http_invariance(args.http, args.invariance)
     else:
@@ -407,6 +437,7 @@ def _cuda_memory(backend) -> dict[str, float]:
 def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", long_doc: bool = False,
                  invariance: int = 0, repeat: int = 1) -> dict[str, Any]:
     """The long-document figures and the alone-vs-amid-31-others bitwise check, in-process."""
+    import gc
     import random
 
     import numpy as np
@@ -420,6 +451,7 @@ def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", lo
     from .model.directory import load_model_dir
     from .telemetry import Telemetry
 
+    gc.collect()  # the in-process bench's backend (a backend <-> FastPath cycle) must not count in these figures
     model = load_model_dir(model_dir)
     backend = make_backend("torch", device, attention)
     backend.load(model.path, dtype)

@@ -326,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http", help="URL of a running daemon: measure over HTTP instead")
     p.add_argument("--clients", type=_positive, default=1, help="concurrent HTTP clients (default 1)")
     p.add_argument("--requests", type=int, default=0, help="HTTP requests to send (default: the sample set)")
+    p.add_argument("--new-connections", action="store_true",
+                   help="open a new HTTP connection per request (default: each client keeps its connection)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--attention", choices=["auto", "tree", "sdpa", "flex"], default="auto",
                    help="tree attention: the Triton kernel (CUDA default), the dense-mask SDPA twin (CPU default) "

@@ -10,6 +10,7 @@ row's result is the same bits alone or in any batch (DESIGN.md "Numerics and rep
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -17,8 +18,12 @@ import triton.language as tl
 
 from .plan import RECORD
 
-ATTN_BLOCK_M = 64
-ATTN_BLOCK_N = 64  # the key tile: part of the numerics contract, never changed per call
+# the query and key tiles of tree attention: part of the numerics contract (the key tile fixes the order of
+# the softmax reduction), the same for every call of a process; the variables exist to measure other tilings
+# (tools/attn_sweep.py), not to be set in production
+ATTN_BLOCK_M = int(os.environ.get("BASAL_LOCAL_ATTN_BLOCK_M", "64"))
+ATTN_BLOCK_N = int(os.environ.get("BASAL_LOCAL_ATTN_BLOCK_N", "64"))
+ATTN_WARPS = int(os.environ.get("BASAL_LOCAL_ATTN_WARPS", "4"))
 
 
 @functools.cache
@@ -122,7 +127,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
         q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
         N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
         NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD,
-        num_warps=4, num_stages=1 if ieee else 2)
+        num_warps=ATTN_WARPS, num_stages=1 if ieee else 2)
     return out
 
 
@@ -207,7 +212,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _letter_kernel(H, W, LETTERS, OUT, stride_h, stride_w, N, n_letters, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     j = tl.program_id(1)
-    letter = tl.load(LETTERS + j)
+    letter = tl.load(LETTERS + j).to(tl.int64)  # int32 or int64 ids; the row offset can pass 2**31
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)

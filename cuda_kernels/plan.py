@@ -50,44 +50,50 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
 
     prefix_rows[j] = (row offset in the prefix K/V buffer, length) of the batch's j-th cached prefix.
     `rows`: only these queries (the readout rows of the last layer), one tile each; else every token.
+    Built per block in Python and per tile in NumPy (this runs on the host before every forward).
     """
     n_blocks = len(block_parent)
     start, end = block_bounds(token_block, n_blocks)
+    starts, ends = start.tolist(), end.tolist()
+    parents = np.asarray(block_parent).tolist()
+    prefixes = np.asarray(block_prefix).tolist()
+    pos = np.asarray(positions, dtype=np.int64)
+    n = pos.shape[0]
+    first_pos = pos[np.minimum(start, max(n - 1, 0))].tolist() if n else [0] * n_blocks
+    # per block: the part of a record that does not depend on the tile (n_pre, pre_off, n_r, key ranges);
+    # plain lists: a single decision has a handful of blocks and NumPy's per-call cost would dominate
+    heads: list[list[int]] = []
     chains: list[list[int]] = []
     for b in range(n_blocks):
-        p = int(block_parent[b])
+        p = parents[b]
         chains.append((chains[p] if p >= 0 else []) + [b])
-    records = []
-    q_rows: list[np.ndarray] = []
-    q_off = 0
-
-    def record(b: int, queries: np.ndarray) -> np.ndarray:
-        chain = [c for c in chains[b] if end[c] > start[c]]
+        chain = [c for c in chains[b] if ends[c] > starts[c]]
         if len(chain) > MAX_RANGES:
             raise ValueError(f"tree depth {len(chain)} exceeds the kernel's {MAX_RANGES} key ranges")
-        rec = np.zeros(RECORD, dtype=np.int32)
-        j = int(block_prefix[b])
+        j = prefixes[b]
         pre_off, n_pre = prefix_rows[j] if j >= 0 else (0, 0)
-        rec[:6] = (q_off, len(queries), int(positions[queries].max()) + 1, n_pre, pre_off, len(chain))
-        for r, c in enumerate(chain):
-            rec[8 + 3 * r: 11 + 3 * r] = (positions[start[c]], start[c], end[c] - start[c])
-        return rec
-
+        rec = [0, 0, 0, n_pre, pre_off, len(chain), 0, 0]
+        for c in chain:
+            rec += (first_pos[c], starts[c], ends[c] - starts[c])
+        heads.append(rec + [0] * (RECORD - len(rec)))
     if rows is None:
-        for b in range(n_blocks):
-            for s in range(int(start[b]), int(end[b]), block_m):
-                queries = np.arange(s, min(s + block_m, int(end[b])), dtype=np.int64)
-                records.append(record(b, queries))
-                q_rows.append(queries)
-                q_off += len(queries)
+        tile_block = [b for b in range(n_blocks) for _ in range(starts[b], ends[b], block_m)]
+        q_rows = np.arange(starts[0], ends[-1], dtype=np.int64) if n_blocks else np.zeros(0, np.int64)
+        if n_blocks and q_rows.size != sum(e - s for s, e in zip(starts, ends)):  # blocks not contiguous
+            q_rows = np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in zip(starts, ends)])
+        n_q = [min(block_m, ends[b] - s) for b in range(n_blocks) for s in range(starts[b], ends[b], block_m)]
     else:
-        for r in np.asarray(rows, dtype=np.int64):
-            queries = np.array([r])
-            records.append(record(int(token_block[r]), queries))
-            q_rows.append(queries)
-            q_off += 1
-    tiles = np.stack(records) if records else np.zeros((0, RECORD), dtype=np.int32)
+        q_rows = np.asarray(rows, dtype=np.int64).ravel()
+        tile_block = np.asarray(token_block)[q_rows].tolist() if q_rows.size else []
+        n_q = [1] * len(tile_block)
+    if not tile_block:
+        return TilePlan(np.zeros((0, RECORD), dtype=np.int32), np.zeros(0, dtype=np.int32))
+    n_q_arr = np.asarray(n_q, dtype=np.int64)
+    q_off = np.concatenate([[0], np.cumsum(n_q_arr)[:-1]])
+    tiles = np.array(heads, dtype=np.int32)[np.asarray(tile_block)]
+    tiles[:, 0] = q_off
+    tiles[:, 1] = n_q_arr
+    tiles[:, 2] = np.maximum.reduceat(pos[q_rows], q_off) + 1
     # the longest tiles first: a persistent grid then ends evenly (the order never changes a result)
     tiles = tiles[np.argsort(-tiles[:, 2], kind="stable")]
-    rows_out = np.concatenate(q_rows).astype(np.int32) if q_rows else np.zeros(0, dtype=np.int32)
-    return TilePlan(tiles, rows_out)
+    return TilePlan(np.ascontiguousarray(tiles), q_rows.astype(np.int32))

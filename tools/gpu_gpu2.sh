@@ -3,7 +3,9 @@
 # in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
-# STAGES (default "tests bench http coalesce multi max"; also multiproc, gemm, hostprof, mini, compiled); GEMMS: the routes the bench stage runs
+# STAGES (default "tests bench http coalesce multi max"; also multiproc, gemm, hostprof, mini, compiled, httptools,
+# sweep); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
+# request); MULTI_RUNS (default "c64 c128"); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -22,6 +24,27 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
   nproc; } | tee "$OUT/gpu.txt"
+if has sweep; then  # attention tilings (tools/attn_sweep.py), before everything else: the fastest by >= 3 % is
+  # exported for the rest of the call (tests included); the code's default is the first of SWEEP
+  [ -d $M ] || (cd /tmp && python3 -m basal_local.cli make-test-model $M --preset $PRESET --device cuda > /dev/null) || exit 1
+  for cfg in ${SWEEP:-64:64:4 32:64:4 64:128:8 32:128:4}; do
+    IFS=: read bm bn w <<< "$cfg"
+    (cd /tmp && BASAL_LOCAL_ATTN_BLOCK_M=$bm BASAL_LOCAL_ATTN_BLOCK_N=$bn BASAL_LOCAL_ATTN_WARPS=$w \
+      timeout ${SWEEP_TIMEOUT:-90} python3 $OLDPWD/tools/attn_sweep.py $M 2>> $OUT/sweep.err | tail -1) | tee -a $OUT/sweep.txt
+  done
+  eval "$(python3 - $OUT/sweep.txt <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+if rows:
+    base, best = rows[0], min(rows, key=lambda r: r["single_ms_median"])
+    if best["single_ms_median"] < 0.97 * base["single_ms_median"]:
+        print(f"export BASAL_LOCAL_ATTN_BLOCK_M={best['block_m']} BASAL_LOCAL_ATTN_BLOCK_N={best['block_n']} "
+              f"BASAL_LOCAL_ATTN_WARPS={best['warps']}")
+PY
+)"
+  echo "attention tiling for the rest of the call: ${BASAL_LOCAL_ATTN_BLOCK_M:-64} x ${BASAL_LOCAL_ATTN_BLOCK_N:-64}, ${BASAL_LOCAL_ATTN_WARPS:-4} warps" | tee -a $OUT/sweep.txt
+  el sweep
+fi
 if has tests; then
   rm -rf /tmp/t && cp -r tests /tmp/t
   (cd /tmp && timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider t/test_cuda.py t/test_cuda_kernels.py 2>&1 \
@@ -93,12 +116,13 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
   local U=http://127.0.0.1:$port
   local B="python3 -m basal_local.cli bench --http $U --json"
   for r in $runs; do
-    local n=${r//[ci]/} extra=""
+    local n=${r//[cin]/} extra="" tag=""
     [[ $r == *i ]] && extra="--invariance ${INVARIANCE:-8}"
+    [[ $r == *n ]] && extra="$extra --new-connections" && tag=n
     local total=$((n * 40)); [ $n = 1 ] && total=268
     ticks $pid > /tmp/before.txt; local t0=$(date +%s.%N)
-    (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n.json
-    cpu_report $pid /tmp/before.txt $(python3 -c "import time; print(time.time() - $t0)") "$name c$n"
+    (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n$tag.json
+    cpu_report $pid /tmp/before.txt $(python3 -c "import time; print(time.time() - $t0)") "$name c$n$tag"
   done
   [ -n "${ANSWERS-1}" ] && (cd /tmp && python3 $OLDPWD/tools/http_answers.py $U $OUT/answers-$name.json 64)
   curl -s $U/api/stats > $OUT/stats-$name.json
@@ -107,6 +131,10 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
   el "daemon $name done"
 }
 has http && serve_and_measure 1gpu "${HTTP_RUNS:-c1 c32i c64}" --device ${DEV:-cuda}
+if has httptools; then  # the same daemon with httptools parsing HTTP instead of h11 (.whl-extra/httptools-*.whl)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl-extra/httptools-*.whl &&
+    PYTHONPATH=/tmp/site2:$PYTHONPATH ANSWERS= serve_and_measure 1gpu-httptools "c1 c32" --device ${DEV:-cuda}
+fi
 has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
 has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --no-replica-processes
 # issue 13: each replica in its own process (the front keeps HTTP, planning, routing)

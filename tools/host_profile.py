@@ -1,8 +1,8 @@
 """Where the wall time of one single decision goes on the host (issue 9: ~1.5-2 ms above the kernel time).
 
 Runs the sample set's single decisions through the engine path of `bench` (plan -> pack -> forward) and splits
-each into: planning, packing, FastPath input building + upload, graph replay launch, and the wait for the GPU plus
-the letter logits back; then cProfile's top functions over the same loop. Usage: host_profile.py MODEL_DIR OUT.txt
+each into: planning, packing, FastPath input building + upload, graph replay launch, and the wait for the GPU (the
+letter logits are part of the graph) and the logits back; then cProfile's top functions over the same loop. Usage: host_profile.py MODEL_DIR OUT.txt
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     fast = backend.fast
     requests = [validate_systemone(r, md.name) for r in single_question_requests(md.name)]
     parts: dict[str, list[float]] = {k: [] for k in ("plan", "pack", "upload", "replay", "gpu_wait_logits", "total")}
-    upload, logits = fast._upload, fast._logits
+    upload, logits = fast._upload, fast._graph_logits
 
     def timed_upload(*a, **k):
         t = time.perf_counter()
@@ -50,7 +50,7 @@ def main() -> None:
         parts["gpu_wait_logits"].append(time.perf_counter() - t)
         return out
 
-    fast._upload, fast._logits = timed_upload, timed_logits
+    fast._upload, fast._graph_logits = timed_upload, timed_logits
 
     def decide(r):
         t0 = time.perf_counter()

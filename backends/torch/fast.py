@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +34,24 @@ GEMMS = ("verified", "chunked", "cublas", "triton")
 GEMM_CHUNK = 512
 # the verified route uses cuBLAS as is where its results agree for every row count from at most this many rows
 VERIFIED_FLOOR_MAX = 512
+
+
+# letter columns of a graph's logits (the most letters a batch can ask: protocol LETTERS has 10)
+LETTER_CAP = 16
+# the eager forward run once at warm-up (FastPath.warm_long): the size of a ~16.5k-token document's forward
+LONG_WARMUP_TOKENS = 17371
+
+
+class _Graph(NamedTuple):
+    """One captured forward: its device input buffer (`static`, laid out as `layout`) and the pinned host
+    buffer it is filled from, and the letter logits [r_cap, LETTER_CAP] it leaves in `logits`."""
+
+    graph: torch.cuda.CUDAGraph
+    static: torch.Tensor
+    layout: dict
+    logits: torch.Tensor
+    staging: torch.Tensor
+    staging_np: np.ndarray
 
 
 def _tile_cap(size: int) -> int:
@@ -67,7 +86,7 @@ class FastPath:
         else:
             self.linear = twins.linear
         self.block_m = self.ops.ATTN_BLOCK_M if self.use_triton else 64
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._capture_stream = None
         self.prefix_names: list[str] = []
@@ -119,8 +138,24 @@ class FastPath:
         self.graphs.clear()  # captured graphs read the old buffers
 
     # ---- inputs --------------------------------------------------------------------------------------------
-    def _host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int) -> tuple[np.ndarray, dict]:
+    def _layout(self, size: int, tile_cap: int, r_cap: int) -> tuple[dict, int]:
+        rec = tplan.RECORD
+        fields = {"ids": size, "pos": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
+                  "qrows_last": r_cap, "tiles_last": r_cap * rec, "readout": r_cap, "letters": LETTER_CAP}
+        layout, offset = {}, 0
+        for name, length in fields.items():
+            layout[name] = (offset, length)
+            # every field 16-byte aligned whatever the sizes: Triton compiles one variant per pointer alignment,
+            # so unaligned views (an eager forward of an odd token count) cost seconds of JIT on first use
+            offset += -(-length // 4) * 4
+        return layout, offset
+
+    def _host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int,
+                     buf: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """The forward's int32 inputs laid out in one buffer (`buf`, zeroed here, or a new one)."""
         n = batch.num_tokens
+        if n > size:
+            raise RuntimeError(f"forward inputs need {n} slots, the upload buffer has {size}")
         rows = [self.prefix_rows[name] for name in batch.prefixes]
         full = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
                                self.block_m)
@@ -128,20 +163,18 @@ class FastPath:
                                self.block_m, rows=batch.readout_index)
         if full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
-        rec = tplan.RECORD
-        fields = {"ids": size, "pos": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
-                  "qrows_last": r_cap, "tiles_last": r_cap * rec, "readout": r_cap}
-        layout, offset = {}, 0
-        for name, length in fields.items():
-            layout[name] = (offset, length)
-            offset += length
-        buf = np.zeros(offset, dtype=np.int32)
+        layout, total = self._layout(size, tile_cap, r_cap)
+        if buf is None:
+            buf = np.zeros(total, dtype=np.int32)
+        else:
+            buf[:] = 0
 
-        def put(name: str, values: np.ndarray) -> None:
+        def put(name: str, values) -> None:
             o = layout[name][0]
-            flat = np.asarray(values, dtype=np.int32).ravel()
+            flat = np.asarray(values).ravel()
             buf[o:o + flat.size] = flat
 
+        letters = np.asarray(batch.letter_ids).ravel()[:LETTER_CAP]
         put("ids", batch.token_ids)
         put("pos", batch.positions)
         put("nt", [full.num_tiles])
@@ -151,8 +184,8 @@ class FastPath:
         put("qrows_last", last.q_rows)
         put("tiles_last", last.tiles)
         put("readout", batch.readout_index)
-        if n > size:
-            raise RuntimeError(f"forward inputs need {n} slots, the upload buffer has {size}")
+        # every slot a valid id: the graph's letter kernel reads all LETTER_CAP of them
+        put("letters", np.concatenate([letters, np.full(LETTER_CAP - letters.size, letters[0] if letters.size else 0)]))
         return buf, layout
 
     @staticmethod
@@ -162,14 +195,15 @@ class FastPath:
         v["tiles_last"] = v["tiles_last"].view(-1, tplan.RECORD)
         return v
 
-    def _upload(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int, into: torch.Tensor | None = None):
-        buf, layout = self._host_inputs(batch, size, tile_cap, r_cap)
-        host = torch.from_numpy(buf)
+    def _upload(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int, into: _Graph | None = None):
+        """The inputs on the device: a new tensor, or (a graph's) written through its pinned staging buffer."""
         if into is None:
-            into = host.to(self.b.device, non_blocking=False)
-        else:
-            into.copy_(host.pin_memory() if into.is_cuda else host, non_blocking=into.is_cuda)
-        return into, layout
+            buf, layout = self._host_inputs(batch, size, tile_cap, r_cap)
+            return torch.from_numpy(buf).to(self.b.device, non_blocking=False), layout
+        # the staging buffer is free again: every forward waits for its logits before the next one fills it
+        self._host_inputs(batch, size, tile_cap, r_cap, into.staging_np)
+        into.static.copy_(into.staging, non_blocking=True)
+        return into.static, into.layout
 
     # ---- the layers ------------------------------------------------------------------------------------------
     def _attention(self, i: int, qkv: torch.Tensor, v: dict, last: bool) -> torch.Tensor:
@@ -243,45 +277,45 @@ class FastPath:
 
     def forward(self, batch: PackedBatch) -> np.ndarray:
         if self.b.cuda_graphs and batch.num_tokens <= TOKEN_BUCKETS[-1] and \
-                len(batch.readout_index) <= READOUT_BUCKETS[-1]:
+                len(batch.readout_index) <= READOUT_BUCKETS[-1] and len(batch.letter_ids) <= LETTER_CAP:
             size = self.bucket(batch.num_tokens)
             r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))
             if (size, r_cap) in self.graphs or len(self.graphs) < MAX_GRAPHS:
                 try:
-                    graph, static, layout, out = self._graph(size, r_cap)
-                    self._upload(batch, size, _tile_cap(size), r_cap, into=static)
+                    entry = self._graph(size, r_cap)
+                    self._upload(batch, size, _tile_cap(size), r_cap, into=entry)
                 except OverflowError:
                     pass
                 else:
-                    graph.replay()
-                    return self._logits(out, batch)
+                    entry.graph.replay()
+                    return self._graph_logits(entry, batch)
         *_, logits = self.forward_steps(batch)
         return logits
+
+    def _graph_logits(self, entry: _Graph, batch: PackedBatch) -> np.ndarray:
+        """The letter logits the graph computed: [r_cap, LETTER_CAP] back to the host, cut to the batch's."""
+        out = entry.logits.cpu().numpy()[:len(batch.readout_index), :len(batch.letter_ids)]
+        if not np.isfinite(out).all():
+            raise FloatingPointError("non-finite letter logit")
+        return out
 
     def bucket(self, tokens: int) -> int:
         """The graph size for a forward of `tokens`: the next bucket, rounded up to whole GEMM chunks."""
         size = next(s for s in TOKEN_BUCKETS if s >= tokens)
         return -(-size // self.chunk) * self.chunk
 
-    def _graph(self, size: int, r_cap: int) -> tuple:
+    def _graph(self, size: int, r_cap: int) -> _Graph:
         key = (size, r_cap)
         if key not in self.graphs:
-            # a valid dummy forward: `size` tokens in one prefix-less block, r_cap readouts
-            n = size
-            dummy = PackedBatch(token_ids=np.zeros(n, np.int64), positions=np.arange(n, dtype=np.int64),
-                                token_block=np.zeros(n, np.int32), block_parent=np.array([-1], np.int32),
-                                block_prefix=np.array([-1], np.int32),
-                                readout_index=np.arange(n - r_cap, n, dtype=np.int64) if r_cap <= n
-                                else np.arange(n, dtype=np.int64),
-                                letter_ids=np.zeros(1, np.int64), prefixes=[])
-            static, layout = self._upload(dummy, size, _tile_cap(size), r_cap)
+            static, layout = self._upload(self._dummy(size, r_cap), size, _tile_cap(size), r_cap)
             v = self._views(static, layout)
+            lm_head = self.b.lm_head
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, cuBLAS handles)
                 for _ in range(2):
-                    for _ in self.layers(v):
-                        pass
+                    *_, h = self.layers(v)
+                    self.ops.letter_logits(h, lm_head, v["letters"])
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -289,12 +323,40 @@ class FastPath:
                 self._capture_stream = torch.cuda.Stream()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
-                *_, out = self.layers(v)
-            self.graphs[key] = (graph, static, layout, out)
+                *_, h = self.layers(v)
+                # the letter logits inside the graph too: no host round trip between the last layer and them
+                logits = self.ops.letter_logits(h, lm_head, v["letters"])
+            staging = torch.empty(static.shape, dtype=static.dtype, pin_memory=True)
+            self.graphs[key] = _Graph(graph, static, layout, logits, staging, staging.numpy())
         return self.graphs[key]
+
+    def _dummy(self, n: int, r_cap: int, children: int = 0) -> PackedBatch:
+        """A valid forward of `n` tokens: one prefix-less block (plus `children` blocks of 64 tokens branching off
+        it, each read out at its end), `r_cap` readouts."""
+        root = n - 64 * children
+        token_block = np.concatenate([np.zeros(root, np.int32), np.repeat(np.arange(1, children + 1, dtype=np.int32),
+                                                                           64)])
+        positions = np.concatenate([np.arange(root), np.tile(np.arange(root, root + 64), children)]).astype(np.int64)
+        readout = (np.arange(n - r_cap, n, dtype=np.int64) if r_cap <= n else np.arange(n, dtype=np.int64)) \
+            if not children else root + 64 * np.arange(children, dtype=np.int64) + 63
+        return PackedBatch(token_ids=np.zeros(n, np.int64), positions=positions, token_block=token_block,
+                           block_parent=np.array([-1] + [0] * children, np.int32),
+                           block_prefix=np.full(children + 1, -1, np.int32), readout_index=readout,
+                           letter_ids=np.zeros(1, np.int64), prefixes=[])
 
     def warmup(self, max_tokens: int) -> None:
         for size in sorted({self.bucket(s) for s in TOKEN_BUCKETS if s <= max(max_tokens, TOKEN_BUCKETS[0])}):
             for r_cap in READOUT_BUCKETS:
                 if r_cap <= max(4, size // 32):
                     self._graph(size, r_cap)
+        self.warm_long()
+
+    def warm_long(self) -> None:
+        """One eager forward longer than the largest graph (a long document with a few questions off it), so
+        the first long request finds its kernels, library handles and memory ready (a 16.5k-token document
+        took 3.3 s the first time and 1.0 s after on the H200, docs/PERFORMANCE.md)."""
+        n = min(LONG_WARMUP_TOKENS, self.b.config.max_position_embeddings - 1)
+        if n <= TOKEN_BUCKETS[-1]:
+            return
+        for _ in self.forward_steps(self._dummy(n, 4, children=4)):
+            pass

@@ -1,8 +1,8 @@
 """The litestar app: `/v1/systemone`, `/v1/basal`, `/v1/models`, `/health`, `/api/stats` (+ events.py routes).
 
 A decision request goes through small steps, each below: read the body (`body.py`: size limit, read
-deadline, decompression in a worker thread), parse it in a worker thread, take an in-flight slot (529 when
-full), route, validate and plan in a worker thread, then wait for the engine's future while watching for
+deadline, decompression in a worker thread), then in ONE hop to a planner thread: parse it, take an in-flight
+slot (529 when full), route, validate and plan; then wait for the engine's future while watching for
 the client's disconnect. Inference and every step whose cost grows with the body run off the event loop.
 Who may call at all is decided before routing by `security.Guard`. Every error is a JSON body in the shape
 of the path's dialect (`api/errors.py`).
@@ -127,11 +127,6 @@ async def _read(call: _Call) -> bytes:
     return raw
 
 
-async def _parse(call: _Call, raw: bytes) -> Any:
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(call.pool(len(raw)), parse_body, raw, call.dialect)
-
-
 def _admit(call: _Call) -> None:
     """Take an in-flight slot; 529 when all are taken (PROTOCOL.md §1.2). `_release` gives it back."""
     state = call.state
@@ -149,23 +144,31 @@ def _release(call: _Call) -> None:
         call.admitted = False
 
 
-async def _plan(call: _Call, engine: ModelEngine, body: Any, size: int) -> RequestPlan:
-    dialect, model_name = call.dialect, call.model_name
+async def _parse_and_plan(call: _Call, raw: bytes) -> tuple[ModelEngine, RequestPlan]:
+    """Parse, take an in-flight slot, route, validate and plan in ONE hop to a planner thread (each hop costs
+    the event loop a wake-up and the request a thread hand-off); the checks keep their order (PROTOCOL.md
+    §1.1: overload before the unknown-model error)."""
+    dialect = call.dialect
 
-    def plan() -> RequestPlan:
-        planned = engine.plan(validate(body, dialect, model_name))
+    def work() -> tuple[ModelEngine, RequestPlan]:
+        body = parse_body(raw, dialect)
+        _admit(call)
+        call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "",
+                                call.state.aliases)
+        engine = call.state.engines[call.model_name]
+        planned = engine.plan(validate(body, dialect, call.model_name))
         attach_evidence(planned, engine)
-        return planned
+        return engine, planned
 
     try:
-        planned = await asyncio.get_running_loop().run_in_executor(call.pool(size), plan)
+        engine, planned = await asyncio.get_running_loop().run_in_executor(call.pool(len(raw)), work)
     except RuntimeError:
         if call.state.stopping:  # the planner pools are shut down
             raise EngineStopped() from None
         raise
     planned.arrival = call.arrived
     call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
-    return planned
+    return engine, planned
 
 
 async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan) -> tuple[RequestPlan, JobResult]:
@@ -182,7 +185,9 @@ async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan) -> tu
             result: JobResult = await asyncio.wrap_future(job.future)
             queue_ms += result.queue_ms
             compute_ms += result.compute_ms
-            follow = await asyncio.get_running_loop().run_in_executor(call.state.planner, next_round, planned)
+            follow = None
+            if planned.round == 1 and any(q.large for q in planned.request.questions):  # a second round
+                follow = await asyncio.get_running_loop().run_in_executor(call.state.planner, next_round, planned)
             if follow is None:
                 break
             planned = follow
@@ -246,11 +251,7 @@ async def _decide(request: Request, dialect: str) -> Response:
     try:
         _check_ready(call)
         raw = await _read(call)
-        body = await _parse(call, raw)
-        _admit(call)  # order of checks (PROTOCOL.md §1.1): overload before the unknown-model error
-        call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "", call.state.aliases)
-        engine = call.state.engines[call.model_name]
-        planned = await _plan(call, engine, body, len(raw))
+        engine, planned = await _parse_and_plan(call, raw)
         planned, result = await _run_job(call, engine, planned)
         return _answer(call, planned, result)
     except ApiError as err:
