@@ -4,7 +4,7 @@
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, gemm, hostprof, mini, compiled, httptools,
-# sweep); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
+# sweep, tokpool, proc1); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
 # request); MULTI_RUNS (default "c64 c128"); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
@@ -134,6 +134,13 @@ has http && serve_and_measure 1gpu "${HTTP_RUNS:-c1 c32i c64}" --device ${DEV:-c
 if has httptools; then  # the same daemon with httptools parsing HTTP instead of h11 (.whl-extra/httptools-*.whl)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl-extra/httptools-*.whl &&
     PYTHONPATH=/tmp/site2:$PYTHONPATH ANSWERS= serve_and_measure 1gpu-httptools "c1 c32" --device ${DEV:-cuda}
+fi
+# the same daemon tokenizing every text on the tokenizer's thread pool (serial below 8,192 characters is the default)
+has tokpool && BASAL_LOCAL_TOKENIZE_SERIAL_CHARS=0 ANSWERS= serve_and_measure 1gpu-tokpool "c32" --device ${DEV:-cuda}
+# two replica processes on one GPU (workers forked from the forkserver): they start, answer, and answer bitwise alike
+if has proc1; then
+  serve_and_measure 1gpu-proc2 "c32" --device ${DEV:-cuda} --replicas 2 --replica-processes
+  has http && (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-1gpu-proc2.json) | tee $OUT/answers-compare-proc1.txt
 fi
 has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
 has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --no-replica-processes
