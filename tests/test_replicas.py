@@ -281,10 +281,20 @@ def test_a_killed_replica_process_loses_nothing(processes, daemon):
     for (status, _, out), want in zip(results, alone):
         assert status == 200, out
         assert close(out["answers"], want), (out, want)
-    _, _, health = http("GET", processes.url + "/health")
+    deadline = time.time() + 10  # its pipe's end is seen at once, but the reader thread may not have run yet
+    while True:
+        _, _, health = http("GET", processes.url + "/health")
+        if [r["alive"] for r in health["replicas"]] == [True, False] or time.time() > deadline:
+            break
+        time.sleep(0.05)
     assert [r["alive"] for r in health["replicas"]] == [True, False]
-    moved = re.search(r"replica 1 of \S+ on cpu is out of rotation: its process ended \(exit code -9\); (\d+) "
-                      "requests go to the others", processes.log)
+    deadline = time.time() + 10  # the line is written once the process is reaped, after its requests moved
+    while True:
+        moved = re.search(r"replica 1 of \S+ on cpu is out of rotation: its process ended \(exit code -9\); "
+                          r"(\d+) requests went to the others", processes.log)
+        if moved or time.time() > deadline:
+            break
+        time.sleep(0.1)
     assert moved and int(moved[1]) >= 1, processes.log[-3000:]  # it died holding requests, and they were answered
     assert close(http("POST", processes.url + "/v1/systemone", work[0])[2]["answers"], alone[0])  # the survivor
 

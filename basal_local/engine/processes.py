@@ -407,7 +407,6 @@ class RemoteReplica:
             pass
         except Exception:  # a bug here must still take the worker out and requeue its work
             log.exception("reading from replica %d failed", self.replica)
-        self.process.join(timeout=5)  # reap it
         owner.lost(self)
         self.ready.set()
 
@@ -635,11 +634,7 @@ class ProcessReplicaSet:
             r.pending.clear()
             r.queued = 0
             r.running_ids = set()
-        if was_alive and not self.stopping:
-            log.error("replica %d of %s on %s is out of rotation: its process ended (exit code %s); %d requests "
-                      "go to the others", r.replica, self.model.name, r.backend.device, r.process.exitcode,
-                      len(orphans))
-        for pending in orphans:
+        for pending in orphans:  # first, so that no request waits for the process to be reaped
             if pending.job.future.done():
                 continue
             if self.stopping:
@@ -647,6 +642,12 @@ class ProcessReplicaSet:
             else:
                 pending.cancel_sent = False
                 self._dispatch(pending)
+        # then reap it (a forkserver's child: its exit status arrives through the forkserver, a moment later)
+        r.process.join(timeout=5)
+        if was_alive and not self.stopping:
+            log.error("replica %d of %s on %s is out of rotation: its process ended (exit code %s); %d requests "
+                      "went to the others", r.replica, self.model.name, r.backend.device, r.process.exitcode,
+                      len(orphans))
 
     def _fail_all(self, exc: Exception) -> None:
         for r in self.replicas:
