@@ -207,7 +207,9 @@ def _decisions(backend, md, every: int = 1):
     from basal_local.engine.gate import DeviceGate
     from basal_local.telemetry import Telemetry
 
-    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=2048))
+    # batches of at most 512 tokens: the twin's dense [T, S] attention costs T x S, and MLX on a CPU runs it
+    # slowly (reference BLAS in the Linux wheel); f32 and quantized see the same batches, which is the point
+    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=512))
     engine.start()
     try:
         jobs = [engine.submit(engine.plan(validate_systemone(body, md.name)))
