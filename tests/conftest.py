@@ -26,10 +26,12 @@ CACHE = ROOT / ".test-cache"
 # environment says PYTHONDONTWRITEBYTECODE (otherwise every daemon would compile torch again).
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-# One torch thread per process (set before anything imports torch; the daemons inherit it): the suite runs one
-# xdist worker per core, each with a daemon beside it, and two OpenMP threads per process on 2 cores spend
-# their time spinning (measured: test_e2e + test_reliability 130 -> 114 s of CPU, 274 -> 234 s wall).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One torch thread per process in an xdist worker (set before anything imports torch; the daemons inherit it):
+# the suite runs one worker per core, each with a daemon beside it, and two OpenMP threads per process on 2
+# cores spend their time spinning (measured: test_e2e + test_reliability 130 -> 114 s of CPU, 274 -> 234 s
+# wall; docs/TESTING.md). A plain `-n 0` run keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def generated_model(tmp_path_factory, preset: str, seed: int) -> Path:

@@ -62,17 +62,6 @@ async def test_overview_header_kpis_queue_and_memory():
         assert "529 overloaded" in text
 
 
-async def test_number_keys_switch_views_and_back():
-    app, _ = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot, app)
-        for key, kind in [("2", RequestsScreen), ("3", BatchesScreen), ("4", ModelsScreen), ("5", LogScreen),
-                          ("1", OverviewScreen)]:
-            await pilot.press(key)
-            await pilot.pause()
-            assert isinstance(app.screen, kind), key
-
-
 async def test_requests_table_newest_first_sort_and_filter():
     app, _ = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -222,12 +211,15 @@ async def test_disconnected_daemon_is_said_in_words():
         assert "DISCONNECTED" not in screen_text(app)
 
 
-async def test_every_view_fits_80x24():
+async def test_number_keys_switch_views_and_back_and_every_view_fits_80x24():
+    """One app for both checks (an app start and each first visit of a view parse the stylesheets again)."""
     app, _ = make_app()
     async with app.run_test(size=(80, 24)) as pilot:
-        for key in "12345":
+        for key, kind in [("1", OverviewScreen), ("2", RequestsScreen), ("3", BatchesScreen), ("4", ModelsScreen),
+                          ("5", LogScreen), ("1", OverviewScreen)]:
             await pilot.press(key)
             await settle(pilot, app)
+            assert isinstance(app.screen, kind), key
             lines = screen_text(app).splitlines()
             assert len(lines) == 24 and "quit" in lines[-1], key  # the footer is on screen
 

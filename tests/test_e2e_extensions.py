@@ -65,19 +65,26 @@ def calibrate(p, t):
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model):
-    """The daemon over a real socket; a generous start-up wait (a loaded 2-core CI box), never left running."""
+def served(tiny_model):
+    """The daemon over a real socket and the reference; the daemon loads while this process builds the reference.
+    A generous start-up wait (a loaded 2-core CI box); the daemon is never left running."""
     d = Daemon(["--model", str(tiny_model), "--device", "cpu"])
     try:
+        reference = Reference(tiny_model)
         d.wait_ready(timeout=300)
-        yield d
+        yield d, reference
     finally:
         d.stop()
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_model):
-    return Reference(tiny_model)
+def daemon(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def ref(served):
+    return served[1]
 
 
 @pytest.mark.parametrize("dialect", ["systemone", "basal"])

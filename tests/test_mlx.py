@@ -138,9 +138,10 @@ def _compare(mlx_url: str, torch_url: str) -> None:
 
 @pytest.fixture(scope="module")
 def torch_daemon(tiny_model):
+    """Started, not awaited: each test starts its MLX daemon first and then waits for both, so the two load
+    side by side (a busy shared 2-core machine starts two daemons slowly: generous waits)."""
     d = Daemon(["--model", str(tiny_model), "--backend", "torch", "--device", "cpu"])
     try:
-        d.wait_ready(timeout=300)  # a busy shared 2-core machine starts two daemons slowly
         yield d
     finally:
         d.stop()  # also when it never became ready: no orphan daemon
@@ -151,6 +152,7 @@ def test_daemon_mlx_cpu_equals_torch_cpu_on_both_endpoints(torch_daemon, tiny_mo
     d = Daemon(["--model", str(tiny_model), "--backend", "mlx", "--device", "cpu"])
     try:
         d.wait_ready(timeout=300)
+        daemon.wait_ready(timeout=300)
         status, _, health = http("GET", d.url + "/health")
         assert status == 200 and health["backend"] == "mlx" and health["device"] == "cpu"
         assert health["dtype"] == "f32"
@@ -163,6 +165,7 @@ def test_long_lane_with_mlx(torch_daemon, tiny_model):
     d = Daemon(["--model", str(tiny_model), "--backend", "mlx", "--device", "cpu", "--long-tokens", "40"])
     try:
         d.wait_ready(timeout=300)
+        torch_daemon.wait_ready(timeout=300)
         _compare(d.url, torch_daemon.url)  # the request is above 40 tokens: the long lane answers it
         _, _, stats = http("GET", d.url + "/api/stats")
         assert {b["lane"] for b in stats["batches"]} == {"long"}
@@ -207,7 +210,9 @@ def _decisions(backend, md, every: int = 1):
     from basal_local.engine.gate import DeviceGate
     from basal_local.telemetry import Telemetry
 
-    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=2048))
+    # batches of at most 512 tokens: the twin's dense [T, S] attention costs T x S, and MLX on a CPU runs it
+    # slowly (reference BLAS in the Linux wheel); f32 and quantized see the same batches, which is the point
+    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=512))
     engine.start()
     try:
         jobs = [engine.submit(engine.plan(validate_systemone(body, md.name)))

@@ -7,11 +7,29 @@ import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("basal_local", "backends")
+
+
+def source_modules(root: Path) -> set[str]:
+    """Every product module of the source tree, named as installed (pyproject's package-dir mapping)."""
+    mapping = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    names = set()
+    for package, folder in mapping.items():
+        for path in (root / folder).rglob("*.py"):
+            if "__pycache__" in path.parts:
+                continue
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            names.add(".".join((package, *parts[:-1]) if parts[-1] == "__init__" else (package, *parts)))
+    return names
+
+
+def wheel_modules(names: list[str]) -> set[str]:
+    return {n[:-3].replace("/", ".").removesuffix(".__init__") for n in names if n.endswith(".py")}
 
 
 def test_wheel_installs_under_one_namespace(tmp_path):
@@ -20,8 +38,13 @@ def test_wheel_installs_under_one_namespace(tmp_path):
     source = tmp_path / "src"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
         ".git", ".venv", ".test-cache", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(source)], check=True, capture_output=True)
+    # the PEP 517 build_wheel hook of the declared backend, as `pip wheel --no-build-isolation` calls it (pip's
+    # own start-up and resolver cost more than the build)
+    build = ("import importlib, sys, tomllib; "
+             "backend = tomllib.load(open('pyproject.toml', 'rb'))['build-system']['build-backend']; "
+             "print(importlib.import_module(backend).build_wheel(sys.argv[1]))")
+    done = subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=source, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     wheel = next(tmp_path.glob("basal_local-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
@@ -31,21 +54,36 @@ def test_wheel_installs_under_one_namespace(tmp_path):
     # the MLX backend and the Metal kernel sources (package data) ship too
     assert "basal_local/backends/mlx/llama.py" in names and "basal_local/metal_shaders/__init__.py" in names
     assert {"basal_local/metal_shaders/tree_attention.metal", "basal_local/metal_shaders/rms_norm_residual.metal"} <= set(names)
+    # every module of the source ships, so whatever a shipped module imports from the package is there (the
+    # torch backend's imports included: importing it here would only add torch's own import time)
+    missing = source_modules(source) - wheel_modules(names)
+    assert not missing, f"modules missing from the wheel: {sorted(missing)}"
     target = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(target)
-    code = ("import basal_local.backends.torch, basal_local.bench as b, basal_local.tui.app as t; "
+    code = ("import basal_local.bench as b, basal_local.tui.app as t, basal_local.server.app; "
             "from importlib import resources; "
             "assert resources.files('basal_local.tui').joinpath(t.DashboardApp.CSS_PATH).is_file(); "
             "assert len(b.sample_requests()) == 48; "
             "assert resources.files('basal_local.assets').joinpath('corpus_pl.txt').is_file(); "
             "from basal_local import metal_shaders as ms; assert 'simd_max' in ms.source('tree_attention.metal'); "
             "import importlib.util as u; assert u.find_spec('backends') is None and u.find_spec('tui') is None; "
-            "print(basal_local.backends.torch.__file__)")
+            "print(u.find_spec('basal_local.backends.torch').origin); print(basal_local.server.app.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target)},
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().startswith(str(target))
+    origins = out.stdout.split()
+    assert len(origins) == 2 and all(o.startswith(str(target)) for o in origins), origins
+
+
+def test_wheel_modules_name_what_setuptools_installs():
+    """The helpers above name a module the way the import system does (else the comparison proves nothing)."""
+    assert wheel_modules(["basal_local/__init__.py", "basal_local/backends/torch/llama.py", "x/y.tcss"]) == {
+        "basal_local", "basal_local.backends.torch.llama"}
+    found = source_modules(ROOT)
+    assert {"basal_local", "basal_local.cli", "basal_local.backends", "basal_local.backends.torch.llama",
+            "basal_local.tui.screens.requests", "basal_local.metal_shaders"} <= found
+    assert not any(name.startswith(("backends", "tui")) for name in found)
 
 
 def test_ruff_is_clean():
