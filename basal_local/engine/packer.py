@@ -15,6 +15,8 @@ import numpy as np
 
 from basal_local.backends.base import PackedBatch
 
+from ..model.tokenizer import common_prefix_len
+
 MAX_TREE_DEPTH = 8
 TREE_MAX_TOKENS = 32768
 FORWARD_MAX_TOKENS = 8192
@@ -46,16 +48,7 @@ def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     if type(a) is list and type(b) is list:
         # list slices compare in C: a binary search over them beats converting both to arrays (a few
         # hundred tokens per prompt, several times per prompt in every batch)
-        if a[:n] == b[:n]:
-            return n
-        lo, hi = 0, n - 1  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if a[:mid] == b[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return common_prefix_len(a, b)
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if diff.size else n
 

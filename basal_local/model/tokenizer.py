@@ -26,9 +26,13 @@ PIECE_CHARS = 4096
 SERIAL_CHARS = 8192
 
 
-def _common_prefix_len(a: str, b: str) -> int:
-    """Length of the longest common prefix (binary search over slice comparisons: C speed on long states)."""
-    lo, hi = 0, min(len(a), len(b))
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two strings or two lists: a binary search over slice comparisons,
+    which run in C (long states here; token lists of a few hundred ids, many times per batch, in the packer)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[:mid] == b[:mid]:
@@ -135,7 +139,7 @@ class BasalTokenizer:
             return self._run(texts)
         cut = 0
         if len(texts) > 1:
-            cut = safe_cut(texts[0], min(_common_prefix_len(texts[0], t) for t in texts[1:]))
+            cut = safe_cut(texts[0], min(common_prefix_len(texts[0], t) for t in texts[1:]))
         shared = cut >= SHARED_MIN_CHARS
         parts = [self._pieces(texts[0][:cut])] + [[t[cut:]] for t in texts] if shared else \
             [self._pieces(t) for t in texts]
