@@ -83,8 +83,9 @@ def _header(scope: dict, name: bytes) -> str | None:
 
 
 def stamp_request_id(message: dict, scope: dict) -> None:
-    """Litestar `before_send`: a response that never reached the middleware below (404 and 405 come from the
-    router, before any route's middleware) gets its request id headers too."""
+    """Litestar `before_send`: the request id headers on every response of the app that has none yet (the
+    client's `x-request-id` echoed, else a new one), including the router's 404 and 405, which never reach a
+    route's middleware."""
     if message["type"] != "http.response.start":
         return
     headers = message.setdefault("headers", [])
@@ -94,7 +95,7 @@ def stamp_request_id(message: dict, scope: dict) -> None:
 
 
 def wrap_asgi(state: AppState):
-    """The middleware factory for Litestar: ids on every response, spread 529s, metrics when enabled."""
+    """The middleware factory for Litestar: spread 529s, metrics when enabled (ids: `stamp_request_id`)."""
     spreader = RetrySpreader(state.max_inflight)
     state.retry = spreader  # type: ignore[attr-defined]
     recorder = None
@@ -111,7 +112,6 @@ def wrap_asgi(state: AppState):
                 return
             path = scope.get("path", "")
             decision = path in DECISION_PATHS
-            request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
             started = time.perf_counter()
             seen: dict[str, Any] = {"status": 0}
             if recorder is not None and decision:
@@ -125,10 +125,6 @@ def wrap_asgi(state: AppState):
                     seen["status"] = status
                     headers = [(k, v) for k, v in message.get("headers", [])
                                if not (status == 529 and k.lower() in (b"retry-after", b"retry-after-ms"))]
-                    names = {k.lower() for k, _ in headers}
-                    for name in (b"x-request-id", b"x-typesafe-request-id"):
-                        if name not in names:
-                            headers.append((name, request_id.encode("latin-1")))
                     if status == 529:
                         if _header(scope, b"x-typesafe-retry-count"):  # typesafe-sdk marks its retries
                             spreader.missed()
