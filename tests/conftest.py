@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from . import hf_reference, zygote
 from .zygote import cli_popen
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,16 +28,68 @@ CACHE = ROOT / ".test-cache"
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # One torch thread per process in an xdist worker (set before anything imports torch; the daemons inherit it):
-# the suite runs one worker per core, each with a daemon beside it, and two OpenMP threads per process on 2
+# the suite runs two workers per core, each with a daemon beside it, and two OpenMP threads per process on 2
 # cores spend their time spinning (measured: test_e2e + test_reliability 130 -> 114 s of CPU, 274 -> 234 s
 # wall; docs/TESTING.md). A plain `-n 0` run keeps torch's default.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def generated_model(tmp_path_factory, preset: str, seed: int) -> Path:
-    """A generated model directory; reused across runs from $BASAL_LOCAL_TEST_MODELS when that is set.
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: two workers per core. Half of a test's time is spent waiting for a daemon or a CLI process it
+    started (sockets, start-up, shutdown), so one worker per core left the cores idle ~40 % of the run: 370 s
+    with 2 workers, 291 s with 4 on 2 cores (docs/TESTING.md)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return 2 * cores
 
+
+_shared: list[subprocess.Popen] = []
+
+
+def pytest_configure(config) -> None:
+    """Under xdist the controller starts, in the background, what every worker would otherwise build for itself:
+    the fork server with torch and the daemon preloaded (tests/zygote.py), the transformers reference
+    (tests/hf_reference.py) and a folder for the generated test models (built once, by the first worker that
+    needs one). The workers inherit the paths through the environment; each waits for a server on first use."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if zygote.ENABLED and not os.environ.get(zygote.SHARED):
+        proc, path = zygote.start_server(env)
+        _shared.append(proc)
+        os.environ[zygote.SHARED] = path
+    if sys.platform != "win32" and not os.environ.get(hf_reference.ENV):
+        proc, path = hf_reference.start_server(ROOT)
+        _shared.append(proc)
+        os.environ[hf_reference.ENV] = path
+    if sys.platform != "win32" and not os.environ.get("BASAL_LOCAL_TEST_MODELS"):
+        import tempfile
+
+        os.environ["BASAL_LOCAL_TEST_MODELS"] = tempfile.mkdtemp(prefix="basal-test-models-")
+        config._basal_models = os.environ["BASAL_LOCAL_TEST_MODELS"]
+
+
+def pytest_unconfigure(config) -> None:
+    for proc in _shared:
+        proc.terminate()
+    for proc in _shared:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if folder := getattr(config, "_basal_models", None):
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def generated_model(tmp_path_factory, preset: str, seed: int) -> Path:
+    """A generated model directory; shared through $BASAL_LOCAL_TEST_MODELS when that is set.
+
+    The xdist controller sets it for one run (pytest_configure), so the workers build each model once;
     `tools/mutate.py` sets it so that each planted bug does not pay for training the test tokenizer again."""
     from basal_local.model.testmodel import make_test_model
 
@@ -44,9 +97,13 @@ def generated_model(tmp_path_factory, preset: str, seed: int) -> Path:
     if not cache:
         return make_test_model(tmp_path_factory.mktemp(preset), preset=preset, seed=seed)
     target = Path(cache) / f"{preset}-seed{seed}"
-    if not (target / "model.safetensors").exists():
-        tmp = make_test_model(Path(cache) / f".{preset}-seed{seed}.tmp{os.getpid()}", preset=preset, seed=seed)
-        tmp.rename(target)
+    import fcntl
+
+    with open(Path(cache) / f".{preset}-seed{seed}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it (training the tokenizer), the others wait
+        if not (target / "model.safetensors").exists():
+            tmp = make_test_model(Path(cache) / f".{preset}-seed{seed}.tmp{os.getpid()}", preset=preset, seed=seed)
+            tmp.rename(target)
     return target
 
 

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 
 from .conftest import Daemon, http
+from .hf_reference import HFModel
 from .reference import TEMPS, ReferenceTokenizer, render
 from .zygote import cli_run
 
@@ -47,8 +47,7 @@ def reference_probabilities(hf, orders, qtype):
     n = len(orders[0]["letter_ids"])
     p = np.zeros(n)
     for k, order in enumerate(orders):
-        with torch.no_grad():
-            logits = hf(torch.tensor([order["input_ids"]])).logits[0, -1, order["letter_ids"]].double().numpy()
+        logits = hf.last_logits(order["input_ids"], order["letter_ids"]).astype(np.float64)
         q = np.exp(logits - logits.max())
         q /= q.sum()
         perm = np.arange(n) if k == 0 else np.arange(n)[::-1]
@@ -60,9 +59,7 @@ def reference_probabilities(hf, orders, qtype):
 
 @pytest.mark.parametrize("dialect", ["systemone", "basal"])
 def test_every_type_matches_independent_computation(daemon, tiny_model, dialect):
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    hf = HFModel(tiny_model)
     body = {"model": M, "state": STATE, "questions": QUESTIONS}
     status, headers, out = http("POST", f"{daemon.url}/v1/{dialect}", body)
     assert status == 200, out
@@ -151,8 +148,6 @@ def test_concurrent_clients_batch_and_answers_do_not_change(daemon):
 
 
 def test_demo_command_answers_and_stops_cleanly(tmp_path):
-    from transformers import LlamaForCausalLM
-
     question = {"type": "choice", "criteria": {"damage": "Uszkodzenie", "late": "Opóźnienie"}}
     state = "Paczka dotarła uszkodzona."
     d = Daemon(["--demo"], env={"BASAL_LOCAL_HOME": str(tmp_path)})
@@ -167,7 +162,7 @@ def test_demo_command_answers_and_stops_cleanly(tmp_path):
     assert "RANDOM weights" in log and "curl" in log
     # the answer is the demo model's, computed independently from the directory it generated
     (demo,) = [p.parent for p in tmp_path.rglob("demo-model/basal.json")]
-    hf = LlamaForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
+    hf = HFModel(demo)
     ref = reference_probabilities(hf, reference_question(ReferenceTokenizer(demo), state, question), "choice")
     ans = out["answers"]["kind"]
     assert np.abs(np.array([ans["probabilities"]["damage"], ans["probabilities"]["late"]]) - ref).max() <= 1e-5

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from .conftest import Daemon, http
+from .hf_reference import HFModel
 from .reference import LETTERS, PREFILL, SYSTEM, TEMPS, USER, YES_NO, ReferenceTokenizer, fill, luce_fit
 
 M = "basal-test-tiny"
@@ -24,11 +25,9 @@ EN_STATE = "The customer says parcel 77 arrived damaged and a week late."
 
 class Reference:
     def __init__(self, model_dir):
-        from transformers import LlamaForCausalLM
-
         reference = ReferenceTokenizer(model_dir)  # tokenizer.json with the §4.6 fixes, letter ids by the rule
         self.tok = reference.tok
-        self.hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.hf = HFModel(model_dir)
         self.letters = reference.letter_ids(self.prompt("en", "x", "?", ["a"] * 10, list(range(10))), 10)
 
     def ids(self, text):
@@ -50,8 +49,7 @@ class Reference:
         for perm in perms:
             ids = self.ids(self.prompt(lang, state, question, texts, perm))
             tokens += len(ids)
-            with torch.no_grad():
-                logits = self.hf(torch.tensor([ids])).logits[0, -1, self.letters[:n]].double().numpy()
+            logits = self.hf.last_logits(ids, self.letters[:n]).astype(np.float64)
             q = np.exp(logits - logits.max())
             q /= q.sum()
             p[perm] += q / len(perms)
@@ -219,8 +217,7 @@ def _reference_spans(ref, model_dir, prompt, state_text, limit=None):
     if not inside:
         return []
     t0, t1 = inside[0], inside[-1] + 1
-    with torch.no_grad():
-        hidden = ref.hf.model(torch.tensor([enc.ids])).last_hidden_state[0]
+    hidden = torch.from_numpy(ref.hf.hidden(enc.ids))
     norm = torch.nn.functional.layer_norm
     h = norm(hidden[t0:t1], (hidden.shape[-1],), eps=1e-5)
     q = norm(hidden[-1:], (hidden.shape[-1],), eps=1e-5)

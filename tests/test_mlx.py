@@ -75,14 +75,13 @@ def test_forward_steps_equals_forward(tiny_pair):
 
 
 def test_final_hidden_matches_transformers(tiny_model, tiny_pair):
-    torch = pytest.importorskip("torch")
-    from transformers import LlamaForCausalLM
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from .hf_reference import HFModel
 
     md, _, backend, _ = tiny_pair
     ids = np.array(md.tokenizer.encode("Paczka dotarła uszkodzona, proszę o zwrot."), dtype=np.int64)
-    hf = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf.model(torch.from_numpy(ids)[None]).last_hidden_state[0].numpy()
+    ref = HFModel(tiny_model).hidden(ids.tolist())
     got = backend.final_hidden(ids)
     assert got.dtype == np.float32 and got.shape == (len(ids), md.config.hidden_size)
     assert float(np.abs(got - ref).max()) <= 1e-4

@@ -27,12 +27,12 @@ from basal_local.model import load_model_dir
 from basal_local.protocol.render import render_question
 
 from .conftest import CACHE, load_backend
+from .hf_reference import HFModel
 
 
-def hf_last_logits(model, ids: list[int], columns: list[int]) -> np.ndarray:
-    with torch.no_grad():  # the lm_head of the last position only (SmolLM2's 49k-row head on every token is waste)
-        out = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
-    return out[columns].float().numpy()
+def hf_last_logits(model: HFModel, ids: list[int], columns: list[int]) -> np.ndarray:
+    # the lm_head of the last position only (SmolLM2's 49k-row head on every token is waste)
+    return model.last_logits(ids, columns, keep=1)
 
 
 def sample_prompt_specs(model_dir, limit: int) -> list[PromptSpec]:
@@ -49,10 +49,8 @@ def sample_prompt_specs(model_dir, limit: int) -> list[PromptSpec]:
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "small_model"])
 def test_generated_models_match_transformers(fixture, request):
-    from transformers import LlamaForCausalLM
-
     model_dir = request.getfixturevalue(fixture)
-    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = HFModel(model_dir)
     _, backend, prefixes = load_backend(model_dir)
     specs = sample_prompt_specs(model_dir, 8)
     pack = pack_prompts(specs, prefixes)
@@ -105,12 +103,11 @@ def smollm2_gguf() -> Path:
     return gguf
 
 
-def smollm2_dir() -> tuple[Path, object]:
+def smollm2_dir() -> tuple[Path, HFModel]:
     """SmolLM2 as our model layout (config.json + f32 safetensors, lm_head untied), and the transformers model
     loaded from that directory by transformers itself. The GGUF is read by tests/gguf_weights.py (seconds; the
     transformers GGUF loader takes minutes of CPU and gives the same tensors: see the slow test below)."""
     from safetensors.numpy import save_file
-    from transformers import LlamaForCausalLM
 
     from .gguf_weights import llama_from_gguf
 
@@ -125,7 +122,7 @@ def smollm2_dir() -> tuple[Path, object]:
         save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp))
         (target / "config.json").write_text(json.dumps(config))
         tmp.rename(target / "model.safetensors")
-    return target, LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return target, HFModel(target)
 
 
 @pytest.mark.slow
@@ -148,7 +145,7 @@ def test_smollm2_pretrained_weights_match_transformers():
     backend = TorchBackend("cpu")
     backend.load(model_dir, "f32")
     rng = np.random.default_rng(7)
-    vocab = hf.config.vocab_size
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     columns = sorted(rng.choice(vocab, 64, replace=False).tolist())
     # a shared prefix and three continuations (one tree) plus an unrelated prompt; positions up to 100. The
     # forwards are most of this test's time on a 2-core machine (135M parameters, twice), so no longer

@@ -33,6 +33,7 @@ PRELOAD = ["torch", "numpy", "safetensors", "tokenizers", "litestar", "uvicorn",
            "basal_local.server.daemon", "basal_local.server.app", "basal_local.commands.serving",
            "basal_local.backends.torch"]
 ENABLED = os.environ.get("BASAL_LOCAL_TEST_FORK", "1") != "0" and hasattr(os, "fork") and sys.platform != "darwin"
+SHARED = "BASAL_LOCAL_TEST_ZYGOTE"  # the socket of a server the pytest-xdist controller started for all workers
 
 
 # ----------------------------------------------------------------------------------------------------- server side
@@ -99,8 +100,9 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         __import__(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".tmp")
     listener.listen(64)
+    os.rename(path + ".tmp", path)  # clients that wait for the path find a server that listens
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
     wake_w.setblocking(False)
@@ -120,7 +122,6 @@ def serve(path: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(wake_r, selectors.EVENT_READ, "signal")
-    print("ready", flush=True)
     while True:
         for key, _ in sel.select():
             if key.data == "signal":
@@ -165,26 +166,49 @@ def serve(path: str) -> None:
 
 # ----------------------------------------------------------------------------------------------------- client side
 
+def start_server(env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a fork server in the background; (process, socket path). The path exists once it listens."""
+    path = os.path.join(tempfile.mkdtemp(prefix="basal-zygote-"), "s")
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
+                             f"from tests.zygote import serve; serve({path!r})"],
+                            stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=root, env=env)
+    return proc, path
+
+
+class _Shared:
+    """The server the xdist controller started for every worker (tests/conftest.py): wait until it listens."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        deadline = time.monotonic() + 600
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the shared test fork server did not start ({path})")
+            time.sleep(0.1)
+
+
 class _Server:
-    """The fork server of this test process, started on first use, stopped at exit."""
+    """The fork server of this test process, started on first use, stopped at exit (or the shared one)."""
 
     _lock = threading.Lock()
-    _instance: _Server | None = None
+    _instance: _Server | _Shared | None = None
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="basal-zygote-")
-        self.path = os.path.join(self.dir, "s")
-        root = str(Path(__file__).resolve().parent.parent)
-        self.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
-                                      f"from tests.zygote import serve; serve({self.path!r})"],
-                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=root, text=True)
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
-            raise RuntimeError(f"the test fork server did not start (exit {self.proc.poll()})")
+        self.proc, self.path = start_server()
+        self.dir = os.path.dirname(self.path)
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the test fork server did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
 
     @classmethod
-    def get(cls) -> _Server:
+    def get(cls) -> _Server | _Shared:
         with cls._lock:
+            if (shared := os.environ.get(SHARED)) and isinstance(cls._instance, _Shared | None):
+                if cls._instance is None:
+                    cls._instance = _Shared(shared)
+                return cls._instance
             if cls._instance is None or cls._instance.proc.poll() is not None:
                 cls._instance = _Server()
                 import atexit

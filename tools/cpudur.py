@@ -2,7 +2,8 @@
 
 On a shared machine wall time says more about the neighbours than about the test; CPU time is steadier.
 Use: `PYTHONPATH=tools .venv/bin/python -m pytest -n 0 -p no:randomly -p cpudur FILES`. With CPUDUR_LOG=PATH
-each phase is also appended there as it ends (cpu, wall, phase, test id; tab-separated), so a run cut short
+each phase is also appended there as it ends (cpu, wall, phase, test id, xdist worker, end time;
+tab-separated), so a run cut short
 still leaves its figures. A daemon's CPU counts where it is reaped (the teardown of its fixture).
 """
 
@@ -29,7 +30,8 @@ def _measure(item, phase: str):
     _rows.append(row)
     if log := os.environ.get("CPUDUR_LOG"):
         with open(log, "a", encoding="utf-8") as fh:
-            fh.write(f"{row[2]:.2f}\t{row[3]:.2f}\t{phase}\t{item.nodeid}\n")
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+            fh.write(f"{row[2]:.2f}\t{row[3]:.2f}\t{phase}\t{item.nodeid}\t{worker}\t{time.time():.2f}\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
