@@ -4,7 +4,7 @@
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, gemm, hostprof, mini, compiled, httptools,
-# sweep, tokpool, proc1); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
+# sweep, tokpool, proc1, nopipe, profmax (after max)); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
 # request); MULTI_RUNS (default "c64 c128"); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
@@ -143,6 +143,8 @@ if has proc1; then
   has http && (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-1gpu-proc2.json) | tee $OUT/answers-compare-proc1.txt
 fi
 has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
+# the same daemon answering each batch before forming the next (the main lane's pipelining off)
+has nopipe && ANSWERS= serve_and_measure 1gpu-nopipe "${NOPIPE_RUNS:-c32}" --device ${DEV:-cuda} --no-pipeline
 has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --no-replica-processes
 # issue 13: each replica in its own process (the front keeps HTTP, planning, routing)
 has multiproc && serve_and_measure 2gpu-proc "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --replica-processes
@@ -156,6 +158,10 @@ if has max; then  # the max preset: single and batch figures only
   (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&
   (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-max.json timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max \
      --device cuda --repeat 1 --json > $OUT/bench-max.json 2> $OUT/bench-max.err); cat $OUT/bench-max.json; el bench max
+fi
+if has profmax; then  # kernel time of one max-preset single decision and of 32, by family and costliest kernels
+  (cd /tmp && timeout ${PROF_TIMEOUT:-150} python3 $OLDPWD/tools/profile_forward.py /tmp/m-max $OUT/profile-max.txt \
+     tree:verified > /dev/null 2> $OUT/profile-max.err); cat $OUT/profile-max.txt; el profmax
 fi
 if has hostprof; then
   (cd /tmp && timeout ${HOSTPROF_TIMEOUT:-120} python3 $OLDPWD/tools/host_profile.py $M $OUT/host_profile.txt); el hostprof
