@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from basal_local.api.systemone import validate_systemone
-from basal_local.engine.engine import EngineSettings, ModelEngine, _size_class
+from basal_local.engine.engine import PIPELINE_MIN_S, EngineSettings, ModelEngine, _size_class
 from basal_local.engine.gate import DeviceGate
 from basal_local.model import load_model_dir
 from basal_local.telemetry import Telemetry
@@ -31,7 +31,7 @@ class _Handle:
         return self.logits
 
     def device_s(self) -> float:
-        return 0.05
+        return 0.3
 
 
 class HeldDevice:
@@ -78,19 +78,20 @@ def _plan(engine: ModelEngine, tag: str):
     return engine.plan(validate_systemone(body, engine.model.name))
 
 
-def _run(model, pipeline: bool) -> tuple[HeldDevice, list, list]:
+def _run(model, pipeline: bool, expected_s: float = 0.3) -> tuple[HeldDevice, list, list]:
     """A blocker batch on a held device, ten requests queued behind it, then the device released."""
     device = HeldDevice()
     engine = ModelEngine(model, device, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, pipeline=pipeline))
     engine.start()
     try:
         blocker = _plan(engine, "blocker")
-        # the device time the lane expects for the blocker: its next batch is due ~50 ms after the launch
-        engine.main.device_est[_size_class(blocker.packed_tokens)] = 0.05
+        plans = [_plan(engine, f"r{i}") for i in range(10)]
+        # the device time the lane expects for the blocker: its next batch is due that long after the launch
+        engine.main.device_est[_size_class(blocker.packed_tokens)] = expected_s
         jobs = [engine.submit(blocker)]
         assert device.launched.acquire(timeout=WAIT)
-        jobs += [engine.submit(_plan(engine, f"r{i}")) for i in range(10)]
-        if pipeline:  # the second batch is launched while the device still holds the first
+        jobs += [engine.submit(p) for p in plans]
+        if pipeline and expected_s >= PIPELINE_MIN_S:  # the second batch launches while the device holds the first
             assert device.launched.acquire(timeout=WAIT)
         device.released.set()
         results = [job.future.result(timeout=WAIT) for job in jobs]
@@ -114,3 +115,10 @@ def test_pipelining_changes_no_answer_and_is_off_when_asked(model):
     assert batches == [1, 10]
     bodies = [[{k: v for k, v in r.body.items() if k != "usage"} for r in res] for res in (on, off)]
     assert bodies[0] == bodies[1]
+
+
+def test_a_short_batch_is_answered_before_the_next_one_forms(model):
+    """Overlap would gain little on a short batch, and a lone request would wait on the estimate."""
+    device, _, batches = _run(model, pipeline=True, expected_s=PIPELINE_MIN_S / 2)
+    assert [released for *_, released in device.log] == [False, True]
+    assert batches == [1, 10]

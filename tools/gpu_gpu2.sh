@@ -123,6 +123,14 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
     ticks $pid > /tmp/before.txt; local t0=$(date +%s.%N)
     (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n$tag.json
     cpu_report $pid /tmp/before.txt $(python3 -c "import time; print(time.time() - $t0)") "$name c$n$tag"
+    curl -s $U/api/stats > $OUT/stats-$name-c$n$tag.json
+    python3 - $OUT/stats-$name-c$n$tag.json "$name c$n$tag" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+b = s.get("batches", [])
+print(sys.argv[2], "last batches (requests/compute ms):", " ".join(f"{x['requests']}/{x['compute_ms']:.0f}" for x in b[-16:]),
+      "| p50 queue/compute/total ms:", {k: s["percentiles"][k]["p50"] for k in ("queue_ms", "compute_ms", "total_ms", "planning_ms")})
+PY
   done
   [ -n "${ANSWERS-1}" ] && (cd /tmp && python3 $OLDPWD/tools/http_answers.py $U $OUT/answers-$name.json 64)
   curl -s $U/api/stats > $OUT/stats-$name.json

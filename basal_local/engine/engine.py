@@ -13,6 +13,7 @@ free to do.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -33,6 +34,21 @@ from .pretty import batch_tree, unit_label
 from .scheduler import RATE_START, Cancelled, EngineStopped, Job, form_batch
 
 log = logging.getLogger(__name__)
+
+
+# a flight expected to take the device less than this is answered before the next batch forms: overlapping its
+# host work would gain little, and waiting on an estimate would add latency to lone requests
+PIPELINE_MIN_S = 0.015
+
+
+def freeze_heap() -> None:
+    """Take everything loaded so far (libraries, model, tokenizer) out of the garbage collector's view.
+
+    A full collection walks every object the process holds and stalls every thread meanwhile (~50-400 ms with
+    torch and a model loaded); under load it struck a few times a minute, each time holding up every request
+    of a batch. After the freeze, collections see only what serving allocates."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -96,14 +112,15 @@ class _Flight:
     ended: float = 0.0  # when its logits were back
     waited: bool = False  # whether the lane had to wait for them (then `ended` is when the device finished)
     after: float = 0.0  # when the batch before it ended, if the device was still busy with that at its launch
+    overlap: bool = False  # whether the next batch may form while it computes (a known, long enough device time)
 
     def done(self) -> bool:
         return all(f.done() for f in self.launched)
 
 
 def _size_class(tokens: int) -> int:
-    """Device-time estimates are kept per power of two of packed tokens."""
-    return max(int(tokens), 1).bit_length()
+    """Device-time estimates are kept per 128 packed tokens (forwards are padded to buckets of 64 and more)."""
+    return (max(int(tokens), 1) + 127) // 128
 
 
 class Lane:
@@ -201,7 +218,7 @@ class Lane:
         while True:
             if flight is not None:
                 self._await_lead(flight)
-                if flight.done():  # nothing to overlap it with any more: answer it before taking new work
+                if flight.done() or not flight.overlap:  # answer it before taking new work
                     self._complete(flight)
                     flight = None
             batch: list[Job] = []
@@ -248,9 +265,21 @@ class Lane:
     def _expect(self, flight: _Flight) -> None:
         """How long the device will take for `flight`, and how long preparing a batch takes the host."""
         tokens = flight.pack.packed_tokens
-        est = self.device_est.get(_size_class(tokens))
+        est = self._estimate(tokens)
         flight.est_s = est if est is not None else tokens / max(self.rate, 1.0)
+        flight.overlap = self.engine.settings.pipeline and est is not None and est >= PIPELINE_MIN_S
         self.prep_est = flight.prep_s if self.prep_est == 0.0 else 0.8 * self.prep_est + 0.2 * flight.prep_s
+
+    def _estimate(self, tokens: int) -> float | None:
+        """Expected device seconds for a batch of `tokens`: its size class's, else the nearest class's scaled by
+        size; None before any batch was timed."""
+        if not self.device_est:
+            return None
+        key = _size_class(tokens)
+        if key in self.device_est:
+            return self.device_est[key]
+        near = min(self.device_est, key=lambda k: abs(k - key))
+        return self.device_est[near] * key / near
 
     def _learn(self, flight: _Flight) -> None:
         """Learn the device time of a finished flight (where the backend measures it)."""
@@ -265,15 +294,15 @@ class Lane:
     def _await_lead(self, flight: _Flight) -> None:
         """Wait until the device is about one batch preparation away from finishing `flight` (or has finished
         it): the next batch then takes everything that queued meanwhile and still starts on time."""
-        if not self.engine.settings.pipeline or flight.done():
+        if not flight.overlap or flight.done():
             return
-        lead = max(1.2 * self.prep_est, 0.001)
+        lead = max(1.2 * self.prep_est, 0.0015)
         target = flight.device_start + flight.est_s - lead
         while not self._stop:
             now = time.perf_counter()
             if now >= target or flight.done():
                 return
-            time.sleep(min(target - now, 0.001))
+            time.sleep(min(target - now, 0.0005))
 
 
 def _tree_builder(rows: list, jobs: Sequence[Job], owners: list[tuple[int, int, int]]) -> Callable[[], list]:
