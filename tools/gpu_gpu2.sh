@@ -120,6 +120,7 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
     [[ $r == *i ]] && extra="--invariance ${INVARIANCE:-8}"
     [[ $r == *n ]] && extra="$extra --new-connections" && tag=n
     local total=$((n * 40)); [ $n = 1 ] && total=268
+    [ -e $OUT/http-$name-c$n$tag.json ] && tag=$tag-2  # a repeated run (c32i then c32) keeps both results
     ticks $pid > /tmp/before.txt; local t0=$(date +%s.%N)
     (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n$tag.json
     cpu_report $pid /tmp/before.txt $(python3 -c "import time; print(time.time() - $t0)") "$name c$n$tag"
