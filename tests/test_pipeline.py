@@ -122,3 +122,13 @@ def test_a_short_batch_is_answered_before_the_next_one_forms(model):
     device, _, batches = _run(model, pipeline=True, expected_s=PIPELINE_MIN_S / 2)
     assert [released for *_, released in device.log] == [False, True]
     assert batches == [1, 10]
+
+
+def test_no_pipeline_flag_reaches_the_engine_settings():
+    from basal_local.cli import build_parser
+    from basal_local.commands.serving import load_settings
+
+    args = build_parser().parse_args(["serve", "--no-pipeline"])
+    assert load_settings(args).engine.pipeline is False
+    args = build_parser().parse_args(["serve"])
+    assert load_settings(args).engine.pipeline is True
