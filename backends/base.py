@@ -73,6 +73,9 @@ class Backend(Protocol):
         float32 [T, hidden]: what the evidence head (PROTOCOL.md §6.8) reads."""
 
     # optional: `warmup(max_tokens)` prepares shapes (CUDA graphs) before the first request
+    # optional: `launch(batch)` hands the forward to the device without waiting and returns a handle with
+    # `done()`, `result()` (the logits, waiting) and `device_s()` (device seconds, or None); the engine then
+    # overlaps host work with device work (engine/engine.py)
 
 
 def ancestor_matrix(block_parent: np.ndarray) -> np.ndarray:

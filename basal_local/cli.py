@@ -80,6 +80,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coalesce-ms", type=float, dest="coalesce_ms",
                    help=f"after a batch of n requests, wait up to this long for n/2 to queue before a small batch "
                         f"(default {d.coalesce_ms:g}; 0 disables)")
+    p.add_argument("--no-pipeline", action="store_false", dest="pipeline", default=None,
+                   help="answer each batch before forming the next (default: on CUDA, the next batch is packed and "
+                        "launched while the device computes the one before)")
     p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None,
                    help="do not keep the chat template's K/V per language (default: kept)")
 

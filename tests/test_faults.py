@@ -45,6 +45,10 @@ class FaultyBackend:
         self._maybe_fail(batch)
         return self.inner.forward_steps(batch)
 
+    def launch(self, batch):  # the main lane's way in (engine pipelining)
+        self._maybe_fail(batch)
+        return self.inner.launch(batch)
+
 
 @pytest.fixture(scope="module")
 def live(tiny_model):

@@ -4,7 +4,7 @@
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, gemm, hostprof, mini, compiled, httptools,
-# sweep, tokpool, proc1); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
+# sweep, tokpool, proc1, nopipe, profmax (after max)); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
 # request); MULTI_RUNS (default "c64 c128"); GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
@@ -120,9 +120,18 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
     [[ $r == *i ]] && extra="--invariance ${INVARIANCE:-8}"
     [[ $r == *n ]] && extra="$extra --new-connections" && tag=n
     local total=$((n * 40)); [ $n = 1 ] && total=268
+    [ -e $OUT/http-$name-c$n$tag.json ] && tag=$tag-2  # a repeated run (c32i then c32) keeps both results
     ticks $pid > /tmp/before.txt; local t0=$(date +%s.%N)
     (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n$tag.json
     cpu_report $pid /tmp/before.txt $(python3 -c "import time; print(time.time() - $t0)") "$name c$n$tag"
+    curl -s $U/api/stats > $OUT/stats-$name-c$n$tag.json
+    python3 - $OUT/stats-$name-c$n$tag.json "$name c$n$tag" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+b = s.get("batches", [])
+print(sys.argv[2], "last batches (requests/compute ms):", " ".join(f"{x['requests']}/{x['compute_ms']:.0f}" for x in b[-16:]),
+      "| p50 queue/compute/total ms:", {k: s["percentiles"][k]["p50"] for k in ("queue_ms", "compute_ms", "total_ms", "planning_ms")})
+PY
   done
   [ -n "${ANSWERS-1}" ] && (cd /tmp && python3 $OLDPWD/tools/http_answers.py $U $OUT/answers-$name.json 64)
   curl -s $U/api/stats > $OUT/stats-$name.json
@@ -143,6 +152,8 @@ if has proc1; then
   has http && (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-1gpu-proc2.json) | tee $OUT/answers-compare-proc1.txt
 fi
 has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:-cuda} --coalesce-ms 20
+# the same daemon answering each batch before forming the next (the main lane's pipelining off)
+has nopipe && ANSWERS= serve_and_measure 1gpu-nopipe "${NOPIPE_RUNS:-c32}" --device ${DEV:-cuda} --no-pipeline
 has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --no-replica-processes
 # issue 13: each replica in its own process (the front keeps HTTP, planning, routing)
 has multiproc && serve_and_measure 2gpu-proc "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --replica-processes
@@ -156,6 +167,10 @@ if has max; then  # the max preset: single and batch figures only
   (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&
   (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-max.json timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max \
      --device cuda --repeat 1 --json > $OUT/bench-max.json 2> $OUT/bench-max.err); cat $OUT/bench-max.json; el bench max
+fi
+if has profmax; then  # kernel time of one max-preset single decision and of 32, by family and costliest kernels
+  (cd /tmp && timeout ${PROF_TIMEOUT:-150} python3 $OLDPWD/tools/profile_forward.py /tmp/m-max $OUT/profile-max.txt \
+     tree:verified > /dev/null 2> $OUT/profile-max.err); cat $OUT/profile-max.txt; el profmax
 fi
 if has hostprof; then
   (cd /tmp && timeout ${HOSTPROF_TIMEOUT:-120} python3 $OLDPWD/tools/host_profile.py $M $OUT/host_profile.txt); el hostprof

@@ -1,6 +1,7 @@
 """Kernel-time breakdown of one single-decision forward (both orders), landed SDPA path vs the Triton path.
 
-python tools/profile_forward.py MODEL_DIR OUT.txt  (CUDA graphs off, so every kernel is seen by name)
+python tools/profile_forward.py MODEL_DIR OUT.txt [attention:gemm ...]  (CUDA graphs off, so every kernel is seen
+by name; default configurations sdpa:cublas tree:cublas tree:triton; each also lists its costliest kernels)
 """
 
 from __future__ import annotations
@@ -52,23 +53,27 @@ def profile(md, attention: str, gemm: str, batches) -> str:
                 backend.forward(pack.batches[0])
             torch.cuda.synchronize()
         fams: dict[str, float] = defaultdict(float)
+        kernels: list[tuple[float, int, str]] = []
         count = 0
         for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
             if t and ev.device_type == torch.autograd.DeviceType.CUDA:
                 fams[family(ev.key)] += t / n / 1000.0
                 count += ev.count
+                kernels.append((t / n / 1000.0, ev.count // n, ev.key[:90]))
         total = sum(fams.values())
         lines.append(f"{attention}/{gemm} {label} ({pack.batches[0].num_tokens} packed tokens): kernel time "
                      f"{total:.2f} ms, {count // n} kernels per forward")
         for fam, t in sorted(fams.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {fam:32s} {t:8.2f} ms")
+        for t, calls, name in sorted(kernels, reverse=True)[:12]:
+            lines.append(f"      {t:8.3f} ms  {calls:4d}x  {name}")
     del backend
     torch.cuda.empty_cache()
     return "\n".join(lines)
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, *configs: str) -> None:
     md = load_model_dir(model_dir)
     requests = [validate_systemone(r, md.name) for r in single_question_requests(md.name)]
 
@@ -81,8 +86,8 @@ def main(model_dir: str, out: str) -> None:
                           for p in prompts]
         return specs
     batches = [("single decision", specs_of(requests[:1])), ("32 decisions", specs_of(requests[:32]))]
-    text = "\n".join(profile(md, a, g, batches) for a, g in (("sdpa", "cublas"), ("tree", "cublas"),
-                                                               ("tree", "triton")))
+    pairs = [tuple(c.split(":")) for c in configs] or [("sdpa", "cublas"), ("tree", "cublas"), ("tree", "triton")]
+    text = "\n".join(profile(md, a, g, batches) for a, g in pairs)
     print(text)
     with open(out, "w") as fh:
         fh.write(text + "\n")

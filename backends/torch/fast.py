@@ -44,7 +44,9 @@ LONG_WARMUP_TOKENS = 17371
 
 class _Graph(NamedTuple):
     """One captured forward: its device input buffer (`static`, laid out as `layout`) and the pinned host
-    buffer it is filled from, and the letter logits [r_cap, LETTER_CAP] it leaves in `logits`."""
+    buffer it is filled from, and the letter logits [r_cap, LETTER_CAP] it leaves in `logits`. `uploaded[0]`:
+    the event after the last copy out of `staging` (None when none is pending), so a launch never refills
+    the staging buffer under a copy that has not run yet."""
 
     graph: torch.cuda.CUDAGraph
     static: torch.Tensor
@@ -52,6 +54,49 @@ class _Graph(NamedTuple):
     logits: torch.Tensor
     staging: torch.Tensor
     staging_np: np.ndarray
+    uploaded: list
+
+
+class Launched:
+    """One graph replay in flight (`FastPath.launch`): its letter logits come back through their own pinned
+    buffer; two CUDA events time it on the device."""
+
+    __slots__ = ("host", "rows", "cols", "start", "end")
+
+    def __init__(self, host: torch.Tensor, rows: int, cols: int, start, end) -> None:
+        self.host, self.rows, self.cols, self.start, self.end = host, rows, cols, start, end
+
+    def done(self) -> bool:
+        return bool(self.end.query())
+
+    def result(self) -> np.ndarray:
+        self.end.synchronize()
+        out = self.host.numpy()[:self.rows, :self.cols].copy()
+        if not np.isfinite(out).all():
+            raise FloatingPointError("non-finite letter logit")
+        return out
+
+    def device_s(self) -> float | None:
+        """Device seconds from its input copy to its logits copy (after `result`)."""
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+class Ready:
+    """A forward that already ran (the eager path): the same interface as `Launched`."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits = logits
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> np.ndarray:
+        return self.logits
+
+    def device_s(self) -> float | None:
+        return None
 
 
 def _tile_cap(size: int) -> int:
@@ -200,7 +245,11 @@ class FastPath:
         if into is None:
             buf, layout = self._host_inputs(batch, size, tile_cap, r_cap)
             return torch.from_numpy(buf).to(self.b.device, non_blocking=False), layout
-        # the staging buffer is free again: every forward waits for its logits before the next one fills it
+        # the staging buffer is free once the copy out of it ran (launches do not wait for their logits)
+        pending = into.uploaded[0]
+        if pending is not None:
+            pending.synchronize()
+            into.uploaded[0] = None
         self._host_inputs(batch, size, tile_cap, r_cap, into.staging_np)
         into.static.copy_(into.staging, non_blocking=True)
         return into.static, into.layout
@@ -275,7 +324,8 @@ class FastPath:
             else:
                 yield self._logits(out, batch)
 
-    def forward(self, batch: PackedBatch) -> np.ndarray:
+    def _graph_for(self, batch: PackedBatch) -> _Graph | None:
+        """The captured graph a batch fits, with its inputs uploaded; None where it runs eagerly."""
         if self.b.cuda_graphs and batch.num_tokens <= TOKEN_BUCKETS[-1] and \
                 len(batch.readout_index) <= READOUT_BUCKETS[-1] and len(batch.letter_ids) <= LETTER_CAP:
             size = self.bucket(batch.num_tokens)
@@ -285,12 +335,36 @@ class FastPath:
                     entry = self._graph(size, r_cap)
                     self._upload(batch, size, _tile_cap(size), r_cap, into=entry)
                 except OverflowError:
-                    pass
-                else:
-                    entry.graph.replay()
-                    return self._graph_logits(entry, batch)
+                    return None
+                return entry
+        return None
+
+    def forward(self, batch: PackedBatch) -> np.ndarray:
+        entry = self._graph_for(batch)
+        if entry is not None:
+            entry.graph.replay()
+            return self._graph_logits(entry, batch)
         *_, logits = self.forward_steps(batch)
         return logits
+
+    def launch(self, batch: PackedBatch) -> Launched | Ready:
+        """`forward` without waiting for the device: the graph is replayed and its logits copied back
+        asynchronously; the eager path (no graph fits) runs to the end here."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        entry = self._graph_for(batch)
+        if entry is None:
+            *_, logits = self.forward_steps(batch)
+            return Ready(logits)
+        uploaded = torch.cuda.Event()
+        uploaded.record()
+        entry.uploaded[0] = uploaded
+        entry.graph.replay()
+        host = torch.empty(entry.logits.shape, dtype=entry.logits.dtype, pin_memory=True)
+        host.copy_(entry.logits, non_blocking=True)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return Launched(host, len(batch.readout_index), len(batch.letter_ids), start, end)
 
     def _graph_logits(self, entry: _Graph, batch: PackedBatch) -> np.ndarray:
         """The letter logits the graph computed: [r_cap, LETTER_CAP] back to the host, cut to the batch's."""
@@ -327,7 +401,7 @@ class FastPath:
                 # the letter logits inside the graph too: no host round trip between the last layer and them
                 logits = self.ops.letter_logits(h, lm_head, v["letters"])
             staging = torch.empty(static.shape, dtype=static.dtype, pin_memory=True)
-            self.graphs[key] = _Graph(graph, static, layout, logits, staging, staging.numpy())
+            self.graphs[key] = _Graph(graph, static, layout, logits, staging, staging.numpy(), [None])
         return self.graphs[key]
 
     def _dummy(self, n: int, r_cap: int, children: int = 0) -> PackedBatch:

@@ -239,6 +239,17 @@ class TorchBackend:
             raise RuntimeError("forward_steps ended without letter logits")
         return logits
 
+    @_on_device
+    def launch(self, batch: PackedBatch):
+        """`forward` without waiting for the device where a CUDA graph runs it (`fast.Launched`: `done()`,
+        `result()`, `device_s()`); anything else computes here and comes back ready (`fast.Ready`)."""
+        from .fast import Ready
+
+        if self.fast is not None and self.cuda_graphs:
+            with torch.inference_mode():
+                return self.fast.launch(batch)
+        return Ready(self.forward(batch))
+
     @_on_device_steps
     @torch.inference_mode()
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None,

@@ -13,7 +13,8 @@ from . import UserError, port_free
 
 SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas",
               "replica_processes", "dtype", "default_model", "max_inflight",
-              "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "coalesce_ms", "prefix_cache", "metrics", "api_key",
+              "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "coalesce_ms", "pipeline", "prefix_cache",
+              "metrics", "api_key",
               "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
 
 

@@ -3,10 +3,17 @@
 Requests arrive planned (validated, rendered, tokenized, sized). A lane drops cancelled requests, orders
 the queue (HRRN or FIFO), forms a batch within `max_batch_tokens`, packs it into prefix-tree forwards and
 runs them through the backend under the device gate.
+
+Where the backend can hand a forward to its device without waiting (`launch`, the CUDA graphs), the main lane
+overlaps its host work with the device's: while batch k computes, the lane answers batch k-1, and shortly
+before k is expected to end it forms, packs and launches k+1 from whatever has queued by then (`_Flight`,
+`Lane._await_lead`). Batch membership never changes a result (the kernels are batch-invariant), so this is
+free to do.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -21,12 +28,27 @@ from basal_local.backends.base import Backend, PackedBatch
 from ..model.directory import ModelDir
 from ..telemetry import BatchRecord, Telemetry
 from .gate import DeviceGate
-from .packer import pack_prompts
+from .packer import PackPlan, pack_prompts
 from .plan import RequestPlan, finish, plan_request
 from .pretty import batch_tree, unit_label
 from .scheduler import RATE_START, Cancelled, EngineStopped, Job, form_batch
 
 log = logging.getLogger(__name__)
+
+
+# a flight expected to take the device less than this is answered before the next batch forms: overlapping its
+# host work would gain little, and waiting on an estimate would add latency to lone requests
+PIPELINE_MIN_S = 0.015
+
+
+def freeze_heap() -> None:
+    """Take everything loaded so far (libraries, model, tokenizer) out of the garbage collector's view.
+
+    A full collection walks every object the process holds and stalls every thread meanwhile (~50-400 ms with
+    torch and a model loaded); under load it struck a few times a minute, each time holding up every request
+    of a batch. After the freeze, collections see only what serving allocates."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -43,6 +65,9 @@ class EngineSettings:
     # Off by default: 20 ms on the H200 (32 HTTP clients) gave p99 282 vs 314 ms and -1.5 % req/s, one trial
     # each, within noise (docs/PERFORMANCE.md)
     coalesce_ms: float = 0.0
+    # overlap a batch's host work (packing, inputs, answering) with the previous batch's device work where the
+    # backend can launch without waiting (module docstring)
+    pipeline: bool = True
 
 
 @dataclass
@@ -52,6 +77,50 @@ class JobResult:
     compute_ms: float
     batch_requests: int
     batch_id: int
+
+
+class _Done:
+    """A forward that already ran (backends without `launch`, or the eager path of one that has it)."""
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits = logits
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> np.ndarray:
+        return self.logits
+
+    def device_s(self) -> float | None:
+        return None
+
+
+@dataclass
+class _Flight:
+    """A batch handed to the device and not yet answered."""
+
+    jobs: list[Job]
+    pack: PackPlan
+    owners: list[tuple[int, int, int]]
+    prompts: int
+    launched: list[Any]  # per forward: done() / result() / device_s()
+    batch_id: int
+    started: float  # when the lane began packing it (queue and compute times are measured from here)
+    prep_s: float  # host time from packing to the last launch
+    device_start: float = 0.0  # when the device began it: its launch, or the end of the flight before it
+    est_s: float = 0.0  # expected device time
+    ended: float = 0.0  # when its logits were back
+    waited: bool = False  # whether the lane had to wait for them (then `ended` is when the device finished)
+    after: float = 0.0  # when the batch before it ended, if the device was still busy with that at its launch
+    overlap: bool = False  # whether the next batch may form while it computes (a known, long enough device time)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.launched)
+
+
+def _size_class(tokens: int) -> int:
+    """Device-time estimates are kept per 128 packed tokens (forwards are padded to buckets of 64 and more)."""
+    return (max(int(tokens), 1) + 127) // 128
 
 
 class Lane:
@@ -67,6 +136,9 @@ class Lane:
         self.last_jobs = 0  # the previous batch: size, end and duration (batch coalescing in `_admit`)
         self.last_end = 0.0
         self.last_s = 0.0
+        # pipelining (module docstring): device seconds per size class, host seconds to prepare a batch
+        self.device_est: dict[int, float] = {}
+        self.prep_est = 0.0
         self._cond = threading.Condition()
         self._stop = False
         # "main", "long"; "main-r1" ... for the other replicas of a model (telemetry keys, dashboard)
@@ -106,11 +178,14 @@ class Lane:
         with self._cond:
             return sum(job.tokens for job in self.queue) + self.running_tokens
 
-    def _admit(self) -> list[Job]:
+    def _admit(self, block: bool = True) -> list[Job]:
         with self._cond:
-            while not self.queue and not self._stop:
+            while block and not self.queue and not self._stop:
                 self._cond.wait()
-            self._coalesce()
+            if not self.queue:
+                return []
+            if block:
+                self._coalesce()
             if self._stop:
                 return []
             live = []
@@ -139,28 +214,95 @@ class Lane:
             self._cond.wait(remaining)
 
     def _loop(self) -> None:
+        flight: _Flight | None = None
         while True:
+            if flight is not None:
+                self._await_lead(flight)
+                if flight.done() or not flight.overlap:  # answer it before taking new work
+                    self._complete(flight)
+                    flight = None
             batch: list[Job] = []
+            launched: _Flight | None = None
             try:
-                batch = self._admit()
-                if not batch:
-                    if self._stop:
-                        return
-                    continue
-                self.running_tokens = sum(job.tokens for job in batch)
-                started = time.perf_counter()
-                self.engine.run_batch(batch, self)
-                self.last_end = time.perf_counter()
-                self.last_jobs, self.last_s = len(batch), self.last_end - started
-            except Exception as exc:  # never lose the thread; every member of the batch gets the error
-                log.exception("batch failed in lane %s", self.thread.name)
-                self.engine.telemetry.batch_failed(self.engine.model.name, self.label, exc)
-                handler = self.engine.on_batch_failure
-                if handler is None or not handler(self.engine, exc, batch):
-                    for job in batch:
-                        job.fail(exc)
-            finally:
+                batch = self._admit(block=flight is None)
+                if batch:
+                    self.running_tokens = sum(job.tokens for job in batch) + (flight.pack.packed_tokens
+                                                                              if flight else 0)
+                    launched = self.engine.launch_batch(batch, self)
+                    self._expect(launched)
+            except Exception as exc:
+                self._failed(exc, batch)
+            if flight is not None:
+                self._complete(flight)
+                if launched is not None and flight.waited:  # the device took the new batch when this one ended
+                    launched.after = flight.ended
+                    launched.device_start = max(launched.device_start, flight.ended)
+            flight = launched
+            if flight is None:
                 self.running_tokens = 0
+                if self._stop:
+                    return
+
+    def _complete(self, flight: _Flight) -> None:
+        try:
+            self.engine.complete_batch(flight, self)
+        except Exception as exc:
+            self._failed(exc, flight.jobs)
+        self._learn(flight)
+        self.last_end = time.perf_counter()
+        self.last_jobs, self.last_s = len(flight.jobs), self.last_end - flight.started
+
+    def _failed(self, exc: Exception, batch: list[Job]) -> None:
+        """Never lose the thread; every member of the batch gets the error."""
+        log.error("batch failed in lane %s", self.thread.name, exc_info=exc)
+        self.engine.telemetry.batch_failed(self.engine.model.name, self.label, exc)
+        handler = self.engine.on_batch_failure
+        if handler is None or not handler(self.engine, exc, batch):
+            for job in batch:
+                job.fail(exc)
+
+    # ---- pipelining ------------------------------------------------------------------------------------------
+    def _expect(self, flight: _Flight) -> None:
+        """How long the device will take for `flight`, and how long preparing a batch takes the host."""
+        tokens = flight.pack.packed_tokens
+        est = self._estimate(tokens)
+        flight.est_s = est if est is not None else tokens / max(self.rate, 1.0)
+        flight.overlap = self.engine.settings.pipeline and est is not None and est >= PIPELINE_MIN_S
+        self.prep_est = flight.prep_s if self.prep_est == 0.0 else 0.8 * self.prep_est + 0.2 * flight.prep_s
+
+    def _estimate(self, tokens: int) -> float | None:
+        """Expected device seconds for a batch of `tokens`: its size class's, else the nearest class's scaled by
+        size; None before any batch was timed."""
+        if not self.device_est:
+            return None
+        key = _size_class(tokens)
+        if key in self.device_est:
+            return self.device_est[key]
+        near = min(self.device_est, key=lambda k: abs(k - key))
+        return self.device_est[near] * key / near
+
+    def _learn(self, flight: _Flight) -> None:
+        """Learn the device time of a finished flight (where the backend measures it)."""
+        times = [f.device_s() for f in flight.launched]
+        if not times or any(t is None for t in times):
+            return
+        device_s = float(sum(times))
+        key = _size_class(flight.pack.packed_tokens)
+        old = self.device_est.get(key)
+        self.device_est[key] = device_s if old is None else 0.7 * old + 0.3 * device_s
+
+    def _await_lead(self, flight: _Flight) -> None:
+        """Wait until the device is about one batch preparation away from finishing `flight` (or has finished
+        it): the next batch then takes everything that queued meanwhile and still starts on time."""
+        if not flight.overlap or flight.done():
+            return
+        lead = max(1.2 * self.prep_est, 0.0015)
+        target = flight.device_start + flight.est_s - lead
+        while not self._stop:
+            now = time.perf_counter()
+            if now >= target or flight.done():
+                return
+            time.sleep(min(target - now, 0.0005))
 
 
 def _tree_builder(rows: list, jobs: Sequence[Job], owners: list[tuple[int, int, int]]) -> Callable[[], list]:
@@ -284,7 +426,24 @@ class ModelEngine:
             self.gate.release()
         raise RuntimeError("forward_steps ended without logits")
 
+    def _launch(self, batch, lane: Lane) -> Any:
+        """Hand one forward to the backend: without waiting for the device where the backend can (`launch`)
+        and the lane pipelines; the long lane's preemptible steps always wait."""
+        if lane.urgent:
+            launch = getattr(self.backend, "launch", None) if self.settings.pipeline else None
+            self.gate.acquire(urgent=True)
+            try:
+                return launch(batch) if launch is not None else _Done(self.backend.forward(batch))
+            finally:
+                self.gate.release()
+        return _Done(self._forward(batch, lane))
+
     def run_batch(self, jobs: Sequence[Job], lane: Lane) -> None:
+        """Pack, compute and answer one batch, waiting for it."""
+        self.complete_batch(self.launch_batch(jobs, lane), lane)
+
+    def launch_batch(self, jobs: Sequence[Job], lane: Lane) -> _Flight:
+        """Pack a batch and hand its forwards to the device; `complete_batch` answers it."""
         started = time.perf_counter()
         specs = []
         owners: list[tuple[int, int, int]] = []
@@ -298,21 +457,32 @@ class ModelEngine:
         batch_id = self.telemetry.next_batch_id()
         self.telemetry.batch_started(batch_id, self.model.name, lane.label, [j.request_id for j in jobs],
                                      pack.packed_tokens)
-        outputs = [self._forward(b, lane) for b in pack.batches]
+        launched = [self._launch(b, lane) for b in pack.batches]
+        now = time.perf_counter()
+        return _Flight(list(jobs), pack, owners, len(specs), launched, batch_id, started, now - started,
+                       device_start=now)
+
+    def complete_batch(self, flight: _Flight, lane: Lane) -> None:
+        """Wait for a launched batch's logits and answer its jobs."""
+        jobs, pack, started, batch_id = flight.jobs, flight.pack, flight.started, flight.batch_id
+        flight.waited = not flight.done()
+        outputs = [f.result() for f in flight.launched]
+        flight.ended = time.perf_counter()
         logits: list[list[list[np.ndarray]]] = [[[None] * len(qp.token_ids) for qp in job.plan.questions]
                                                 for job in jobs]  # type: ignore[misc]
-        for (j, q, o), (b, r, cols) in zip(owners, pack.readouts):
+        for (j, q, o), (b, r, cols) in zip(flight.owners, pack.readouts):
             logits[j][q][o] = outputs[b][r, cols]
-        elapsed = time.perf_counter() - started
+        # its own compute: from packing (or, launched behind another batch, from that one's end) to the logits
+        elapsed = time.perf_counter() - max(started, flight.after)
         if elapsed > 0.001:
             lane.rate = 0.8 * lane.rate + 0.2 * pack.packed_tokens / elapsed
         self.batches += 1
         compute_ms = elapsed * 1000.0
         # the batch is on record before any of its answers leaves, so /api/stats always knows it
         self.telemetry.record_batch(BatchRecord(
-            batch_id, self.model.name, lane.label, len(jobs), sum(len(j.plan.questions) for j in jobs), len(specs),
+            batch_id, self.model.name, lane.label, len(jobs), sum(len(j.plan.questions) for j in jobs), flight.prompts,
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
-            tree=self.telemetry.lazy_tree(_tree_builder(pack.rows, jobs, owners)),
+            tree=self.telemetry.lazy_tree(_tree_builder(pack.rows, jobs, flight.owners)),
             request_ids=[j.request_id for j in jobs], replica=self.replica, device=self.backend.device))
         for j, job in enumerate(jobs):
             try:

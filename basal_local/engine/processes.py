@@ -38,7 +38,7 @@ from typing import Any
 from ..model.directory import ModelDir
 from ..protocol.errors import AnswerRefused, NoEvidenceHead
 from ..telemetry import BatchRecord, Telemetry
-from .engine import EngineSettings, JobResult
+from .engine import EngineSettings, JobResult, freeze_heap
 from .plan import RequestPlan, finish, next_round, plan_request
 from .scheduler import Cancelled, EngineStopped, Job
 
@@ -286,6 +286,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         conn.close()
         return
     engine_ref[0] = engine
+    freeze_heap()
     worker = _Worker(engine, out)
 
     def device_gone(eng, exc: Exception, jobs: list[Job]) -> bool:

@@ -90,8 +90,8 @@ def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequ
     """
     now = time.perf_counter() if now is None else now
     ordered = hrrn_order(queue, now, rate, overhead_s) if schedule == "hrrn" else list(queue)
-    if not ordered:
-        return [], []
+    if len(ordered) <= 1:  # nothing to size against (a job larger than the budget runs alone anyway)
+        return ordered, []
     batch = [ordered[0]]
     sizer = TrieSizer(prefixes)
     sizer.add(ordered[0].specs)

@@ -30,7 +30,7 @@ from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded,
 from ..engine.engine import JobResult, ModelEngine
 from ..engine.evidence import attach_evidence
 from ..engine.plan import RequestPlan, next_round
-from ..engine.scheduler import Cancelled, EngineStopped
+from ..engine.scheduler import Cancelled, EngineStopped, Job
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..telemetry import Telemetry
 from .body import BodyError, BodyLimits, ClientGone, read_body
@@ -144,13 +144,14 @@ def _release(call: _Call) -> None:
         call.admitted = False
 
 
-async def _parse_and_plan(call: _Call, raw: bytes) -> tuple[ModelEngine, RequestPlan]:
-    """Parse, take an in-flight slot, route, validate and plan in ONE hop to a planner thread (each hop costs
-    the event loop a wake-up and the request a thread hand-off); the checks keep their order (PROTOCOL.md
-    §1.1: overload before the unknown-model error)."""
+async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[ModelEngine, RequestPlan, Job]:
+    """Parse, take an in-flight slot, route, validate, plan and queue the job in ONE hop to a planner thread
+    (each hop costs the event loop a wake-up and the request a thread hand-off; the job reaches its lane
+    straight from the planner); the checks keep their order (PROTOCOL.md §1.1: overload before the
+    unknown-model error)."""
     dialect = call.dialect
 
-    def work() -> tuple[ModelEngine, RequestPlan]:
+    def work() -> tuple[ModelEngine, RequestPlan, Job]:
         body = parse_body(raw, dialect)
         _admit(call)
         call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "",
@@ -158,45 +159,40 @@ async def _parse_and_plan(call: _Call, raw: bytes) -> tuple[ModelEngine, Request
         engine = call.state.engines[call.model_name]
         planned = engine.plan(validate(body, dialect, call.model_name))
         attach_evidence(planned, engine)
-        return engine, planned
+        planned.arrival = call.arrived
+        call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
+        return engine, planned, engine.submit(planned, gone.is_set, call.request_id)
 
     try:
-        engine, planned = await asyncio.get_running_loop().run_in_executor(call.pool(len(raw)), work)
+        return await asyncio.get_running_loop().run_in_executor(call.pool(len(raw)), work)
     except RuntimeError:
         if call.state.stopping:  # the planner pools are shut down
             raise EngineStopped() from None
         raise
-    planned.arrival = call.arrived
-    call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
-    return engine, planned
 
 
-async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan) -> tuple[RequestPlan, JobResult]:
-    """Submit the plan and wait for its answer; a client that disconnects meanwhile is dropped unanswered.
+async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan, job: Job,
+                   gone: threading.Event) -> tuple[RequestPlan, JobResult]:
+    """Wait for the job's answer; a client that disconnects meanwhile (`gone`) is dropped unanswered.
 
     A large choice takes a second round planned from the first one's answers: the request's queue and compute
     times are the sums over its rounds."""
-    gone = threading.Event()
-    watcher = asyncio.ensure_future(_watch_disconnect(call.request, gone))
     queue_ms = compute_ms = 0.0
-    try:
-        while True:
-            job = engine.submit(planned, gone.is_set, call.request_id)
-            result: JobResult = await asyncio.wrap_future(job.future)
-            queue_ms += result.queue_ms
-            compute_ms += result.compute_ms
-            follow = None
-            if planned.round == 1 and any(q.large for q in planned.request.questions):  # a second round
-                follow = await asyncio.get_running_loop().run_in_executor(call.state.planner, next_round, planned)
-            if follow is None:
-                break
-            planned = follow
-        if planned.error is not None:
-            raise planned.error
-        result.queue_ms, result.compute_ms = queue_ms, compute_ms
-        return planned, result
-    finally:
-        watcher.cancel()
+    while True:
+        result: JobResult = await asyncio.wrap_future(job.future)
+        queue_ms += result.queue_ms
+        compute_ms += result.compute_ms
+        follow = None
+        if planned.round == 1 and any(q.large for q in planned.request.questions):  # a second round
+            follow = await asyncio.get_running_loop().run_in_executor(call.state.planner, next_round, planned)
+        if follow is None:
+            break
+        planned = follow
+        job = engine.submit(planned, gone.is_set, call.request_id)
+    if planned.error is not None:
+        raise planned.error
+    result.queue_ms, result.compute_ms = queue_ms, compute_ms
+    return planned, result
 
 
 def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
@@ -251,8 +247,13 @@ async def _decide(request: Request, dialect: str) -> Response:
     try:
         _check_ready(call)
         raw = await _read(call)
-        engine, planned = await _parse_and_plan(call, raw)
-        planned, result = await _run_job(call, engine, planned)
+        gone = threading.Event()
+        watcher = asyncio.ensure_future(_watch_disconnect(call.request, gone))
+        try:
+            engine, planned, job = await _parse_and_plan(call, raw, gone)
+            planned, result = await _run_job(call, engine, planned, job, gone)
+        finally:
+            watcher.cancel()
         return _answer(call, planned, result)
     except ApiError as err:
         return _error(call, err)

@@ -12,7 +12,7 @@ import uvicorn
 
 from basal_local.backends.select import expand_devices, make_backend
 
-from ..engine.engine import ModelEngine
+from ..engine.engine import ModelEngine, freeze_heap
 from ..engine.gate import DeviceGate
 from ..engine.processes import ProcessReplicaSet, WorkerSpec
 from ..engine.replicas import ReplicaSet
@@ -28,9 +28,10 @@ log = logging.getLogger("basal_local.daemon")
 KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (CLIENTS.md A.6)
 
 
-def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) -> None:
+def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
     """Load every model on every device it is placed on (`replicas` engines per device, one gate per device and
-    replica slot), then mark the state ready. Errors go to /health."""
+    replica slot), then mark the state ready. Errors go to /health. `freeze` (the daemon's own process): take
+    what was loaded out of the garbage collector's view (`freeze_heap`)."""
     try:
         devices = expand_devices(settings.devices, settings.device)
         if settings.replicas < 1:
@@ -69,6 +70,8 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path]) ->
                              f"({', '.join(state.engines)})")
         state.default_model = default
         state.aliases = resolve_aliases(settings.aliases, list(state.engines), default)
+        if freeze:
+            freeze_heap()
         state.ready = True
         print(f"basal-local: ready: {', '.join(state.engines)} on {state.backend_name}/{state.device} "
               f"({state.dtype})", flush=True)
@@ -206,11 +209,11 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
 
 
 def start_loading(state: AppState, settings: Settings, model_dirs: list[Path],
-                  on_failure: Callable[[], None] | None = None) -> threading.Thread:
+                  on_failure: Callable[[], None] | None = None, freeze: bool = False) -> threading.Thread:
     """Load the models in a background thread; `on_failure` runs when one fails (serve stops then)."""
 
     def load() -> None:
-        load_engines(state, settings, model_dirs)
+        load_engines(state, settings, model_dirs, freeze)
         if state.load_error and on_failure is not None:
             on_failure()
 
@@ -227,7 +230,7 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
     def stop() -> None:
         server.should_exit = True
 
-    start_loading(state, settings, model_dirs, stop)
+    start_loading(state, settings, model_dirs, stop, freeze=True)
     if banner:
         print(banner, flush=True)
     try:
