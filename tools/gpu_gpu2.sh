@@ -87,7 +87,10 @@ ticks() {  # pid -> "tid pid:name cputicks" per thread, of the process and every
   # processes, a local Ray cluster's raylet, GCS, proxy and actors); name: the program's base name, or Ray's title
   for p in $(ps -e -o pid=,ppid= | awk -v root=$1 '{kids[$2] = kids[$2] " " $1} END {todo = root; while (todo != "") {
       split(todo, a, " "); todo = ""; for (i in a) { print a[i]; todo = todo " " kids[a[i]] } } }'); do
-    local name; name=$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | awk '{n = $1; if (n !~ /^ray::/) sub(/.*\//, "", n); print substr(n, 1, 40)}')
+    local name; name=$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | awk '{n = $1; if (n !~ /^ray::/) sub(/.*\//, "", n)
+      if (n ~ /^python/) for (i = 2; i <= NF; i++) if ($i !~ /^-/ || $i == "-m" || $i == "-c") {
+        x = ($i == "-m") ? $(i + 1) : $i; sub(/.*\//, "", x); n = n "/" x; break }
+      print substr(n, 1, 40)}')
     for t in /proc/$p/task/*; do echo "$(basename $t) $p:${name:-?} $(awk '{print $14+$15}' $t/stat)"; done
   done 2>/dev/null
 }
