@@ -167,7 +167,10 @@ if has ray; then
   RSITE=${RAY_SITE_DIR:-/tmp/rsite/site}  # RAY_SITE_DIR: a site folder already unpacked (a dry run on the CPU)
   [ -n "${RAY_SITE_DIR:-}" ] || { rm -rf /tmp/rsite && mkdir -p /tmp/rsite &&
     tar -xJf ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} -C /tmp/rsite && el "ray site unpacked"; }
+  # Ray's memory monitor kills workers past 95 % of MemTotal, which on this host starts at 31 GiB and grows as
+  # memory is used (KINDS.md): off here. No usage reports (nothing outside can be reached).
   [ -d $RSITE/ray ] && PYTHONPATH=$RSITE:${PYTHONPATH:-} RAY_AUTH_MODE=disabled READY_S=${RAY_READY_S:-300} \
+    RAY_memory_monitor_refresh_ms=0 RAY_USAGE_STATS_ENABLED=0 \
       serve_and_measure ray "${RAY_RUNS:-c1 c64}" --ray ${RAY_ARGS:---device cuda --min-replicas 2}
   [ -f $OUT/serve-ray.log ] && grep -v "^\s*$" $OUT/serve-ray.log | tail -${RAY_LOG_LINES:-8}
   if has http && [ -f $OUT/answers-ray.json ]; then
