@@ -55,7 +55,7 @@ fi
 if has gemm; then
   timeout ${GEMM_TIMEOUT:-120} python3 tools/gemm_chunks.py "$OUT/gemm_chunks.json" ${GEMM_PRESETS:-4.5B} 2>&1 | tail -4; el gemm
 fi
-if has bench || has http || has multi || has hostprof || has compiled; then
+if has bench || has http || has multi || has multiproc || has ray || has hostprof || has compiled; then
   [ -d $M ] || (cd /tmp && python3 -m basal_local.cli make-test-model $M --preset $PRESET --device cuda > /dev/null) || exit 1
   el make-test-model
 fi
@@ -165,16 +165,22 @@ fi
 # RAY_SITE, default .ray/ray-site-cp312.tar.xz); RAY_RUNS (default "c1 c64"), RAY_ARGS (default: 2 GPU replicas)
 if has ray; then
   RSITE=${RAY_SITE_DIR:-/tmp/rsite/site}  # RAY_SITE_DIR: a site folder already unpacked (a dry run on the CPU)
-  [ -n "${RAY_SITE_DIR:-}" ] || { rm -rf /tmp/rsite && mkdir -p /tmp/rsite &&
-    tar -xJf ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} -C /tmp/rsite && el "ray site unpacked"; }
-  for w in $(ls .ray/*.whl 2>/dev/null); do  # wheels beside it go over it (a site built without one they need)
-    python3 -m zipfile -e $w $RSITE && echo "ray site: + $(basename $w)"; done
+  if [ -z "${RAY_SITE_DIR:-}" ] && [ -f ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} ]; then
+    rm -rf /tmp/rsite && mkdir -p /tmp/rsite && tar -xJf ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} -C /tmp/rsite &&
+      el "ray site unpacked"
+    for w in $(ls .ray/*.whl 2>/dev/null); do  # wheels beside it go over it (a site built without one they need)
+      python3 -m zipfile -e $w $RSITE && echo "ray site: + $(basename $w)"; done
+  fi
+  RAY_PATH=${PYTHONPATH:-}; [ -d $RSITE/ray ] && RAY_PATH=$RSITE:$RAY_PATH  # else: the Ray installed there, if any
   # Ray's memory monitor kills workers past 95 % of MemTotal, which on this host starts at 31 GiB and grows as
   # memory is used (KINDS.md): off here. No usage reports (nothing outside can be reached).
-  [ -d $RSITE/ray ] && PYTHONPATH=$RSITE:${PYTHONPATH:-} RAY_AUTH_MODE=disabled READY_S=${RAY_READY_S:-300} \
-    RAY_memory_monitor_refresh_ms=0 RAY_USAGE_STATS_ENABLED=0 \
-      serve_and_measure ray "${RAY_RUNS:-c1 c64}" --ray ${RAY_ARGS:---device cuda --min-replicas 2}
-  [ -f $OUT/serve-ray.log ] && grep -v "^\s*$" $OUT/serve-ray.log | tail -${RAY_LOG_LINES:-8}
+  if PYTHONPATH=$RAY_PATH python3 -c "import ray.serve" 2> $OUT/ray-import.err; then
+    PYTHONPATH=$RAY_PATH RAY_AUTH_MODE=disabled READY_S=${RAY_READY_S:-300} RAY_memory_monitor_refresh_ms=0 \
+      RAY_USAGE_STATS_ENABLED=0 serve_and_measure ray "${RAY_RUNS:-c1 c64}" --ray ${RAY_ARGS:---device cuda --min-replicas 2}
+    [ -f $OUT/serve-ray.log ] && grep -v "^\s*$" $OUT/serve-ray.log | tail -${RAY_LOG_LINES:-8}
+  else
+    echo "ray stage skipped: Ray Serve does not import"; tail -3 $OUT/ray-import.err
+  fi
   if has http && [ -f $OUT/answers-ray.json ]; then
     (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-ray.json) | tee $OUT/answers-compare-ray.txt
   fi
