@@ -169,6 +169,31 @@ def test_ray_flags_need_ray_and_the_ray_mode_refuses_one_host_flags(tiny_model):
         assert "not installed" in out.stderr and "basal-local[ray]" in out.stderr
 
 
+def test_a_ray_that_is_installed_but_does_not_import_is_a_user_error(tmp_path, monkeypatch):
+    """What the GPU host showed: Ray Serve's grpcio-reflection refuses an older grpcio with a RuntimeError at import
+    time; `serve --ray` says so in two lines with the fix, not as an internal error."""
+    import argparse
+
+    from basal_local.commands import UserError
+    from basal_local.commands.serving import check_ray_flags
+
+    fake = tmp_path / "ray"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise RuntimeError("The grpc package installed is at version 1.84.0, but the '
+                                      'generated code depends on grpcio>=1.85.1.\\nPlease upgrade")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    args = argparse.Namespace(ray_address=None, min_replicas=None, max_replicas=None, devices=None, replicas=None,
+                              replica_processes=None, tui=False, demo_traffic=False)
+    with pytest.raises(UserError) as caught:
+        check_ray_flags(args, ray_mode=True)
+    lines = caught.value.lines()
+    assert lines == ["basal-local: error: Ray Serve is installed here but does not import: The grpc package installed "
+                     "is at version 1.84.0, but the generated code depends on grpcio>=1.85.1.",
+                     '  reinstall it with its dependencies: pip install -U "basal-local[ray]"']
+
+
 # ---------------------------------------------------------------- a real local Ray cluster
 
 def _descendants(root: int) -> dict[int, str]:

@@ -3,9 +3,11 @@
 # in-process benches per GEMM route, the HTTP figures against a daemon on cuda:0, then the same daemon on
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
-# STAGES (default "tests bench http coalesce multi max"; also multiproc, gemm, hostprof, mini, compiled, httptools,
-# sweep, tokpool, proc1, nopipe, profmax (after max)); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the invariance check, n = a new connection per
-# request); MULTI_RUNS (default "c64 c128"); GEMMS: the routes the bench stage runs
+# STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
+# sweep, tokpool, proc1, nopipe, profmax (after max)); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
+# invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
+# default "--devices cuda:0,cuda:1"); REQ_PER_CLIENT (default 40) and C1_REQUESTS (default 268): requests of a run;
+# GEMMS: the routes the bench stage runs
 # (route[:chunk], default "verified"); BENCH_ARGS (default "--long-doc").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -54,7 +56,7 @@ fi
 if has gemm; then
   timeout ${GEMM_TIMEOUT:-120} python3 tools/gemm_chunks.py "$OUT/gemm_chunks.json" ${GEMM_PRESETS:-4.5B} 2>&1 | tail -4; el gemm
 fi
-if has bench || has http || has multi || has hostprof || has compiled; then
+if has bench || has http || has multi || has multiproc || has ray || has hostprof || has compiled; then
   [ -d $M ] || (cd /tmp && python3 -m basal_local.cli make-test-model $M --preset $PRESET --device cuda > /dev/null) || exit 1
   el make-test-model
 fi
@@ -75,16 +77,22 @@ print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r[
     el bench $name
   done
 fi
-wait_ready() {  # port pid
-  for _ in $(seq 1 150); do
+wait_ready() {  # port pid (READY_S: seconds to wait, default 150)
+  for _ in $(seq 1 ${READY_S:-150}); do
     curl -sf http://127.0.0.1:$1/health > /dev/null && return 0
     kill -0 $2 2>/dev/null || return 1
     sleep 1
   done; return 1
 }
-ticks() {  # pid -> "tid pid:comm cputicks" per thread, of the process and its children (replica processes)
-  for p in $1 $(for d in /proc/[0-9]*; do [ "$(awk '{print $4}' $d/stat 2>/dev/null)" = "$1" ] && basename $d; done); do
-    for t in /proc/$p/task/*; do echo "$(basename $t) $p:$(cat $t/comm | tr ' ' _) $(awk '{print $14+$15}' $t/stat)"; done
+ticks() {  # pid -> "tid pid:name cputicks" per thread, of the process and every process below it (replica
+  # processes, a local Ray cluster's raylet, GCS, proxy and actors); name: the program's base name, or Ray's title
+  for p in $(ps -e -o pid=,ppid= | awk -v root=$1 '{kids[$2] = kids[$2] " " $1} END {todo = root; while (todo != "") {
+      split(todo, a, " "); todo = ""; for (i in a) { print a[i]; todo = todo " " kids[a[i]] } } }'); do
+    local name; name=$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | awk '{n = $1; if (n !~ /^ray::/) sub(/.*\//, "", n)
+      if (n ~ /^python/) for (i = 2; i <= NF; i++) if ($i !~ /^-/ || $i == "-m" || $i == "-c") {
+        x = ($i == "-m") ? $(i + 1) : $i; sub(/.*\//, "", x); n = n "/" x; break }
+      print substr(n, 1, 40)}')
+    for t in /proc/$p/task/*; do echo "$(basename $t) $p:${name:-?} $(awk '{print $14+$15}' $t/stat)"; done
   done 2>/dev/null
 }
 cpu_report() {  # pid, before-file, seconds, label: process cores used and the busiest threads
@@ -100,9 +108,10 @@ for l in open(sys.argv[2]):
 rows.sort(reverse=True)
 procs = {}
 for c, n in rows:
-    procs[n.split(":")[0]] = procs.get(n.split(":")[0], 0.0) + c
+    procs[n] = procs.get(n, 0.0) + c
 print(sys.argv[4], "cores used %.2f;" % sum(r[0] for r in rows), "per process:",
-      ", ".join("%s %.2f" % kv for kv in sorted(procs.items())), "; busiest threads:",
+      ", ".join("%s %.2f" % kv for kv in sorted(procs.items(), key=lambda kv: -kv[1]) if kv[1] >= 0.005),
+      "; busiest threads:",
       ", ".join("%s %.2f" % (n, c) for c, n in rows[:8]))
 PY
 }
@@ -119,7 +128,7 @@ serve_and_measure() {  # name, "runs" (cN or cNi: N clients, i: + invariance), s
     local n=${r//[cin]/} extra="" tag=""
     [[ $r == *i ]] && extra="--invariance ${INVARIANCE:-8}"
     [[ $r == *n ]] && extra="$extra --new-connections" && tag=n
-    local total=$((n * 40)); [ $n = 1 ] && total=268
+    local total=$((n * ${REQ_PER_CLIENT:-40})); [ $n = 1 ] && total=${C1_REQUESTS:-268}
     [ -e $OUT/http-$name-c$n$tag.json ] && tag=$tag-2  # a repeated run (c32i then c32) keeps both results
     ticks $pid > /tmp/before.txt; local t0=$(date +%s.%N)
     (cd /tmp && $B --clients $n --requests $total $extra) > $OUT/http-$name-c$n$tag.json
@@ -156,12 +165,37 @@ has coalesce && ANSWERS= serve_and_measure 1gpu-coalesce20 "c32" --device ${DEV:
 has nopipe && ANSWERS= serve_and_measure 1gpu-nopipe "${NOPIPE_RUNS:-c32}" --device ${DEV:-cuda} --no-pipeline
 has multi && serve_and_measure 2gpu "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --no-replica-processes
 # issue 13: each replica in its own process (the front keeps HTTP, planning, routing)
-has multiproc && serve_and_measure 2gpu-proc "${MULTI_RUNS:-c64 c128}" --devices cuda:0,cuda:1 --replica-processes
+has multiproc && serve_and_measure 2gpu-proc "${MULTI_RUNS:-c64 c128}" ${MULTI_DEVICES:---devices cuda:0,cuda:1} --replica-processes
 if has http && has multi; then
   (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu.json) | tee $OUT/answers-compare.txt
 fi
 if has http && has multiproc; then
   (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-2gpu-proc.json) | tee $OUT/answers-compare-proc.txt
+fi
+# issue 13 through Ray Serve: `serve --ray` on a local Ray cluster, one engine replica per GPU (num_gpus 1) behind
+# Ray's HTTP proxy and the front deployment. Ray Serve travels as a pruned site folder (tools/ray_site.sh 3.12 DIR;
+# RAY_SITE, default .ray/ray-site-cp312.tar.xz); RAY_RUNS (default "c1 c64"), RAY_ARGS (default: 2 GPU replicas)
+if has ray; then
+  RSITE=${RAY_SITE_DIR:-/tmp/rsite/site}  # RAY_SITE_DIR: a site folder already unpacked (a dry run on the CPU)
+  if [ -z "${RAY_SITE_DIR:-}" ] && [ -f ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} ]; then
+    rm -rf /tmp/rsite && mkdir -p /tmp/rsite && tar -xJf ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} -C /tmp/rsite &&
+      el "ray site unpacked"
+    for w in $(ls .ray/*.whl 2>/dev/null); do  # wheels beside it go over it (a site built without one they need)
+      python3 -m zipfile -e $w $RSITE && echo "ray site: + $(basename $w)"; done
+  fi
+  RAY_PATH=${PYTHONPATH:-}; [ -d $RSITE/ray ] && RAY_PATH=$RSITE:$RAY_PATH  # else: the Ray installed there, if any
+  # Ray's memory monitor kills workers past 95 % of MemTotal, which on this host starts at 31 GiB and grows as
+  # memory is used (KINDS.md): off here. No usage reports (nothing outside can be reached).
+  if PYTHONPATH=$RAY_PATH python3 -c "import ray.serve" 2> $OUT/ray-import.err; then
+    PYTHONPATH=$RAY_PATH RAY_AUTH_MODE=disabled READY_S=${RAY_READY_S:-300} RAY_memory_monitor_refresh_ms=0 \
+      RAY_USAGE_STATS_ENABLED=0 serve_and_measure ray "${RAY_RUNS:-c1 c64}" --ray ${RAY_ARGS:---device cuda --min-replicas 2}
+    [ -f $OUT/serve-ray.log ] && grep -v "^\s*$" $OUT/serve-ray.log | tail -${RAY_LOG_LINES:-8}
+  else
+    echo "ray stage skipped: Ray Serve does not import"; tail -3 $OUT/ray-import.err
+  fi
+  if has http && [ -f $OUT/answers-ray.json ]; then
+    (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-ray.json) | tee $OUT/answers-compare-ray.txt
+  fi
 fi
 if has max; then  # the max preset: single and batch figures only
   (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&

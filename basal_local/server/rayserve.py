@@ -71,6 +71,9 @@ def import_ray():
     except ImportError as exc:
         raise RayUnavailable(f"--ray needs Ray Serve, which is not installed here ({exc.name or exc} is missing)",
                              'install it: pip install "basal-local[ray]"') from None
+    except Exception as exc:  # installed but broken, e.g. a dependency older than Ray's generated code needs
+        raise RayUnavailable(f"Ray Serve is installed here but does not import: {_first_line(exc)}",
+                             'reinstall it with its dependencies: pip install -U "basal-local[ray]"') from None
     return ray, serve
 
 
