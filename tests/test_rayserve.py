@@ -186,6 +186,8 @@ def test_ray_flags_need_ray_and_the_ray_mode_refuses_one_host_flags(tiny_model):
     out = cli("--min-replicas", "2")
     assert out.returncode == 2 and "--min-replicas only works with --ray" in out.stderr
     assert "Traceback" not in out.stderr
+    out = cli("--ray-fronts", "2")
+    assert out.returncode == 2 and "--ray-fronts only works with --ray" in out.stderr
     out = cli("--ray", "--replicas", "2")  # flags are checked before Ray is imported
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--replicas does not go with --ray" in out.stderr
