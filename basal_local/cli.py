@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=_positive, dest="max_replicas",
                    help="with --ray: autoscale up to this many (default: every GPU of the cluster, or --min-replicas "
                         "on CPUs)")
+    p.add_argument("--ray-fronts", type=_positive, dest="ray_fronts", metavar="N",
+                   help="with --ray: front replicas that take the HTTP requests from Ray's proxy (default: as many "
+                        "as engine replicas)")
     p.add_argument("--tui", action="store_true", help="show the live dashboard (basal-local top) in this terminal")
     p.add_argument("--demo-traffic", action="store_true", dest="demo_traffic",
                    help="send the bundled sample requests in a loop (to watch the dashboard move)")

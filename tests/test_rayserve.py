@@ -71,6 +71,11 @@ def test_an_engine_replica_answers_errors_and_heads_like_the_daemon(daemon, repl
             assert headers[REPLICA_HEADER.decode()].startswith("local-")
             same = {k.lower() for k in want_headers} - {"date", "server", "content-length", "connection"}
             assert same - set(headers) == set(), same - set(headers)  # every header the daemon sends
+    # the unary call (what the front uses for a decision) hands back the same messages as one list
+    raw = json.dumps(bodies(1)[0]).encode()
+    whole = asyncio.run(replica.exchange_whole(scope("/v1/basal", raw, {"x-request-id": "rid-2"}), raw))
+    assert [m["type"] for m in whole] == ["http.response.start", "http.response.body"] and whole[0]["status"] == 200
+    assert json.loads(whole[1]["body"])["answers"] == run_exchange(replica, "/v1/basal", raw)[2]["answers"]
     # errors come from the daemon's own handlers and guards, in each dialect's shape
     for path, raw, extra in [("/v1/systemone", b"{not json", {}), ("/v1/basal", b'{"state": 3}', {}),
                              ("/v1/systemone", b"{}", {"origin": "https://evil.example"}),
@@ -86,27 +91,48 @@ class _Died(Exception):
     pass
 
 
-class _FakeStream:
-    """A stand-in for a deployment handle with stream=True: the first `deaths` calls die before answering."""
+class _FakeHandle:
+    """A stand-in for the engine deployment's handle: `exchange_whole.remote` (unary, what a decision takes) and,
+    through `options(stream=True)`, `exchange.remote` (a stream, what the event stream takes). The first `deaths`
+    calls die before answering."""
 
     def __init__(self, deaths: int, died: type[BaseException]) -> None:
         self.deaths, self.died, self.calls = deaths, died, 0
-        self.exchange = self
+        self.unary = self.streamed = 0
+        self.exchange = _Method(self, streamed=True)
+        self.exchange_whole = _Method(self, streamed=False)
 
     def options(self, **_):
         return self
 
-    def remote(self, scope, body, complete):
+    def answer(self, body: bytes) -> list[dict]:
         self.calls += 1
-        call = self.calls
+        if self.calls <= self.deaths:
+            raise self.died()
+        return [{"type": "http.response.start", "status": 200,
+                 "headers": [(b"x-request-id", b"r"), (b"content-type", b"application/json")]},
+                {"type": "http.response.body", "body": json.dumps({"ok": self.calls, "len": len(body)}).encode(),
+                 "more_body": False}]
+
+
+class _Method:
+    def __init__(self, handle: _FakeHandle, streamed: bool) -> None:
+        self.handle, self.streamed = handle, streamed
+
+    def remote(self, scope, body, complete):
+        handle = self.handle
+        if not self.streamed:
+            handle.unary += 1
+
+            async def whole():
+                return handle.answer(body)
+
+            return whole()
+        handle.streamed += 1
 
         async def gen():
-            if call <= self.deaths:
-                raise self.died()
-            yield {"type": "http.response.start", "status": 200,
-                   "headers": [(b"x-request-id", b"r"), (b"content-type", b"application/json")]}
-            yield {"type": "http.response.body", "body": json.dumps({"ok": call, "len": len(body)}).encode(),
-                   "more_body": False}
+            for message in handle.answer(body):
+                yield message
 
         return gen()
 
@@ -132,22 +158,24 @@ def front_call(front: Front, path: str, chunks: list[bytes]):
 def test_the_front_retries_a_request_whose_replica_died():
     ray_exceptions = pytest.importorskip("ray.exceptions", reason="Ray is not installed (pip install '.[ray]')")
     died = ray_exceptions.ActorDiedError
-    stream = _FakeStream(deaths=2, died=died)
-    front = Front(stream, max_body_bytes=1000, body_timeout_s=5)
-    sent = front_call(front, "/v1/basal", [b'{"a":', b" 1}"])
-    assert stream.calls == 3  # two replicas died, the third answered
-    assert sent[0]["status"] == 200 and (b"x-request-id", b"r") not in sent[0]["headers"]  # Ray's proxy adds it
-    assert json.loads(sent[1]["body"]) == {"ok": 3, "len": 8}
+    for path, unary in (("/v1/basal", True), ("/api/events", False)):  # one unary call, or the event stream
+        engine = _FakeHandle(deaths=2, died=died)
+        front = Front(engine, max_body_bytes=1000, body_timeout_s=5)
+        sent = front_call(front, path, [b'{"a":', b" 1}"])
+        assert engine.calls == 3  # two replicas died, the third answered
+        assert (engine.unary, engine.streamed) == ((3, 0) if unary else (0, 3))
+        assert sent[0]["status"] == 200 and (b"x-request-id", b"r") not in sent[0]["headers"]  # Ray's proxy adds it
+        assert json.loads(sent[1]["body"]) == {"ok": 3, "len": 8}
     # every try dies: a 503 in the path's dialect, never a traceback
-    stream = _FakeStream(deaths=99, died=died)
-    sent = front_call(Front(stream, 1000, 5), "/v1/systemone", [b"{}"])
-    assert sent[0]["status"] == 503 and stream.calls == 4
+    engine = _FakeHandle(deaths=99, died=died)
+    sent = front_call(Front(engine, 1000, 5), "/v1/systemone", [b"{}"])
+    assert sent[0]["status"] == 503 and engine.calls == 4
     assert json.loads(sent[1]["body"])["detail"]["error_type"] == "unavailable_error"
     # any other failure is not retried (it would fail again)
-    stream = _FakeStream(deaths=1, died=ValueError)
+    engine = _FakeHandle(deaths=1, died=ValueError)
     with pytest.raises(ValueError):
-        front_call(Front(stream, 1000, 5), "/v1/basal", [b"{}"])
-    assert stream.calls == 1
+        front_call(Front(engine, 1000, 5), "/v1/basal", [b"{}"])
+    assert engine.calls == 1
 
 
 def test_ray_flags_need_ray_and_the_ray_mode_refuses_one_host_flags(tiny_model):
@@ -158,6 +186,8 @@ def test_ray_flags_need_ray_and_the_ray_mode_refuses_one_host_flags(tiny_model):
     out = cli("--min-replicas", "2")
     assert out.returncode == 2 and "--min-replicas only works with --ray" in out.stderr
     assert "Traceback" not in out.stderr
+    out = cli("--ray-fronts", "2")
+    assert out.returncode == 2 and "--ray-fronts only works with --ray" in out.stderr
     out = cli("--ray", "--replicas", "2")  # flags are checked before Ray is imported
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--replicas does not go with --ray" in out.stderr

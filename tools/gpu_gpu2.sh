@@ -175,6 +175,7 @@ fi
 # issue 13 through Ray Serve: `serve --ray` on a local Ray cluster, one engine replica per GPU (num_gpus 1) behind
 # Ray's HTTP proxy and the front deployment. Ray Serve travels as a pruned site folder (tools/ray_site.sh 3.12 DIR;
 # RAY_SITE, default .ray/ray-site-cp312.tar.xz); RAY_RUNS (default "c1 c64"), RAY_ARGS (default: 2 GPU replicas)
+# RAY2_ARGS: a second deployment after it (serve args after --ray), RAY2_RUNS its runs (default "c64")
 if has ray; then
   RSITE=${RAY_SITE_DIR:-/tmp/rsite/site}  # RAY_SITE_DIR: a site folder already unpacked (a dry run on the CPU)
   if [ -z "${RAY_SITE_DIR:-}" ] && [ -f ${RAY_SITE:-.ray/ray-site-cp312.tar.xz} ]; then
@@ -190,6 +191,10 @@ if has ray; then
     PYTHONPATH=$RAY_PATH RAY_AUTH_MODE=disabled READY_S=${RAY_READY_S:-300} RAY_memory_monitor_refresh_ms=0 \
       RAY_USAGE_STATS_ENABLED=0 serve_and_measure ray "${RAY_RUNS:-c1 c64}" --ray ${RAY_ARGS:---device cuda --min-replicas 2}
     [ -f $OUT/serve-ray.log ] && grep -v "^\s*$" $OUT/serve-ray.log | tail -${RAY_LOG_LINES:-8}
+    if [ -n "${RAY2_ARGS:-}" ]; then  # a second Ray deployment (e.g. more fronts), measured without the answers
+      PYTHONPATH=$RAY_PATH RAY_AUTH_MODE=disabled READY_S=${RAY_READY_S:-300} RAY_memory_monitor_refresh_ms=0 \
+        RAY_USAGE_STATS_ENABLED=0 ANSWERS= serve_and_measure ray-b "${RAY2_RUNS:-c64}" --ray $RAY2_ARGS
+    fi
   else
     echo "ray stage skipped: Ray Serve does not import"; tail -3 $OUT/ray-import.err
   fi

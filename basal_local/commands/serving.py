@@ -155,7 +155,8 @@ def serve_command(args: argparse.Namespace) -> int:
 def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
     """The Ray flags go with --ray, and --ray with none of the one-host options; Ray itself must import."""
     given = [flag for flag, key in (("--ray-address", "ray_address"), ("--min-replicas", "min_replicas"),
-                                    ("--max-replicas", "max_replicas")) if getattr(args, key, None) is not None]
+                                    ("--max-replicas", "max_replicas"), ("--ray-fronts", "ray_fronts"))
+             if getattr(args, key, None) is not None]
     if not ray_mode:
         if given:
             raise UserError(f"{given[0]} only works with --ray", "add --ray, or drop " + given[0])
@@ -178,7 +179,7 @@ def serve_ray_command(args: argparse.Namespace, settings, banner: str) -> int:
     from ..server.rayserve import RayOptions, RayUnavailable, serve_ray
 
     options = RayOptions(address=args.ray_address, min_replicas=args.min_replicas or 1,
-                         max_replicas=args.max_replicas)
+                         max_replicas=args.max_replicas, fronts=getattr(args, "ray_fronts", None))
     try:
         code = serve_ray(settings, settings.models, options, demo=args.demo, banner=banner)
     except RayUnavailable as exc:

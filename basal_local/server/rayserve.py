@@ -7,7 +7,10 @@ Two deployments behind Ray Serve's HTTP proxy (docs/SCALING.md, "Several hosts: 
   that ASGI app, streaming the response back. The System One and Basal handlers, the guards, the error shapes
   and the headers are the daemon's own; nothing here answers a request itself except the one case below.
 - `Front` ("BasalFront", the ingress): reads the request body, hands the exchange to an engine replica through
-  a deployment handle and streams the answer to Ray's proxy. When the replica's process dies before it
+  a deployment handle and passes the answer to Ray's proxy. As many fronts as engine replicas (one front was
+  the ceiling at ~170 requests/s on two H200s, docs/SCALING.md). A decision's answer comes back in one unary
+  call (its ASGI messages as one list); only the event stream (`GET /api/events`) is streamed message by
+  message. When the replica's process dies before it
   answered, the front sends the same request to another replica (Ray's router skips dead replicas, and waits
   for a replacement when none is left). A decision is a pure function of its body, so a retry cannot double an
   effect. Only when every try failed does the front answer itself: a 503 in the path's dialect shape.
@@ -38,6 +41,12 @@ RETRY_PAUSE_S = 0.2
 # still answers 529 beyond its limit); Ray's default of 5 would starve the batcher
 ENGINE_MAX_ONGOING = 256
 FRONT_MAX_ONGOING = 4096
+STREAMED_PATHS = ("/api/events",)  # the daemon's only streaming answer (SSE); everything else is one unary call
+# Ray Serve's own throughput mode for a local cluster (user code and router on the replica's main loop, request
+# logs buffered, gRPC between Ray's proxy and the replicas), without its direct ingress, which would take the
+# HTTP port away from Ray's proxy. A cluster we join keeps the settings it was started with (docs/SCALING.md).
+LOCAL_CLUSTER_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+NO_ACCESS_LOG = {"enable_access_log": False}  # the engine's app keeps its own access log (--access-log)
 TARGET_ONGOING = 32  # autoscaling: requests in flight per replica that Ray Serve aims for
 REPLICA_HEADER = b"x-basal-local-replica"  # which Ray replica answered (the only header the daemon lacks)
 SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers",
@@ -60,6 +69,7 @@ class RayOptions:
     max_replicas: int | None = None  # None: min_replicas, or every GPU of the cluster when replicas use GPUs
     gpus: bool | None = None  # None: GPUs when the device is cuda, or auto on a cluster that has GPUs
     num_cpus: float | None = None  # a local cluster's CPUs (None: Ray counts them)
+    fronts: int | None = None  # front replicas (None: as many as engine replicas, with the same bounds)
     health_check_period_s: float = 2.0
 
 
@@ -146,6 +156,11 @@ class EngineReplica:
             if not task.done():
                 task.cancel()
 
+    async def exchange_whole(self, scope: dict[str, Any], body: bytes, complete: bool = True) -> list[dict]:
+        """The same exchange, its messages as one list: one unary Ray call per request instead of a stream of
+        objects (an answer that is not streamed is two messages anyway)."""
+        return [message async for message in self.exchange(scope, body, complete)]
+
     def check_health(self) -> None:
         """Ray Serve's periodic probe: a replica whose models failed or that is stopping is replaced."""
         state = self.state
@@ -177,7 +192,8 @@ class Front:
     """Reads a request, runs it on an engine replica, retries on another one when that replica died."""
 
     def __init__(self, engine, max_body_bytes: int, body_timeout_s: float) -> None:
-        self.engine = engine.options(stream=True)
+        self.engine = engine
+        self.streaming = engine.options(stream=True)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
 
@@ -197,17 +213,19 @@ class Front:
         plain = {k: scope[k] for k in SCOPE_KEYS if k in scope}
         plain["headers"] = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])]
         plain["root_path"] = ""
+        streamed = plain.get("path", "") in STREAMED_PATHS
         for attempt in range(RETRIES + 1):
             started = False
             try:
-                async for message in self.engine.exchange.remote(plain, body, complete):
-                    if message["type"] == "http.response.start":
-                        # Ray's proxy puts its own x-request-id (the same value: the app echoes the one the
-                        # proxy put on the request) on every answer; one copy is enough
-                        message = {**message, "headers": [(k, v) for k, v in message.get("headers", [])
-                                                          if k.lower() != b"x-request-id"]}
+                if streamed:
+                    async for message in self.streaming.exchange.remote(plain, body, complete):
                         started = True
-                    await send(message)
+                        await send(_own_request_id(message))
+                else:
+                    messages = await self.engine.exchange_whole.remote(plain, body, complete)
+                    started = True
+                    for message in messages:
+                        await send(_own_request_id(message))
                 return
             except Exception as exc:
                 if started or not _replica_died(exc):
@@ -216,6 +234,14 @@ class Front:
                             scope.get("method"), scope.get("path"), attempt + 1, RETRIES + 1, type(exc).__name__)
                 await asyncio.sleep(RETRY_PAUSE_S * (attempt + 1))
         await _send_unavailable(send, scope.get("path", ""))
+
+
+def _own_request_id(message: dict[str, Any]) -> dict[str, Any]:
+    """Ray's proxy puts its own x-request-id (the same value: the app echoes the one the proxy put on the request)
+    on every answer; one copy is enough."""
+    if message["type"] != "http.response.start":
+        return message
+    return {**message, "headers": [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]}
 
 
 class _Asgi:
@@ -311,10 +337,14 @@ def build_application(settings: Settings, model_refs: list[str], options: RayOpt
     engine = serve.deployment(
         EngineReplica, name="BasalEngine", max_ongoing_requests=ENGINE_MAX_ONGOING,
         ray_actor_options={"num_gpus": 1} if gpus else {"num_cpus": 1},
-        health_check_period_s=options.health_check_period_s, health_check_timeout_s=30, **scaling,
+        health_check_period_s=options.health_check_period_s, health_check_timeout_s=30,
+        logging_config=NO_ACCESS_LOG, **scaling,
     ).bind(engine_settings, model_refs, demo)
-    front = serve.deployment(serve.ingress()(Front), name="BasalFront", num_replicas=1,
-                             max_ongoing_requests=FRONT_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+    # the fronts scale with the engines: each costs CPU per request (reading the body, one Ray call, passing the
+    # answer on), which one process could not give to two H200s' worth of requests
+    front_scaling = {"num_replicas": options.fronts} if options.fronts else scaling
+    front = serve.deployment(serve.ingress()(Front), name="BasalFront", max_ongoing_requests=FRONT_MAX_ONGOING,
+                             ray_actor_options={"num_cpus": 0}, logging_config=NO_ACCESS_LOG, **front_scaling)
     return front.bind(engine, settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
 
 
@@ -350,6 +380,8 @@ def connect(ray, options: RayOptions) -> bool:
     # Ray runs its workers at nice 15 by default; the engine replicas are the whole workload here, so they run
     # at the priority `basal-local serve` itself has (a local cluster only; a cluster's own settings stay)
     os.environ.setdefault("RAY_worker_niceness", "0")
+    for key, value in LOCAL_CLUSTER_ENV.items():  # read by the controller, proxy and replicas it starts
+        os.environ.setdefault(key, value)
     try:
         ray.init(num_cpus=options.num_cpus, **kwargs)
     except Exception as exc:
@@ -407,7 +439,7 @@ def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, de
             print(banner, flush=True)
         deploying = True
         try:
-            serve.start(http_options={"host": settings.host, "port": settings.port})
+            serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config=NO_ACCESS_LOG)
             app = build_application(settings, model_refs_for_cluster(model_refs), options, demo, gpus)
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         except RayUnavailable:
