@@ -134,7 +134,7 @@ def bench_transformers_baseline(model_dir, device: str, dtype: str, repeat: int)
     model = load_model_dir(model_dir)
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     # auto: bf16 on the GPU (how transformers is usually run), the f32 reference on the CPU
-    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float16,
                    "auto": torch.bfloat16 if dev == "cuda" else torch.float32}[dtype]
     hf = LlamaForCausalLM.from_pretrained(model.path, dtype=torch_dtype, attn_implementation="sdpa").to(dev).eval()
     plans = [plan_request(validate_systemone(r, model.name), model.tokenizer, 10**9)
@@ -528,7 +528,7 @@ def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int)
     from .model.directory import load_model_dir
 
     model = load_model_dir(model_dir)
-    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float16,
                    "auto": torch.bfloat16}[dtype]
     hf = LlamaForCausalLM.from_pretrained(model.path, dtype=torch_dtype, attn_implementation="sdpa").to("cuda").eval()
     forward = torch.compile(hf.forward, mode="reduce-overhead", dynamic=False)

@@ -63,21 +63,25 @@ def micro(cfg) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in (("qkv", qkv, h), ("o", h, cfg.num_attention_heads * cfg.head_dim), ("gate_up", 2 * i, h),
                        ("down", h, i)):
-        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.float16)
-        wq, sw = fp8.quantize_weight(w)
         for m in (320, 8192):
-            x = torch.randn(m, k, device="cuda", generator=g).to(torch.float16)
-            xq, sx = kernels.quant_rows(x)
-            f16 = timed(lambda: torch.nn.functional.linear(x, w))
-            q = timed(lambda: kernels.quant_rows(x))
-            f8 = timed(lambda: mm(xq, wq, sx, sw, torch.float16))
-            fast = timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
-                                                  use_fast_accum=True))
-            tflop = 2 * m * n * k / 1e12
-            emit(step="micro", shape=name, m=m, n=n, k=k, f16_ms=round(f16, 4), quant_ms=round(q, 4),
-                 fp8_ms=round(f8, 4), fp8_fast_accum_ms=round(fast, 4), f16_tflops=round(tflop / f16 * 1e3),
-                 fp8_tflops=round(tflop / f8 * 1e3), speedup_with_quant=round(f16 / (f8 + q), 2))
-        del w, wq
+            micro_shape(kernels, mm, g, name, m, n, k)
+        torch.cuda.empty_cache()
+
+
+def micro_shape(kernels, mm, g, name: str, m: int, n: int, k: int) -> None:
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.float16)
+    wq, sw = fp8.quantize_weight(w)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.float16)
+    xq, sx = kernels.quant_rows(x)
+    f16 = timed(lambda: torch.nn.functional.linear(x, w))
+    q = timed(lambda: kernels.quant_rows(x))
+    f8 = timed(lambda: mm(xq, wq, sx, sw, torch.float16))
+    fast = timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
+                                          use_fast_accum=True))
+    tflop = 2 * m * n * k / 1e12
+    emit(step="micro", shape=name, m=m, n=n, k=k, f16_ms=round(f16, 4), quant_ms=round(q, 4), fp8_ms=round(f8, 4),
+         fp8_fast_accum_ms=round(fast, 4), f16_tflops=round(tflop / f16 * 1e3), fp8_tflops=round(tflop / f8 * 1e3),
+         speedup_with_quant=round(f16 / (f8 + q), 2))
 
 
 def prompt_specs(md) -> tuple[list[PromptSpec], list[tuple[int, int]]]:

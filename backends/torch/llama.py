@@ -161,7 +161,9 @@ class TorchBackend:
 
     @_on_device
     def memory(self) -> dict[str, int]:
-        out = {"weights_bytes": sum(t.numel() * t.element_size() for t in self._tensors())}
+        # with dtype fp8 the float8 GEMM weights are held beside the f16 ones (cuda_kernels/fp8.py)
+        out = {"weights_bytes": sum(t.numel() * t.element_size() for t in self._tensors())
+               + (self.fast.fp8_bytes if self.fast is not None else 0)}
         if self.device.startswith("cuda"):
             out["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
