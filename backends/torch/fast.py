@@ -152,7 +152,19 @@ class FastPath:
         """float8 copies of every GEMM weight (per-channel power-of-two scales), the activation quantizer and
         the row-wise scaled GEMM of this device (`cuda_kernels.fp8`); the f16 weights stay as the keys."""
         if self.use_triton:
-            store = fp8.Fp8Weights(self.ops.quant_rows, fp8.cuda_scaled_mm(self.b.device, self.b.dtype))
+            quant = self.ops.quant_rows
+            x = (torch.randn(8, 320, device=self.b.device) * 9).to(self.b.dtype)
+            try:  # the kernel must give the twin's bits; if it cannot (another Triton), the twin runs instead
+                (qa, sa), (qb, sb) = quant(x), fp8.quant_rows(x)
+                same = torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
+            except Exception as exc:  # noqa: BLE001 - any compile or launch failure of the kernel
+                same = False
+                self.gemm_plan["fp8_quant_error"] = repr(exc)[:300]
+            if not same:
+                quant = fp8.quant_rows
+            self.gemm_plan["fp8_quant"] = "triton" if same else "twin"
+            store = fp8.Fp8Weights(quant, fp8.cuda_scaled_mm(self.b.device, self.b.dtype))
+            self.gemm_plan["fp8_mm"] = store.mm.__name__
         else:
             store = fp8.Fp8Weights()
         for layer in self.b.layers:
