@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -94,11 +95,18 @@ class Fp8Weights:
             q, s = quantize_weight(w)
             self._by_id[id(w)] = (w, q, s)  # w kept: a dead tensor's id could be reused
 
+    def has(self, w: torch.Tensor) -> bool:
+        return id(w) in self._by_id
+
     def nbytes(self) -> int:
         return sum(q.numel() * q.element_size() + s.numel() * 4 for _, q, s in self._by_id.values())
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        _, wq, sw = self._by_id[id(w)]
+        """fp8 for the weights added here; any other weight runs as is (F.linear in x's dtype)."""
+        entry = self._by_id.get(id(w))
+        if entry is None:
+            return F.linear(x, w, bias)
+        _, wq, sw = entry
         xq, sx = self.quant(x)
         out = self.mm(xq, wq, sx, sw, x.dtype)
         if bias is not None:

@@ -100,3 +100,26 @@ def test_fp8_refused_where_it_cannot_run(tiny_model):
         check_dtype("torch", "cpu", "fp8")
     with pytest.raises(ValueError, match="tree path"):
         load_backend(tiny_model, dtype="fp8", attention="sdpa")
+
+
+def test_fp8_gemms_subset_keeps_the_rest_f16(tiny_model, monkeypatch):
+    """BASAL_LOCAL_FP8_GEMMS narrows the route: only those projections get float8 copies; the others run f16 at
+    their own verified sizes, and the forward keeps its decisions."""
+    monkeypatch.setenv("BASAL_LOCAL_FP8_GEMMS", "gate_up,down")
+    md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
+    _, quant, _ = load_backend(tiny_model, dtype="fp8", attention="tree")
+    cfg = md.config
+    per_layer = 3 * cfg.intermediate_size * cfg.hidden_size + 2 * cfg.intermediate_size * 4 + cfg.hidden_size * 4
+    assert quant.fast.fp8_bytes == cfg.num_hidden_layers * per_layer
+    assert quant.fast.gemm_plan["fp8_gemms"] == "gate_up,down"
+    assert any(k.endswith("-f16") for k in quant.fast.gemm_plan)
+    specs = random_specs(md, random.Random(4))
+    pack = pack_prompts(specs, prefixes)
+    a, b = readout_logits(ref, pack), readout_logits(quant, pack)
+    assert all(np.argmax(x) == np.argmax(y) for x, y in zip(a, b))
+    # bitwise row invariance is the GPU's contract (test_cuda.py); the CPU's f16 GEMMs only come close
+    alone = readout_logits(quant, pack_prompts(specs[:1], prefixes))[0]
+    assert float(np.abs(alone - b[0]).max()) <= 1e-5
+    monkeypatch.setenv("BASAL_LOCAL_FP8_GEMMS", "gate,down")
+    with pytest.raises(ValueError, match="unknown projection 'gate'"):
+        load_backend(tiny_model, dtype="fp8", attention="tree")

@@ -1,6 +1,6 @@
 """fp8 vs f16 GEMMs on one GPU (issue 9): microbench per weight shape, sample-set agreement, invariance, speed.
 
-    python tools/fp8_check.py MODEL_DIR OUT.json [--skip-micro] [--cpu]
+    python tools/fp8_check.py MODEL_DIR OUT.json [--skip-micro] [--cpu] [--subsets=qkv,o,gate_up,down;gate_up,down]
 
 1. Per weight shape of the model: f16 cuBLAS vs fp8 (Triton row quantizer + torch._scaled_mm, row-wise scales)
    at 320 and 8,192 rows (CUDA events, median of 20), and use_fast_accum for the record.
@@ -14,6 +14,7 @@ Prints one JSON line per step and writes them all to OUT.json.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -24,7 +25,7 @@ import torch
 
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.torch import TorchBackend
-from basal_local.backends.torch.fast import FastPath
+from basal_local.backends.torch.fast import FP8_GEMMS, FastPath
 from basal_local.bench import sample_requests
 from basal_local.cuda_kernels import fp8, triton_kernels
 from basal_local.engine.packer import PromptSpec, pack_prompts
@@ -134,6 +135,33 @@ def invariance(backend, specs, prefixes, trials: int = 8) -> tuple[int, float]:
     return same, worst
 
 
+def fp8_run(backend, dev: str, prefixes, specs, decisions, ref, f16_single: float, subset: str) -> None:
+    backend.fast = None
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    t = time.perf_counter()
+    backend.fast = FastPath(backend, use_triton=dev == "cuda", gemm="fp8")
+    for lang, ids in prefixes.items():
+        backend.add_prefix(lang, ids)
+    emit(step="load_fp8", fp8_gemms=subset, s=round(time.perf_counter() - t, 1),
+         fp8_gb=round(backend.fast.fp8_bytes / 1e9, 2), gemm_plan=backend.fast.gemm_plan)
+    got = logits_of(backend, specs, prefixes)
+    dlogit = max(float(np.abs(a - b).max()) for a, b in zip(ref, got))
+    dp = max(max(abs(x - y) for x, y in zip(calibrate(softmax(a.tolist()), 1.3), calibrate(softmax(b.tolist()), 1.3)))
+             for a, b in zip(ref, got))
+    same_prompt = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got))
+    # a question counts as the same when every one of its orders picks the same letter
+    same_dec = sum(int(all(np.argmax(ref[j]) == np.argmax(got[j]) for j in range(first, end)))
+                   for first, end in decisions)
+    fp8_single = single_ms(backend, specs, decisions, prefixes)
+    inv, inv_worst = invariance(backend, specs, prefixes)
+    emit(step="fp8", fp8_gemms=subset, prompts=len(specs), same_prompt_decisions=same_prompt,
+         questions=len(decisions), questions_all_orders_same=same_dec, max_dlogit_vs_f16=round(dlogit, 5),
+         max_dp_cal_vs_f16=round(dp, 5), single_ms=round(fp8_single, 3), f16_single_ms=round(f16_single, 3),
+         alone_vs_amid_31=f"{inv}/8", alone_vs_amid_31_max_dlogit=inv_worst,
+         peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2) if dev == "cuda" else None)
+
+
 def main(model_dir: str, out: str, *flags: str) -> None:
     md = load_model_dir(model_dir)
     if "--skip-micro" not in flags and "--cpu" not in flags:
@@ -151,29 +179,11 @@ def main(model_dir: str, out: str, *flags: str) -> None:
     ref = logits_of(backend, specs, prefixes)
     f16_single = single_ms(backend, specs, decisions, prefixes)
     emit(step="f16", prompts=len(specs), single_ms=round(f16_single, 3))
-    backend.fast = None
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-    t = time.perf_counter()
-    backend.fast = FastPath(backend, use_triton=dev == "cuda", gemm="fp8")
-    for lang, ids in prefixes.items():
-        backend.add_prefix(lang, ids)
-    emit(step="load_fp8", s=round(time.perf_counter() - t, 1), fp8_gb=round(backend.fast.fp8_bytes / 1e9, 2),
-         gemm_plan=backend.fast.gemm_plan)
-    got = logits_of(backend, specs, prefixes)
-    dlogit = max(float(np.abs(a - b).max()) for a, b in zip(ref, got))
-    dp = max(max(abs(x - y) for x, y in zip(calibrate(softmax(a.tolist()), 1.3), calibrate(softmax(b.tolist()), 1.3)))
-             for a, b in zip(ref, got))
-    same_prompt = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got))
-    # a question counts as the same when every one of its orders picks the same letter
-    same_dec = sum(int(all(np.argmax(ref[j]) == np.argmax(got[j]) for j in range(first, end)))
-                   for first, end in decisions)
-    fp8_single = single_ms(backend, specs, decisions, prefixes)
-    inv, inv_worst = invariance(backend, specs, prefixes)
-    emit(step="fp8", prompts=len(specs), same_prompt_decisions=same_prompt, questions=len(decisions),
-         questions_all_orders_same=same_dec, max_dlogit_vs_f16=round(dlogit, 5), max_dp_cal_vs_f16=round(dp, 5),
-         single_ms=round(fp8_single, 3), f16_single_ms=round(f16_single, 3), alone_vs_amid_31=f"{inv}/8",
-         alone_vs_amid_31_max_dlogit=inv_worst, peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2) if dev == "cuda" else None)
+    # --subsets "qkv,o,gate_up,down;gate_up,down": one fp8 run per BASAL_LOCAL_FP8_GEMMS value (default: all)
+    subsets = next((f.split("=", 1)[1] for f in flags if f.startswith("--subsets=")), ",".join(FP8_GEMMS))
+    for subset in subsets.split(";"):
+        os.environ["BASAL_LOCAL_FP8_GEMMS"] = subset
+        fp8_run(backend, dev, prefixes, specs, decisions, ref, f16_single, subset)
     with open(out, "w") as fh:
         json.dump(RESULTS, fh, indent=1)
 

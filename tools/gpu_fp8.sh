@@ -3,7 +3,8 @@
 # decision, batches, alone vs amid 31), tools/fp8_check.py (GEMM microbench per shape, sample-set agreement with
 # f16, in-process invariance), the GPU tests of the fp8 route, the f16 bench of the same model for the side by
 # side, a kernel profile of the fp8 single decision, then the 4.5B preset with fp8. Stages run in that order
-# while the call's elapsed time is under their guard (BUDGET_S, default 290). Results in $OUT.
+# while the call's elapsed time is under their guard (BUDGET_S, default 290). FP8_SUBSETS: the fp8_check runs,
+# e.g. "qkv,o,gate_up,down;gate_up,down;gate_up" (BASAL_LOCAL_FP8_GEMMS values). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (see tools/gpu_gpu2.sh).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -30,7 +31,7 @@ el make max
    --device cuda --dtype fp8 --repeat 1 --json --invariance 8 > $OUT/bench-max-fp8.json 2> $OUT/bench-max-fp8.err)
 summary $OUT/bench-max-fp8.json max-fp8; tail -3 $OUT/bench-max-fp8.err; el bench max fp8
 if left 70; then
-  (cd /tmp && timeout 110 python3 $TOOLS/fp8_check.py /tmp/m-max $OUT/fp8-check-max.json > $OUT/fp8-check-max.txt 2> $OUT/fp8-check-max.err)
+  (cd /tmp && timeout 110 python3 $TOOLS/fp8_check.py /tmp/m-max $OUT/fp8-check-max.json "--subsets=${FP8_SUBSETS:-qkv,o,gate_up,down}" > $OUT/fp8-check-max.txt 2> $OUT/fp8-check-max.err)
   cut -c1-400 $OUT/fp8-check-max.txt; tail -3 $OUT/fp8-check-max.err; el fp8_check max
 fi
 if left 40; then

@@ -32,6 +32,9 @@ GEMMS = ("verified", "chunked", "cublas", "triton", "fp8")
 # rows per cuBLAS call where a weight's GEMMs use a fixed chunk: part of the numerics contract (a row's bits
 # depend on it), never chosen by the batch; tools/gemm_chunks.py measured the trade-off (docs/CUDA_NOTES.md)
 GEMM_CHUNK = 512
+# the projections the fp8 route quantizes (BASAL_LOCAL_FP8_GEMMS, a comma list of these, narrows it: the others
+# stay f16 cuBLAS at their own verified row counts)
+FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 # the verified route uses cuBLAS as is where its results agree for every row count from at most this many rows
 VERIFIED_FLOOR_MAX = 512
 
@@ -123,6 +126,7 @@ class FastPath:
         self.chunk = chunk if gemm == "chunked" else 1
         self.gemm_plan: dict[str, dict] = {}
         self.fp8_bytes = 0
+        self._fp8: fp8.Fp8Weights | None = None
         if gemm == "triton":
             self.linear = self.ops.linear
         elif gemm == "chunked":
@@ -130,7 +134,8 @@ class FastPath:
         elif gemm == "verified":
             self.linear = self._verified_linear(chunk)
         elif gemm == "fp8":
-            self.linear = self._verified_linear(chunk, self._fp8_weights().linear)
+            self._fp8 = self._fp8_weights()
+            self.linear = self._verified_linear(chunk, self._fp8.linear)
         else:
             self.linear = twins.linear
         self.block_m = self.ops.ATTN_BLOCK_M if self.use_triton else 64
@@ -167,9 +172,16 @@ class FastPath:
             self.gemm_plan["fp8_mm"] = store.mm.__name__
         else:
             store = fp8.Fp8Weights()
+        names = [n.strip() for n in os.environ.get("BASAL_LOCAL_FP8_GEMMS", ",".join(FP8_GEMMS)).split(",") if n.strip()]
+        unknown = sorted(set(names) - set(FP8_GEMMS))
+        if unknown:
+            raise ValueError(f"BASAL_LOCAL_FP8_GEMMS: unknown projection {unknown[0]!r} ({', '.join(FP8_GEMMS)})")
+        self.gemm_plan["fp8_gemms"] = ",".join(n for n in FP8_GEMMS if n in names)
         for layer in self.b.layers:
-            for w in (layer.qkv_weight, layer.o_proj_weight, layer.gate_up_weight, layer.down_proj_weight):
-                store.add(w)
+            weights = {"qkv": layer.qkv_weight, "o": layer.o_proj_weight, "gate_up": layer.gate_up_weight,
+                       "down": layer.down_proj_weight}
+            for name in names:
+                store.add(weights[name])
         self.fp8_bytes = store.nbytes()
         return store
 
@@ -184,17 +196,21 @@ class FastPath:
         sizes: dict[tuple[int, int, bool], list[int]] = {}
         for w, bias in ((layer.qkv_weight, layer.qkv_bias), (layer.o_proj_weight, layer.o_proj_bias),
                         (layer.gate_up_weight, layer.gate_up_bias), (layer.down_proj_weight, layer.down_proj_bias)):
-            key = (w.shape[0], w.shape[1], bias is not None)
+            key = self._gemm_key(w, bias)
             if key not in sizes:
                 plan = gemm.plan_sizes(w, bias, candidates, VERIFIED_FLOOR_MAX, chunk, base)
                 sizes[key] = plan["sizes"]
-                self.gemm_plan[f"{w.shape[0]}x{w.shape[1]}"] = {
+                self.gemm_plan[f"{w.shape[0]}x{w.shape[1]}" + ("-f16" if self._fp8 and not key[3] else "")] = {
                     "route": plan["route"], "sizes": plan["sizes"][0] if plan["route"] == "verified" else chunk,
                     "disagree": [m for m, ok in plan["agrees"].items() if not ok]}
 
         def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            return gemm.sized_linear(x, w, b, sizes[(w.shape[0], w.shape[1], b is not None)], base)
+            return gemm.sized_linear(x, w, b, sizes[self._gemm_key(w, b)], base)
         return linear
+
+    def _gemm_key(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, bool, bool]:
+        """What a GEMM's verified sizes depend on: the weight's shape, a bias, and fp8 or not."""
+        return w.shape[0], w.shape[1], bias is not None, self._fp8 is not None and self._fp8.has(w)
 
     # ---- cached prefixes ---------------------------------------------------------------------------------
     def set_prefixes(self, prefix_kv: dict) -> None:
