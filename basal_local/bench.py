@@ -346,6 +346,14 @@ def run_bench(args: argparse.Namespace) -> int:
         from .model.registry import demo_model_dir, resolve_model
 
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
+        if args.dtype == "fp8":
+            from .backends.select import check_dtype
+            from .commands import UserError
+
+            try:
+                check_dtype(getattr(args, "backend", "torch"), args.device, args.dtype)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
                                   getattr(args, "backend", "torch"), getattr(args, "decisions", 0))
         _save_partial(result)

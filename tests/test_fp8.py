@@ -98,6 +98,9 @@ def test_fp8_refused_where_it_cannot_run(tiny_model):
 
     with pytest.raises(ValueError, match="NVIDIA"):
         check_dtype("torch", "cpu", "fp8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="NVIDIA"):
+            check_dtype("auto", "auto", "fp8")
     with pytest.raises(ValueError, match="tree path"):
         load_backend(tiny_model, dtype="fp8", attention="sdpa")
 
@@ -123,3 +126,11 @@ def test_fp8_gemms_subset_keeps_the_rest_f16(tiny_model, monkeypatch):
     monkeypatch.setenv("BASAL_LOCAL_FP8_GEMMS", "gate,down")
     with pytest.raises(ValueError, match="unknown projection 'gate'"):
         load_backend(tiny_model, dtype="fp8", attention="tree")
+
+
+def test_cli_bench_fp8_on_cpu_is_a_user_error(tiny_model, capsys):
+    from basal_local.cli import main
+
+    assert main(["bench", "--model", str(tiny_model), "--device", "cpu", "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8 runs on NVIDIA GPUs only" in err and "Traceback" not in err
