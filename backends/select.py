@@ -83,8 +83,18 @@ def make_backend(backend: str = "auto", device: str = "auto", attention: str = "
     return TorchBackend(device, attention)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_dtype(backend: str, device: str, dtype: str) -> None:
     """Refuse a dtype the resolved backend cannot run, before anything loads."""
     if dtype in ("q8", "q4") and resolve_backend(backend, device) != "mlx":
         raise ValueError(f"--dtype {dtype} needs the MLX backend (--backend mlx); the torch backend runs "
-                         "f32, f16 or bf16")
+                         "f32, f16, bf16 or fp8")
+    if dtype == "fp8" and (resolve_backend(backend, device) != "torch" or device in ("cpu", "mps")
+                           or (device == "auto" and not _cuda_available())):
+        raise ValueError("--dtype fp8 runs on NVIDIA GPUs only (the torch backend on CUDA); use f16 or bf16 "
+                         "elsewhere")

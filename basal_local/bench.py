@@ -134,7 +134,7 @@ def bench_transformers_baseline(model_dir, device: str, dtype: str, repeat: int)
     model = load_model_dir(model_dir)
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     # auto: bf16 on the GPU (how transformers is usually run), the f32 reference on the CPU
-    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float16,
                    "auto": torch.bfloat16 if dev == "cuda" else torch.float32}[dtype]
     hf = LlamaForCausalLM.from_pretrained(model.path, dtype=torch_dtype, attn_implementation="sdpa").to(dev).eval()
     plans = [plan_request(validate_systemone(r, model.name), model.tokenizer, 10**9)
@@ -346,6 +346,14 @@ def run_bench(args: argparse.Namespace) -> int:
         from .model.registry import demo_model_dir, resolve_model
 
         model_dir = resolve_model(args.model) if args.model else demo_model_dir()
+        if args.dtype == "fp8":
+            from .backends.select import check_dtype
+            from .commands import UserError
+
+            try:
+                check_dtype(getattr(args, "backend", "torch"), args.device, args.dtype)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
                                   getattr(args, "backend", "torch"), getattr(args, "decisions", 0))
         _save_partial(result)
@@ -528,7 +536,7 @@ def bench_transformers_compiled(model_dir, device: str, dtype: str, repeat: int)
     from .model.directory import load_model_dir
 
     model = load_model_dir(model_dir)
-    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float16,
                    "auto": torch.bfloat16}[dtype]
     hf = LlamaForCausalLM.from_pretrained(model.path, dtype=torch_dtype, attn_implementation="sdpa").to("cuda").eval()
     forward = torch.compile(hf.forward, mode="reduce-overhead", dynamic=False)

@@ -194,9 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="replica_processes",
                    help="each engine replica in its own process, the HTTP front in this one (default: on when a "
                         "model runs on more than one GPU; --no-replica-processes keeps them in one process)")
-    p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "q8", "q4"],
-                   help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; q8/q4: MLX only, quantized once "
-                        "and cached in the user cache folder)")
+    p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "fp8", "q8", "q4"],
+                   help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 with float8 "
+                        "GEMMs; q8/q4: MLX only, quantized once and cached in the user cache folder)")
     p.add_argument("--default-model", dest="default_model",
                    help="model for requests that name none (default: the first --model)")
     p.add_argument("--max-inflight", type=_positive, dest="max_inflight",
@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model directory or downloaded name (default: the demo model)")
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto", help="(default auto)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32"], help="(default auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32", "fp8"],
+                   help="(default auto; fp8: CUDA only, f16 with float8 GEMMs)")
     p.add_argument("--repeat", type=_positive, default=1, help="passes over the sample set (default 1)")
     p.add_argument("--decisions", type=_positive, metavar="N",
                    help="in-process: only the first N decisions of the sample set (default: all 67)")

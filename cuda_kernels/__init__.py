@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from . import gemm, plan, twins
+from . import fp8, gemm, plan, twins
 
-__all__ = ["gemm", "plan", "twins", "triton_available", "triton_kernels"]
+__all__ = ["fp8", "gemm", "plan", "twins", "triton_available", "triton_kernels"]
 
 
 def triton_available() -> bool:

@@ -298,3 +298,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8,
                        num_warps=warps, num_stages=stages)
     return out
+
+
+# ---- fp8 row quantization (twin: fp8.quant_rows) ------------------------------------------------------------
+@triton.jit
+def _quant_rows_kernel(X, Q, S, stride_x, stride_q, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    a = tl.max(amax, 0)
+    # the power-of-two scale of fp8.pow2_scale_bits, from the exponent and mantissa bits of the row's amax
+    bits = a.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    se = tl.where((bits & 0x7FFFFF) > 0x600000, e - 7, e - 8)
+    se = tl.where(a > 0, se, 127)
+    se = tl.minimum(tl.maximum(se, 1), 253)
+    scale = (se << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - se) << 23).to(tl.float32, bitcast=True)
+    tl.store(S + row, scale)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(Q + row * stride_q + cols, (x * inv).to(tl.float8e4nv), mask=cols < N)
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, n = x.shape
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _quant_rows_kernel[(rows,)](x, q, s, x.stride(0), q.stride(0), n, BLOCK=min(2048, triton.next_power_of_2(n)),
+                                    num_warps=4)
+    return q, s

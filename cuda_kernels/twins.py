@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import quant_rows  # noqa: F401  (the twin of kernels.quant_rows)
 from .plan import TilePlan
 
 

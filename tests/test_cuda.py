@@ -170,7 +170,7 @@ def test_cuda_fused_kernels_match_twins():
             assert torch.equal(kernels.linear(big[:5], wt, bias), ya[:5])
 
 
-@pytest.mark.parametrize("gemm", ["verified", "chunked", "triton"])
+@pytest.mark.parametrize("gemm", ["verified", "chunked", "triton", "fp8"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
     """A prompt alone, in a batch, in a tree beside its question's other order and beside other questions of
@@ -178,7 +178,9 @@ def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
     default), fixed chunks, Triton GEMMs."""
     from basal_local.engine.packer import PromptSpec
 
-    md, backend, prefixes = loaded(small_model, "cuda", dtype, gemm=gemm)
+    if gemm == "fp8" and dtype == "bf16":
+        pytest.skip("fp8 GEMMs run with f16 activations (dtype fp8)")
+    md, backend, prefixes = loaded(small_model, "cuda", "fp8" if gemm == "fp8" else dtype, gemm=gemm)
     assert backend.fast is not None and backend.fast.gemm == gemm
     rng = random.Random(7)
     specs = [s for seed in range(6) for s in random_specs(md, random.Random(seed))]
@@ -210,3 +212,47 @@ def test_cuda_second_gpu_gives_the_same_bits(small_model):
         pack = pack_prompts(group, prefixes)
         assert all(np.array_equal(a, b) for a, b in zip(readout_logits(b0, pack), readout_logits(b1, pack)))
     assert torch.cuda.memory_allocated(1) > 0
+
+
+def test_cuda_fp8_quantizer_matches_twin_and_gemm_matches_dequantized():
+    """The Triton row quantizer gives the twin's bits; torch._scaled_mm (row-wise scales) is within f16
+    rounding of the dequantized f32 product, and a row's bits do not change at the verified sizes."""
+    from basal_local.cuda_kernels import fp8, triton_kernels
+
+    kernels = triton_kernels()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for m, k in ((1, 64), (317, 4096), (70, 14336), (5, 160)):
+        x = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.float16)
+        x[0, :3] = torch.tensor([448.0, -1e-7, 6e4])
+        qa, sa = kernels.quant_rows(x)
+        qb, sb = fp8.quant_rows(x)
+        assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb), (m, k)
+    w = (torch.randn(384, 256, device="cuda", generator=g) * 0.05).to(torch.float16)
+    x = torch.randn(300, 256, device="cuda", generator=g).to(torch.float16)
+    wq, sw = fp8.quantize_weight(w)
+    xq, sx = kernels.quant_rows(x)
+    mm = fp8.cuda_scaled_mm("cuda", torch.float16)
+    got = mm(xq, wq, sx, sw, torch.float16).float()
+    ref = fp8.scaled_mm_twin(xq, wq, sx, sw, torch.float32)
+    assert float((got - ref).abs().max()) <= 2e-3 * float(ref.abs().max())
+
+
+def test_cuda_fp8_accuracy_envelope_vs_f32_reference(small_model):
+    """dtype fp8 vs the CPU f32 reference on the sample set. fp8 does NOT meet the issue's bar for the default
+    path (identical decisions, |dp_cal| <= 2e-3): on this random-weight model gpu5 call 1 measured 131/134 same
+    decisions and max |dp_cal| 0.040, which is why fp8 is opt-in (--dtype fp8). This guards that envelope."""
+    from basal_local.protocol.decision import calibrate, softmax
+
+    specs = sample_prompt_specs(small_model, 48)
+    _, ref_backend, prefixes = loaded(small_model, "cpu", "f32")
+    _, backend, _ = loaded(small_model, "cuda", "fp8")
+    assert backend.fast.gemm == "fp8"
+    ref = readout_logits(ref_backend, pack_prompts(specs, prefixes))
+    got = readout_logits(backend, pack_prompts(specs, prefixes))
+    dlogit = max(float(np.abs(a - b).max()) for a, b in zip(ref, got))
+    dp = max(max(abs(x - y) for x, y in zip(calibrate(softmax(a.tolist()), 1.3), calibrate(softmax(b.tolist()), 1.3)))
+             for a, b in zip(ref, got))
+    same = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got))
+    print(f"cuda fp8 vs cpu f32: max |dlogit| = {dlogit:.3g}, max |dp_cal| per order = {dp:.3g}, "
+          f"same decision {same}/{len(ref)}")
+    assert same >= 0.95 * len(ref) and dp <= 0.08

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from basal_local.cuda_kernels import gemm, triton_available, triton_kernels, twins
+from basal_local.cuda_kernels import fp8, gemm, triton_available, triton_kernels, twins
 from basal_local.cuda_kernels import plan as tplan
 
 from ..base import PackedBatch
@@ -28,10 +28,13 @@ from ..base import PackedBatch
 TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 READOUT_BUCKETS = (4, 16, 64, 256)
 MAX_GRAPHS = 96
-GEMMS = ("verified", "chunked", "cublas", "triton")
+GEMMS = ("verified", "chunked", "cublas", "triton", "fp8")
 # rows per cuBLAS call where a weight's GEMMs use a fixed chunk: part of the numerics contract (a row's bits
 # depend on it), never chosen by the batch; tools/gemm_chunks.py measured the trade-off (docs/CUDA_NOTES.md)
 GEMM_CHUNK = 512
+# the projections the fp8 route quantizes (BASAL_LOCAL_FP8_GEMMS, a comma list of these, narrows it: the others
+# stay f16 cuBLAS at their own verified row counts)
+FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 # the verified route uses cuBLAS as is where its results agree for every row count from at most this many rows
 VERIFIED_FLOOR_MAX = 512
 
@@ -122,12 +125,17 @@ class FastPath:
         # fixed-chunk route: every GEMM on blocks of exactly `chunk` rows, so graph sizes are whole chunks
         self.chunk = chunk if gemm == "chunked" else 1
         self.gemm_plan: dict[str, dict] = {}
+        self.fp8_bytes = 0
+        self._fp8: fp8.Fp8Weights | None = None
         if gemm == "triton":
             self.linear = self.ops.linear
         elif gemm == "chunked":
             self.linear = lambda x, w, b: twins.chunked_linear(x, w, b, chunk)
         elif gemm == "verified":
             self.linear = self._verified_linear(chunk)
+        elif gemm == "fp8":
+            self._fp8 = self._fp8_weights()
+            self.linear = self._verified_linear(chunk, self._fp8.linear)
         else:
             self.linear = twins.linear
         self.block_m = self.ops.ATTN_BLOCK_M if self.use_triton else 64
@@ -145,24 +153,64 @@ class FastPath:
         self.cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(backend.device)
         self.sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(backend.device)
 
-    def _verified_linear(self, chunk: int):
-        """cuBLAS at verified row counts per weight shape (cuda_kernels.gemm): checked once here, on this device."""
+    def _fp8_weights(self) -> fp8.Fp8Weights:
+        """float8 copies of every GEMM weight (per-channel power-of-two scales), the activation quantizer and
+        the row-wise scaled GEMM of this device (`cuda_kernels.fp8`); the f16 weights stay as the keys."""
+        if self.use_triton:
+            quant = self.ops.quant_rows
+            x = (torch.randn(8, 320, device=self.b.device) * 9).to(self.b.dtype)
+            try:  # the kernel must give the twin's bits; if it cannot (another Triton), the twin runs instead
+                (qa, sa), (qb, sb) = quant(x), fp8.quant_rows(x)
+                same = torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
+            except Exception as exc:  # noqa: BLE001 - any compile or launch failure of the kernel
+                same = False
+                self.gemm_plan["fp8_quant_error"] = repr(exc)[:300]
+            if not same:
+                quant = fp8.quant_rows
+            self.gemm_plan["fp8_quant"] = "triton" if same else "twin"
+            store = fp8.Fp8Weights(quant, fp8.cuda_scaled_mm(self.b.device, self.b.dtype))
+            self.gemm_plan["fp8_mm"] = store.mm.__name__
+        else:
+            store = fp8.Fp8Weights()
+        names = [n.strip() for n in os.environ.get("BASAL_LOCAL_FP8_GEMMS", ",".join(FP8_GEMMS)).split(",") if n.strip()]
+        unknown = sorted(set(names) - set(FP8_GEMMS))
+        if unknown:
+            raise ValueError(f"BASAL_LOCAL_FP8_GEMMS: unknown projection {unknown[0]!r} ({', '.join(FP8_GEMMS)})")
+        self.gemm_plan["fp8_gemms"] = ",".join(n for n in FP8_GEMMS if n in names)
+        for layer in self.b.layers:
+            weights = {"qkv": layer.qkv_weight, "o": layer.o_proj_weight, "gate_up": layer.gate_up_weight,
+                       "down": layer.down_proj_weight}
+            for name in names:
+                store.add(weights[name])
+        self.fp8_bytes = store.nbytes()
+        return store
+
+    def _verified_linear(self, chunk: int, base: gemm.Linear = torch.nn.functional.linear):
+        """`base` (cuBLAS f16, or the fp8 GEMM) at verified row counts per weight shape (cuda_kernels.gemm):
+        checked once here, on this device."""
         layer = self.b.layers[0]
         candidates = sorted(set(TOKEN_BUCKETS) | set(READOUT_BUCKETS))
+        if not self.use_triton and base is not torch.nn.functional.linear:
+            # the fp8 twin on the CPU (tests): blocks of at most 512 rows keep the load-time check cheap
+            candidates = [c for c in candidates if c <= VERIFIED_FLOOR_MAX]
         sizes: dict[tuple[int, int, bool], list[int]] = {}
         for w, bias in ((layer.qkv_weight, layer.qkv_bias), (layer.o_proj_weight, layer.o_proj_bias),
                         (layer.gate_up_weight, layer.gate_up_bias), (layer.down_proj_weight, layer.down_proj_bias)):
-            key = (w.shape[0], w.shape[1], bias is not None)
+            key = self._gemm_key(w, bias)
             if key not in sizes:
-                plan = gemm.plan_sizes(w, bias, candidates, VERIFIED_FLOOR_MAX, chunk)
+                plan = gemm.plan_sizes(w, bias, candidates, VERIFIED_FLOOR_MAX, chunk, base)
                 sizes[key] = plan["sizes"]
-                self.gemm_plan[f"{w.shape[0]}x{w.shape[1]}"] = {
+                self.gemm_plan[f"{w.shape[0]}x{w.shape[1]}" + ("-f16" if self._fp8 and not key[3] else "")] = {
                     "route": plan["route"], "sizes": plan["sizes"][0] if plan["route"] == "verified" else chunk,
                     "disagree": [m for m, ok in plan["agrees"].items() if not ok]}
 
         def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            return gemm.sized_linear(x, w, b, sizes[(w.shape[0], w.shape[1], b is not None)])
+            return gemm.sized_linear(x, w, b, sizes[self._gemm_key(w, b)], base)
         return linear
+
+    def _gemm_key(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, bool, bool]:
+        """What a GEMM's verified sizes depend on: the weight's shape, a bias, and fp8 or not."""
+        return w.shape[0], w.shape[1], bias is not None, self._fp8 is not None and self._fp8.has(w)
 
     # ---- cached prefixes ---------------------------------------------------------------------------------
     def set_prefixes(self, prefix_kv: dict) -> None:

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from ..base import ModelInfo, PackedBatch
 from .tree_attention import StaticMaskAttention, TreeAttention, flex_available
 
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # and "fp8": f16 + fp8 GEMMs
 # token counts a CUDA graph is captured for; a forward is padded up to the next one
 GRAPH_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 GRAPH_EAGER_ABOVE = 768  # a forward of several subtrees above this many tokens runs eagerly
@@ -100,8 +100,15 @@ class TorchBackend:
         cfg = self.config = LlamaConfig.from_dict(raw)
         if dtype == "auto":
             dtype = "f32" if self.device == "cpu" else "f16"
+        if dtype == "fp8":
+            # f16 activations, float8 e4m3 GEMMs (fast.FastPath route "fp8", cuda_kernels/fp8.py)
+            if self.attention != "tree":
+                raise ValueError("dtype fp8 runs on the tree path only (CUDA with Triton); use f16 or bf16 here")
+            self.gemm = "fp8"
+        elif dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} for the torch backend (f16, bf16, f32 or fp8)")
         self.dtype_name = dtype
-        self.dtype = DTYPES[dtype]
+        self.dtype = DTYPES.get(dtype, torch.float16)
         dev = self.device
         weights: dict[str, torch.Tensor] = {}
         # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
@@ -154,7 +161,9 @@ class TorchBackend:
 
     @_on_device
     def memory(self) -> dict[str, int]:
-        out = {"weights_bytes": sum(t.numel() * t.element_size() for t in self._tensors())}
+        # with dtype fp8 the float8 GEMM weights are held beside the f16 ones (cuda_kernels/fp8.py)
+        out = {"weights_bytes": sum(t.numel() * t.element_size() for t in self._tensors())
+               + (self.fast.fp8_bytes if self.fast is not None else 0)}
         if self.device.startswith("cuda"):
             out["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)

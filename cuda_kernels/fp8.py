@@ -1,0 +1,114 @@
+"""fp8 (e4m3) GEMMs whose rows do not depend on each other: per-row activation scales, per-channel weights.
+
+`x [M, K] @ w[N, K].T` becomes `(q(x) @ q(w).T) * sx * sw`: each activation row and each weight row (output
+channel) is scaled by its own power of two so that its largest magnitude lands in (224, 448], then rounded to
+float8 e4m3 (round to nearest even). A power-of-two scale keeps fp8's relative precision (it only shifts the
+exponent) and makes scaling exact, so the quantization of a row is the same bits on the CPU (`quant_rows`
+here) and in the Triton kernel (`kernels.quant_rows`), and depends on that row only. The GEMM itself is the
+vendor's (`torch._scaled_mm`, row-wise scales, f32 accumulation); its reduction order may change with the
+number of rows, which `gemm.sized_linear` handles exactly as for f16: only row counts verified to give the
+same bits are ever issued.
+
+Pure torch (the kernel is passed in), so the CPU tests run the same functions with `quant_rows` and
+`scaled_mm_twin` (a dequantized f32 matmul).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+Quant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def pow2_scale_bits(amax: torch.Tensor) -> torch.Tensor:
+    """The biased f32 exponent of each row's scale 2**e: the smallest e with amax / 2**e <= 448.
+
+    amax = m * 2**E (1 <= m < 2): 2**(E - 8) if m <= 1.75 (448 = 1.75 * 2**8), else 2**(E - 7); 1.0 for an
+    all-zero row. Clamped to f32's normal exponents so that the reciprocal 2**-e is a normal f32 too."""
+    bits = amax.contiguous().view(torch.int32)
+    e = (bits >> 23) & 0xFF
+    se = torch.where((bits & 0x7FFFFF) > 0x600000, e - 7, e - 8)
+    return torch.where(amax > 0, se, torch.full_like(se, 127)).clamp(1, 253)
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x rows in float8 e4m3 [M, K], their f32 scales [M, 1]): x ≈ q * scale, each row on its own."""
+    xf = x.float()
+    se = pow2_scale_bits(xf.abs().amax(dim=1))
+    scale = (se << 23).view(torch.float32)
+    inv = ((254 - se) << 23).view(torch.float32)
+    return (xf * inv[:, None]).to(FP8), scale[:, None].contiguous()
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] as float8 rows (one scale per output channel) and its scales as [1, N] f32."""
+    q, scale = quant_rows(w)
+    return q.contiguous(), scale.view(1, -1).contiguous()
+
+
+def scaled_mm_twin(xq: torch.Tensor, wq: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference of the fp8 GEMM: exact fp8 products summed in f32, scaled, rounded once to out_dtype."""
+    return ((xq.float() @ wq.float().T) * sx * sw).to(out_dtype)
+
+
+def scaled_mm_cuda(xq: torch.Tensor, wq: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales (wq [N, K] row-major is the column-major [K, N] it wants)."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+
+
+def scaled_mm_cuda_bf16(xq: torch.Tensor, wq: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """For torch builds whose row-wise `_scaled_mm` writes only bf16: bf16 out, then out_dtype."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16).to(out_dtype)
+
+
+def cuda_scaled_mm(device: torch.device | str, out_dtype: torch.dtype) -> ScaledMM:
+    """The CUDA GEMM for out_dtype on this torch build: direct where supported, else through bf16."""
+    x = torch.ones(16, 32, device=device).to(FP8)
+    s = torch.ones(16, 1, device=device)
+    try:
+        scaled_mm_cuda(x, x, s, s.view(1, -1), out_dtype)
+        return scaled_mm_cuda
+    except RuntimeError:
+        return scaled_mm_cuda_bf16
+
+
+class Fp8Weights:
+    """The float8 copies of a model's GEMM weights, found by the f16 weight tensor they replace.
+
+    `linear(x, w, bias)` has F.linear's signature, so `gemm.sized_linear` and `gemm.plan_sizes` use it as is."""
+
+    def __init__(self, quant: Quant = quant_rows, mm: ScaledMM = scaled_mm_twin) -> None:
+        self.quant, self.mm = quant, mm
+        self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, w: torch.Tensor) -> None:
+        if id(w) not in self._by_id:
+            q, s = quantize_weight(w)
+            self._by_id[id(w)] = (w, q, s)  # w kept: a dead tensor's id could be reused
+
+    def has(self, w: torch.Tensor) -> bool:
+        return id(w) in self._by_id
+
+    def nbytes(self) -> int:
+        return sum(q.numel() * q.element_size() + s.numel() * 4 for _, q, s in self._by_id.values())
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fp8 for the weights added here; any other weight runs as is (F.linear in x's dtype)."""
+        entry = self._by_id.get(id(w))
+        if entry is None:
+            return F.linear(x, w, bias)
+        _, wq, sw = entry
+        xq, sx = self.quant(x)
+        out = self.mm(xq, wq, sx, sw, x.dtype)
+        if bias is not None:
+            out += bias
+        return out
