@@ -268,24 +268,18 @@ def test_a_killed_replica_process_loses_nothing(processes, daemon):
     alone = [http("POST", daemon.url + "/v1/systemone", b)[2]["answers"] for b in work]
     _, _, stats = http("GET", processes.url + "/api/stats")
     victim = next(r["pid"] for r in stats["replicas"] if r["replica"] == 1)
+    # Kill it while it holds requests: stop it first, so that whatever the router gives it stays unanswered
+    # (a tiny-model request is done in milliseconds, so catching a running worker with work in hand was a race
+    # on a loaded machine), wait until it holds some, then kill it.
+    os.kill(victim, signal.SIGSTOP)
     with ThreadPoolExecutor(20) as pool:
         futures = [pool.submit(http, "POST", processes.url + "/v1/systemone", b) for b in work]
-        # Kill it while it holds requests: stop it when it has some, let answers already in its pipe arrive,
-        # and kill it only if it still holds one (a tiny-model request is done in milliseconds, so a plain
-        # check-then-kill often found it empty-handed on a loaded machine); else let it go on and try again.
-        deadline = time.time() + 30
-        while True:
+        deadline = time.time() + 60
+        while time.time() < deadline:
             _, _, stats = http("GET", processes.url + "/api/stats")
             if stats["replicas"][1]["in_flight"] >= 1:
-                os.kill(victim, signal.SIGSTOP)
-                time.sleep(0.3)
-                _, _, stats = http("GET", processes.url + "/api/stats")
-                if stats["replicas"][1]["in_flight"] >= 1 or time.time() > deadline:
-                    break
-                os.kill(victim, signal.SIGCONT)
-            elif time.time() > deadline:
                 break
-            time.sleep(0.005)
+            time.sleep(0.02)
         os.kill(victim, signal.SIGKILL)
         results = [f.result() for f in futures]
     for (status, _, out), want in zip(results, alone):
@@ -314,7 +308,7 @@ def test_stopping_the_daemon_leaves_no_replica_process(processes):
     assert kids  # the live worker (and multiprocessing's resource tracker)
     processes.stop()
     assert processes.proc.returncode == 0, processes.log[-2000:]
-    deadline = time.time() + 10
+    deadline = time.time() + 30  # seconds on a loaded machine
     while time.time() < deadline and any(alive(pid) for pid in kids):
         time.sleep(0.1)
     assert not [pid for pid in kids if alive(pid)]
