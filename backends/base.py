@@ -78,6 +78,24 @@ class Backend(Protocol):
     # overlaps host work with device work (engine/engine.py)
 
 
+class Ready:
+    """A forward that already ran: the `launch` handle of a backend (or a path) that computes at once."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits = logits
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> np.ndarray:
+        return self.logits
+
+    def device_s(self) -> float | None:
+        return None
+
+
 def ancestor_matrix(block_parent: np.ndarray) -> np.ndarray:
     """anc[b, a] is True iff block a is b or an ancestor of b (parents precede children)."""
     n = block_parent.shape[0]

@@ -23,7 +23,7 @@ import torch
 from basal_local.cuda_kernels import fp8, gemm, triton_available, triton_kernels, twins
 from basal_local.cuda_kernels import plan as tplan
 
-from ..base import PackedBatch
+from ..base import PackedBatch, Ready
 
 TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 READOUT_BUCKETS = (4, 16, 64, 256)
@@ -82,24 +82,6 @@ class Launched:
     def device_s(self) -> float | None:
         """Device seconds from its input copy to its logits copy (after `result`)."""
         return self.start.elapsed_time(self.end) / 1000.0
-
-
-class Ready:
-    """A forward that already ran (the eager path): the same interface as `Launched`."""
-
-    __slots__ = ("logits",)
-
-    def __init__(self, logits: np.ndarray) -> None:
-        self.logits = logits
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> np.ndarray:
-        return self.logits
-
-    def device_s(self) -> float | None:
-        return None
 
 
 def _tile_cap(size: int) -> int:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from ..base import ModelInfo, PackedBatch
+from ..base import ModelInfo, PackedBatch, Ready
 from .tree_attention import StaticMaskAttention, TreeAttention, flex_available
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # and "fp8": f16 + fp8 GEMMs
@@ -251,9 +251,7 @@ class TorchBackend:
     @_on_device
     def launch(self, batch: PackedBatch):
         """`forward` without waiting for the device where a CUDA graph runs it (`fast.Launched`: `done()`,
-        `result()`, `device_s()`); anything else computes here and comes back ready (`fast.Ready`)."""
-        from .fast import Ready
-
+        `result()`, `device_s()`); anything else computes here and comes back ready (`base.Ready`)."""
         if self.fast is not None and self.cuda_graphs:
             with torch.inference_mode():
                 return self.fast.launch(batch)

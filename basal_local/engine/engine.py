@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from basal_local.backends.base import Backend, PackedBatch
+from basal_local.backends.base import Backend, PackedBatch, Ready
 
 from ..model.directory import ModelDir
 from ..telemetry import BatchRecord, Telemetry
@@ -77,22 +77,6 @@ class JobResult:
     compute_ms: float
     batch_requests: int
     batch_id: int
-
-
-class _Done:
-    """A forward that already ran (backends without `launch`, or the eager path of one that has it)."""
-
-    def __init__(self, logits: np.ndarray) -> None:
-        self.logits = logits
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> np.ndarray:
-        return self.logits
-
-    def device_s(self) -> float | None:
-        return None
 
 
 @dataclass
@@ -433,10 +417,10 @@ class ModelEngine:
             launch = getattr(self.backend, "launch", None) if self.settings.pipeline else None
             self.gate.acquire(urgent=True)
             try:
-                return launch(batch) if launch is not None else _Done(self.backend.forward(batch))
+                return launch(batch) if launch is not None else Ready(self.backend.forward(batch))
             finally:
                 self.gate.release()
-        return _Done(self._forward(batch, lane))
+        return Ready(self._forward(batch, lane))
 
     def run_batch(self, jobs: Sequence[Job], lane: Lane) -> None:
         """Pack, compute and answer one batch, waiting for it."""
