@@ -13,11 +13,11 @@ from basal_local.model import load_model_dir
 
 from .conftest import load_backend as loaded
 from .conftest import readout_logits
+from .hf_reference import HFModel
 from .test_packer import random_specs
 from .test_parity import hf_last_logits, sample_prompt_specs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 
 def agreement(ref: list, got: list) -> tuple[float, float, int]:
@@ -29,10 +29,9 @@ def agreement(ref: list, got: list) -> tuple[float, float, int]:
              for a, b in zip(ref, got))
     return dlogit, dp, sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got))
 
-def test_cuda_f32_matches_transformers(small_model):
-    from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(small_model, dtype=torch.float32).eval()
+def test_cuda_f32_matches_transformers(small_model):
+    hf = HFModel(small_model)  # transformers f32 on the CPU (tests/hf_reference.py)
     md, backend, prefixes = loaded(small_model, "cuda", "f32")
     specs = sample_prompt_specs(small_model, 8)
     ours = readout_logits(backend, pack_prompts(specs, prefixes))
