@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import RECORD
+from .plan import MAX_RANGES, RECORD
 
 # the query and key tiles of tree attention: part of the numerics contract (the key tile fixes the order of
 # the softmax reduction), the same for every call of a process; the variables exist to measure other tilings
@@ -24,6 +24,9 @@ from .plan import RECORD
 ATTN_BLOCK_M = int(os.environ.get("BASAL_LOCAL_ATTN_BLOCK_M", "64"))
 ATTN_BLOCK_N = int(os.environ.get("BASAL_LOCAL_ATTN_BLOCK_N", "64"))
 ATTN_WARPS = int(os.environ.get("BASAL_LOCAL_ATTN_WARPS", "4"))
+ATTN_STAGES = int(os.environ.get("BASAL_LOCAL_ATTN_STAGES", "2"))
+# key-range slots a tile record holds, as a power of two (the kernel compares a key tile with all of them)
+RANGE_SLOTS = triton.next_power_of_2(MAX_RANGES)
 
 
 @functools.cache
@@ -33,16 +36,59 @@ def num_sms(device_index: int = 0) -> int:
 
 # ---- tree attention ----------------------------------------------------------------------------------------
 @triton.jit
+def _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
+             stride_kt, stride_vt, stride_pt, HEAD_DIM: tl.constexpr):
+    """The K and V rows of key positions start .. start + BLOCK_N - 1 (zeros past n_keys: no memory traffic)."""
+    p = start + offs_n
+    # token index of each forward key: its range's first token + offset in the range (ranges are disjoint; an
+    # unused slot is empty and never matches)
+    hit = (p[:, None] >= r_pos[None, :]) & (p[:, None] < r_end[None, :])
+    addr = tl.sum(tl.where(hit, p[:, None] + r_shift[None, :], 0), 1)
+    is_pre = p < n_pre
+    is_fwd = (p >= n_pre) & (p < n_keys)
+    kf = tl.load(K + addr[:, None] * stride_kt + kvh * HEAD_DIM + offs_d[None, :], mask=is_fwd[:, None], other=0.0)
+    kp = tl.load(PK + (pre_off + p)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :], mask=is_pre[:, None],
+                 other=0.0)
+    vf = tl.load(V + addr[:, None] * stride_vt + kvh * HEAD_DIM + offs_d[None, :], mask=is_fwd[:, None], other=0.0)
+    vp = tl.load(PV + (pre_off + p)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :], mask=is_pre[:, None],
+                 other=0.0)
+    return tl.where(is_pre[:, None], kp, kf), tl.where(is_pre[:, None], vp, vf)
+
+
+@triton.jit
+def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One key tile of the online softmax: (m, l, acc) updated in f32."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = p[None, :] <= q_pos[:, None]
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    pr = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(pr, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(pr.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
                       stride_qt, stride_kt, stride_vt, stride_pt, stride_ot, qk_scale,
                       N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
-                      COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr):
+                      COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr):
     pid = tl.program_id(0)
     n_work = tl.load(NT) * N_HEADS
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, RANGES)
+    in_rec = 10 + 3 * offs_r < REC  # range slots that lie inside a record
     for w in range(pid, n_work, NPROG):
         tile = w // N_HEADS
         head = w % N_HEADS
@@ -54,6 +100,11 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
         n_pre = tl.load(rec + 3)
         pre_off = tl.load(rec + 4)
         n_r = tl.load(rec + 5)
+        # the tile's key ranges as vectors, loaded beside the fields above (not after n_r: one memory round trip
+        # less before the first key tile); a key's token index is then found without a loop over the ranges
+        r_pos = tl.load(rec + 8 + 3 * offs_r, mask=in_rec, other=0)
+        r_shift = tl.load(rec + 9 + 3 * offs_r, mask=in_rec, other=0) - r_pos
+        r_end = tl.where(offs_r < n_r, r_pos + tl.load(rec + 10 + 3 * offs_r, mask=in_rec, other=0), 0)
         m_valid = offs_m < n_q
         rows = tl.load(QROWS + q_off + offs_m, mask=m_valid, other=0)
         q_pos = tl.load(POS + rows, mask=m_valid, other=0)
@@ -63,42 +114,9 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start in range(0, n_keys, BLOCK_N):
-            p = start + offs_n
-            # token index of each forward key: its range's first token + offset in the range
-            addr = tl.zeros([BLOCK_N], tl.int32)
-            for r in range(0, n_r):
-                ps = tl.load(rec + 8 + 3 * r)
-                ts = tl.load(rec + 9 + 3 * r)
-                ln = tl.load(rec + 10 + 3 * r)
-                addr = tl.where((p >= ps) & (p < ps + ln), ts + p - ps, addr)
-            is_pre = p < n_pre
-            is_fwd = (p >= n_pre) & (p < n_keys)
-            kf = tl.load(K + addr[:, None] * stride_kt + kvh * HEAD_DIM + offs_d[None, :], mask=is_fwd[:, None],
-                         other=0.0)
-            kp = tl.load(PK + (pre_off + p)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :],
-                         mask=is_pre[:, None], other=0.0)
-            k = tl.where(is_pre[:, None], kp, kf)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            visible = p[None, :] <= q_pos[:, None]
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            pr = tl.math.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            vf = tl.load(V + addr[:, None] * stride_vt + kvh * HEAD_DIM + offs_d[None, :], mask=is_fwd[:, None],
-                         other=0.0)
-            vp = tl.load(PV + (pre_off + p)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :],
-                         mask=is_pre[:, None], other=0.0)
-            v = tl.where(is_pre[:, None], vp, vf)
-            acc = acc * alpha[:, None]
-            if IEEE:
-                acc = tl.dot(pr, v, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(pr.to(v.dtype), v, acc)
-            m_i = m_new
+            k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
+                            stride_kt, stride_vt, stride_pt, HEAD_DIM)
+            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
         out = acc / l_i[:, None]
         if COMPACT:
             dest = q_off + offs_m
@@ -110,11 +128,15 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
                    prefix_v: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, q_rows: torch.Tensor,
-                   n_tiles: torch.Tensor, out: torch.Tensor, compact: bool, nprog: int | None = None) -> torch.Tensor:
+                   n_tiles: torch.Tensor, out: torch.Tensor, compact: bool, nprog: int | None = None,
+                   tiling: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """q [T, Hq, D] and k/v [T, Hkv, D] (row-strided views of the fused qkv), prefix_k/v [P, Hkv, D].
 
     tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
-    of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work."""
+    of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work.
+    `tiling` (block_m, block_n, warps, stages) overrides the process's tiling, for measurements only (the
+    tiles must have been planned with that block_m)."""
+    block_m, block_n, warps, stages = tiling or (ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS, ATTN_STAGES)
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     assert q.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d and q.stride(1) == d
     assert prefix_k.stride(0) == prefix_v.stride(0) and out.stride(1) == 1
@@ -125,9 +147,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
     _tree_attn_kernel[(nprog,)](
         q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles,
         q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
-        N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
-        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD,
-        num_warps=ATTN_WARPS, num_stages=1 if ieee else 2)
+        N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS,
+        num_warps=warps, num_stages=1 if ieee else stages)
     return out
 
 

@@ -4,7 +4,8 @@
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
-# sweep, tokpool, proc1, nopipe, profmax (after max)); HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
+# sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop;
+# BENCH_TILINGS / MAX_TILINGS: attention tilings (block_m:block_n:warps:stages, or default) of the bench / max runs; HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
 # invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
 # default "--devices cuda:0,cuda:1"); REQ_PER_CLIENT (default 40) and C1_REQUESTS (default 268): requests of a run;
 # GEMMS: the routes the bench stage runs
@@ -47,6 +48,33 @@ PY
   echo "attention tiling for the rest of the call: ${BASAL_LOCAL_ATTN_BLOCK_M:-64} x ${BASAL_LOCAL_ATTN_BLOCK_N:-64}, ${BASAL_LOCAL_ATTN_WARPS:-4} warps" | tee -a $OUT/sweep.txt
   el sweep
 fi
+tiling_env() {  # block_m:block_n:warps:stages -> the attention tiling variables (tools/attn_bench.py's notation)
+  IFS=: read bm bn w st <<< "$1"; echo "BASAL_LOCAL_ATTN_BLOCK_M=$bm BASAL_LOCAL_ATTN_BLOCK_N=$bn BASAL_LOCAL_ATTN_WARPS=$w BASAL_LOCAL_ATTN_STAGES=$st"
+}
+if has attn; then  # tree-attention variants per call inside a CUDA graph (tools/attn_bench.py)
+  timeout ${ATTN_TIMEOUT:-240} python3 tools/attn_bench.py $OUT/attn.jsonl ${ATTN_TILINGS:-} > $OUT/attn.txt 2> $OUT/attn.err
+  grep -v '^{' $OUT/attn.txt | tail -40; tail -3 $OUT/attn.err
+  # "auto" in BENCH_TILINGS / MAX_TILINGS: the tiling with the least single-decision time (4.5B + max) whose batch
+  # of 32 and long document take at most 3 % / 10 % more than the first tiling's
+  python3 - $OUT/attn.jsonl <<'PY' | tee $OUT/attn-best.txt
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "ms" in l]
+by = {}
+for r in rows:
+    if "ms" in r:
+        by.setdefault(r["tiling"], {})[(r["preset"], r["case"])] = r["ms"]
+specs = list(by)
+base = by[specs[0]]
+ok = [s for s in specs if by[s].get(("4.5B", "batch32"), 9e9) <= 1.03 * base[("4.5B", "batch32")]
+      and by[s].get(("4.5B", "long17k"), 9e9) <= 1.10 * base[("4.5B", "long17k")]]
+print(min(ok or specs[:1], key=lambda s: by[s].get(("4.5B", "single"), 9e9) + by[s].get(("max", "single"), 9e9)))
+PY
+  if [ -n "${ATTN_EXPORT:-}" ] && [ "$(cat $OUT/attn-best.txt)" != "$(echo $ATTN_TILINGS | cut -d' ' -f1)" ]; then
+    export $(tiling_env $(cat $OUT/attn-best.txt))  # ATTN_EXPORT: the pick runs the rest of the call (tests too)
+    echo "attention tiling for the rest of the call: $(cat $OUT/attn-best.txt)"
+  fi
+  el attn
+fi
 if has tests; then
   rm -rf /tmp/t && cp -r tests /tmp/t
   (cd /tmp && timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider t/test_cuda.py t/test_cuda_kernels.py 2>&1 \
@@ -61,10 +89,12 @@ if has bench || has http || has multi || has multiproc || has ray || has hostpro
   el make-test-model
 fi
 if has bench; then
+  for tl_ in ${BENCH_TILINGS:-default}; do
+  [ $tl_ = auto ] && tl_=$(cat $OUT/attn-best.txt 2>/dev/null || echo default)
   for g in ${GEMMS:-verified}; do
     route=${g%%:*}; chunk=${g#*:}; [ "$chunk" = "$g" ] && chunk=256
-    name=$route$([ $route = chunked ] && echo $chunk)
-    (cd /tmp && BASAL_LOCAL_GEMM=$route BASAL_LOCAL_GEMM_CHUNK=$chunk BASAL_BENCH_PARTIAL=$OUT/partial-$name.json \
+    name=$route$([ $route = chunked ] && echo $chunk)$([ $tl_ = default ] || echo "-${tl_//:/x}")
+    (cd /tmp && env $([ $tl_ = default ] || tiling_env $tl_) BASAL_LOCAL_GEMM=$route BASAL_LOCAL_GEMM_CHUNK=$chunk BASAL_BENCH_PARTIAL=$OUT/partial-$name.json \
       timeout ${BENCH_TIMEOUT:-150} python3 -m basal_local.cli bench --model $M --device cuda --repeat 2 --json \
       --invariance ${INVARIANCE:-8} ${BENCH_ARGS---long-doc} > $OUT/bench-$name.json 2> $OUT/bench-$name.err)
     python3 -c "
@@ -75,6 +105,7 @@ print('$name', r.get('gemm_plan'))
 print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r['throughput']['batch16']['decisions_per_s'], 'warmup', r['warmup_s'], x.get('invariance_alone_vs_amid_31'), {k: v for k, v in x.items() if k.startswith('long')}, r.get('memory_after_bench'))
 " 2>&1 | tail -2
     el bench $name
+  done
   done
 fi
 wait_ready() {  # port pid (READY_S: seconds to wait, default 150)
@@ -153,6 +184,11 @@ if has httptools; then  # the same daemon with httptools parsing HTTP instead of
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl-extra/httptools-*.whl &&
     PYTHONPATH=/tmp/site2:$PYTHONPATH ANSWERS= serve_and_measure 1gpu-httptools "c1 c32" --device ${DEV:-cuda}
 fi
+# the same daemon on uvloop + httptools (what uvicorn[standard] installs; wheels in .whl/extra), UVLOOP_RUNS
+if has uvloop; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 .whl/extra/*.whl &&
+    PYTHONPATH=/tmp/site3:$PYTHONPATH ANSWERS= serve_and_measure 1gpu-uvloop "${UVLOOP_RUNS:-c1 c32}" --device ${DEV:-cuda}
+fi
 # the same daemon tokenizing every text on the tokenizer's thread pool (serial below 8,192 characters is the default)
 has tokpool && BASAL_LOCAL_TOKENIZE_SERIAL_CHARS=0 ANSWERS= serve_and_measure 1gpu-tokpool "c32" --device ${DEV:-cuda}
 # two replica processes on one GPU (workers forked from the forkserver): they start, answer, and answer bitwise alike
@@ -202,10 +238,17 @@ if has ray; then
     (cd /tmp && python3 $OLDPWD/tools/http_answers.py --compare $OUT/answers-1gpu.json $OUT/answers-ray.json) | tee $OUT/answers-compare-ray.txt
   fi
 fi
-if has max; then  # the max preset: single and batch figures only
-  (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max &&
-  (cd /tmp && BASAL_BENCH_PARTIAL=$OUT/partial-max.json timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max \
-     --device cuda --repeat 1 --json > $OUT/bench-max.json 2> $OUT/bench-max.err); cat $OUT/bench-max.json; el bench max
+if has max; then  # the max preset: single and batch figures only (MAX_TILINGS: one run per attention tiling)
+  (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max
+  for tl_ in ${MAX_TILINGS:-default}; do
+    [ $tl_ = auto ] && tl_=$(cat $OUT/attn-best.txt 2>/dev/null || echo default)
+    name=max$([ $tl_ = default ] || echo "-${tl_//:/x}")
+    (cd /tmp && env $([ $tl_ = default ] || tiling_env $tl_) BASAL_BENCH_PARTIAL=$OUT/partial-$name.json timeout ${MAX_TIMEOUT:-150} \
+       python3 -m basal_local.cli bench --model /tmp/m-max --device cuda --repeat 1 --json > $OUT/bench-$name.json 2> $OUT/bench-$name.err)
+    python3 -c "
+import json; r=json.load(open('$OUT/bench-$name.json')); print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r.get('memory_after_bench'))" 2>&1 | tail -1
+    el bench $name
+  done
 fi
 if has profmax; then  # kernel time of one max-preset single decision and of 32, by family and costliest kernels
   (cd /tmp && timeout ${PROF_TIMEOUT:-150} python3 $OLDPWD/tools/profile_forward.py /tmp/m-max $OUT/profile-max.txt \
@@ -226,3 +269,7 @@ if has compiled; then
   cat $OUT/bench-compiled.json; el compiled
 fi
 el end
+# the device returns at most 8 files: PACK=1 leaves one archive of everything (and the log) instead
+if [ -n "${PACK:-}" ]; then
+  (cd $OUT && tar -czf /tmp/all.tgz . && rm -rf ./* && mv /tmp/all.tgz $OUT/all.tgz)
+fi
