@@ -4,7 +4,8 @@
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
-# sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop;
+# sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop, fp8sub (after max; FP8_SUBSETS),
+# prof (4.5B kernel profile);
 # BENCH_TILINGS / MAX_TILINGS: attention tilings (block_m:block_n:warps:stages, or default) of the bench / max runs; HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
 # invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
 # default "--devices cuda:0,cuda:1"); REQ_PER_CLIENT (default 40) and C1_REQUESTS (default 268): requests of a run;
@@ -249,6 +250,15 @@ if has max; then  # the max preset: single and batch figures only (MAX_TILINGS: 
 import json; r=json.load(open('$OUT/bench-$name.json')); print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r.get('memory_after_bench'))" 2>&1 | tail -1
     el bench $name
   done
+fi
+if has fp8sub; then  # fp8 agreement with f16 on the max preset per subset of projections (tools/fp8_check.py)
+  (cd /tmp && timeout ${FP8_TIMEOUT:-150} python3 $OLDPWD/tools/fp8_check.py /tmp/m-max $OUT/fp8-check-max.json --skip-micro \
+     "--subsets=${FP8_SUBSETS:-gate_up,down;gate_up}" > $OUT/fp8-check-max.txt 2> $OUT/fp8-check-max.err)
+  cut -c1-400 $OUT/fp8-check-max.txt; tail -2 $OUT/fp8-check-max.err; el fp8sub
+fi
+if has prof; then  # kernel time of one 4.5B single decision and of 32, by family and costliest kernels
+  (cd /tmp && timeout ${PROF_TIMEOUT:-150} python3 $OLDPWD/tools/profile_forward.py $M $OUT/profile-$PRESET.txt \
+     tree:verified > /dev/null 2> $OUT/profile-$PRESET.err); head -40 $OUT/profile-$PRESET.txt; el prof
 fi
 if has profmax; then  # kernel time of one max-preset single decision and of 32, by family and costliest kernels
   (cd /tmp && timeout ${PROF_TIMEOUT:-150} python3 $OLDPWD/tools/profile_forward.py /tmp/m-max $OUT/profile-max.txt \
