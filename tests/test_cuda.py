@@ -205,6 +205,25 @@ def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
     assert np.array_equal(steps[-1], backend.forward(pack.batches[0]))
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_cuda_alternative_attention_tiling_gives_the_same_bits(small_model, dtype):
+    """The 128-query / 8-warp attention tiling that small graphs and long eager forwards use passed its load-time
+    check (same bits as 64 / 4 warps), and a forward gives the same letter logits with it and without it."""
+    from backends.torch.fast import ALT_TILING
+
+    md, backend, prefixes = loaded(small_model, "cuda", dtype)
+    fast = backend.fast
+    assert fast.alt_tiling == ALT_TILING, fast.gemm_plan.get("attention_alt_tiling")
+    specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
+    packs = [pack_prompts(specs[:2], prefixes), pack_prompts(specs, prefixes)]
+    with_alt = [readout_logits(backend, p) for p in packs]
+    fast.alt_tiling = None
+    fast.graphs.clear()
+    without = [readout_logits(backend, p) for p in packs]
+    for a, b in zip(with_alt, without):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_cuda_second_gpu_gives_the_same_bits(small_model):
     """One replica per GPU (issue 13): a backend on cuda:1 (graphs, Triton launches on its own device) returns

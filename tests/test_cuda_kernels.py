@@ -129,6 +129,31 @@ def test_fast_forward_on_twins_equals_reference(tiny_model):
     assert len(steps) == md.config.num_hidden_layers and np.array_equal(steps[-1], fast.forward(batch))
 
 
+def test_fast_forward_alternative_attention_tiling(tiny_model):
+    """Where a device gives the same bits with the alternative attention tiling (checked at load on a GPU), small
+    graphs and long eager forwards plan 128-query tiles and the rest 64; a forward planned either way gives the
+    same logits (the twins walk whatever table the host built)."""
+    from backends.torch.fast import ALT_MAX_TOKENS, ALT_TILING, TOKEN_BUCKETS
+
+    md, backend, prefixes = load_backend(tiny_model, attention="tree")
+    fast = backend.fast
+    assert fast.alt_tiling is None  # no Triton here: the twins run, nothing to check
+    pack = pack_prompts(random_specs(md, random.Random(2)), prefixes)
+    before = readout_logits(backend, pack)
+    fast.alt_tiling = ALT_TILING
+    assert fast._block_m(ALT_MAX_TOKENS) == 128 and fast._block_m(TOKEN_BUCKETS[-1] + 1) == 128
+    assert fast._block_m(ALT_MAX_TOKENS + 1) == fast._block_m(TOKEN_BUCKETS[-1]) == 64
+    assert pack.batches[0].num_tokens <= ALT_MAX_TOKENS
+
+    def tile_sizes(n: int) -> list[int]:  # queries per tile of a one-block forward of n tokens, as uploaded
+        buf, layout = fast._host_inputs(fast._dummy(n, 4), n, n, 4)
+        o, size = layout["tiles"]
+        return sorted(buf[o:o + size].reshape(-1, 64)[:buf[layout["nt"][0]], 1].tolist())
+    assert tile_sizes(300) == [44, 128, 128] and tile_sizes(1100) == [12] + [64] * 17
+    after = readout_logits(backend, pack)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(before, after)) <= 1e-6
+
+
 def test_chunked_linear_twin_is_row_invariant():
     """M-chunked GEMM (the default f16/bf16 GEMM route on CUDA): equals F.linear, pads to whole chunks, and a
     row's bits are the same alone, at any offset, or amid many rows, because every library call has one shape."""

@@ -39,6 +39,13 @@ FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 VERIFIED_FLOOR_MAX = 512
 
 
+# a second tree-attention tiling (block_m, block_n, warps, stages) for graphs of up to ALT_MAX_TOKENS tokens and
+# for eager forwards longer than the largest graph, where it is faster (docs/CUDA_NOTES.md: 19.2 vs 21.9 us a call
+# in a single decision, 6.4 vs 7.6 ms in a 17k-token document; slower in a batch of 32). Used only where it gives
+# the default tiling's bits, checked at load on this device and dtype (as the GEMM row counts are), so a query's
+# result still never depends on the size of the forward it is in. BASAL_LOCAL_ATTN_ALT=0 turns it off.
+ALT_TILING = (128, 64, 8, 2)
+ALT_MAX_TOKENS = 1024
 # letter columns of a graph's logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
 # the eager forward run once at warm-up (FastPath.warm_long): the size of a ~16.5k-token document's forward
@@ -121,6 +128,11 @@ class FastPath:
         else:
             self.linear = twins.linear
         self.block_m = self.ops.ATTN_BLOCK_M if self.use_triton else 64
+        self.alt_tiling: tuple[int, int, int, int] | None = None
+        if self.use_triton and backend.dtype != torch.float32 and os.environ.get("BASAL_LOCAL_ATTN_ALT", "1") != "0":
+            self.alt_tiling = ALT_TILING if self._alt_tiling_agrees(ALT_TILING) else None
+            self.gemm_plan["attention_alt_tiling"] = "x".join(map(str, ALT_TILING)) + \
+                (" (same bits)" if self.alt_tiling else " (bits differ: not used)")
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._capture_stream = None
@@ -134,6 +146,49 @@ class FastPath:
         angles = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * backend.inv_freq[None, :half]
         self.cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(backend.device)
         self.sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(backend.device)
+
+    def _alt(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` (its graph size, or its length when eager) runs the alternative tiling."""
+        return self.alt_tiling is not None and (tokens <= ALT_MAX_TOKENS or tokens > TOKEN_BUCKETS[-1])
+
+    def _block_m(self, tokens: int) -> int:
+        return self.alt_tiling[0] if self._alt(tokens) else self.block_m
+
+    def _alt_tiling_agrees(self, tiling: tuple[int, int, int, int]) -> bool:
+        """Tree attention of one random tree (a cached prefix, a root, children and a grandchild) with the
+        process's tiling and with `tiling`, every row and the readout rows: bit for bit the same?"""
+        cfg, dev, dt = self.b.config, self.b.device, self.b.dtype
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_pre, sizes, parents = 40, (200, 70, 70, 50), (-1, 0, 0, 1)
+        token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+        starts, pos = {}, []
+        for b, (n, par) in enumerate(zip(sizes, parents)):
+            starts[b] = n_pre if par < 0 else starts[par] + sizes[par]
+            pos.append(np.arange(starts[b], starts[b] + n))
+        positions = np.concatenate(pos).astype(np.int64)
+        t = len(positions)
+        readout = np.cumsum(sizes) - 1
+        g = torch.Generator(device=dev).manual_seed(1234)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, generator=g).to(dt)
+        pk, pv = (torch.randn(n_pre, hkv, d, device=dev, generator=g).to(dt) for _ in range(2))
+        q = qkv[:, :hq * d].view(t, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        pos_d = torch.from_numpy(positions.astype(np.int32)).to(dev)
+        outs: dict[tuple, torch.Tensor] = {}
+        for rows in (None, readout):
+            for name, til in (("default", None), ("alt", tiling)):
+                bm = til[0] if til else self.block_m
+                p = tplan.tile_plan(positions, token_block, np.array(parents, np.int32),
+                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)], bm, rows=rows)
+                n_out = t if rows is None else len(rows)
+                out = torch.zeros(n_out, hq * d, dtype=dt, device=dev)
+                self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
+                                        torch.from_numpy(p.q_rows).to(dev),
+                                        torch.tensor([p.num_tiles], dtype=torch.int32, device=dev), out,
+                                        compact=rows is not None, tiling=til)
+                outs[(rows is None, name)] = out
+        return all(torch.equal(outs[(full, "default")], outs[(full, "alt")]) for full in (True, False))
 
     def _fp8_weights(self) -> fp8.Fp8Weights:
         """float8 copies of every GEMM weight (per-channel power-of-two scales), the activation quantizer and
@@ -232,10 +287,11 @@ class FastPath:
         if n > size:
             raise RuntimeError(f"forward inputs need {n} slots, the upload buffer has {size}")
         rows = [self.prefix_rows[name] for name in batch.prefixes]
+        block_m = self._block_m(size)
         full = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
-                               self.block_m)
+                               block_m)
         last = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
-                               self.block_m, rows=batch.readout_index)
+                               block_m, rows=batch.readout_index)
         if full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
         layout, total = self._layout(size, tile_cap, r_cap)
@@ -298,7 +354,7 @@ class FastPath:
         if self.use_triton:
             out = torch.empty(rows, hq * d, dtype=qkv.dtype, device=qkv.device)
             return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
-                                           nt, out, compact=last)
+                                           nt, out, compact=last, tiling=self.alt_tiling if self._alt(t) else None)
         n_tiles = int(nt[0])
         p = tplan.TilePlan(tiles[:n_tiles].cpu().numpy(), q_rows.cpu().numpy())
         out = twins.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], p, rows, compact=last)
