@@ -141,13 +141,6 @@ def test_busy_port_exits_before_the_banner(home, tiny_model):
     assert "serving" not in done.stdout
 
 
-def test_unknown_event_loop_is_a_user_error(home, tiny_model):
-    done = cli("serve", "--model", str(tiny_model), "--port", str(free_port()),
-               env={**home, "BASAL_LOCAL_LOOP": "trio"})
-    assert_user_error(done, "BASAL_LOCAL_LOOP", "asyncio")
-    assert "serving" not in done.stdout
-
-
 def test_serve_exits_non_zero_when_a_model_fails_to_load(home, tiny_model):
     # two models with the same basal.json name pass the early checks and fail while loading
     done = subcli("serve", "--model", str(tiny_model), "--model", str(tiny_model), "--port", str(free_port()),

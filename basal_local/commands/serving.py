@@ -88,7 +88,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from ..backends.select import check_dtype
     from ..model.directory import ModelLoadError, load_model_dir
     from ..model.registry import ModelNotFound, demo_model_dir, resolve_model
-    from ..server.daemon import event_loop, serve
+    from ..server.daemon import serve
     from ..server.security import public_bind_refusal
     from ..server.settings import config_path
 
@@ -98,7 +98,6 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     try:
         check_dtype(settings.backend, settings.device, settings.dtype)
-        event_loop()
     except ValueError as exc:
         raise UserError(str(exc)) from None
     refusal = public_bind_refusal(settings.host, settings.api_key, settings.insecure_public)

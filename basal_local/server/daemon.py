@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +26,6 @@ from .settings import Settings
 
 log = logging.getLogger("basal_local.daemon")
 KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (CLIENTS.md A.6)
-# the event loop: uvicorn's "auto" takes uvloop where it is installed (a dependency except on Windows: one client's
-# decision 0.19 ms faster over HTTP on the H200 host, docs/PERFORMANCE.md); BASAL_LOCAL_LOOP=asyncio opts out
-LOOPS = ("auto", "asyncio", "uvloop")
 
 
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
@@ -185,21 +181,6 @@ def _http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
     return _guarded_protocol(base, header_timeout_s, keep_alive_s)
 
 
-def event_loop() -> str:
-    """uvicorn's event loop from BASAL_LOCAL_LOOP (default auto); ValueError names a bad value."""
-    loop = os.environ.get("BASAL_LOCAL_LOOP", "auto")
-    if loop not in LOOPS:
-        raise ValueError(f"BASAL_LOCAL_LOOP={loop!r} is not an event loop basal-local knows; use one of "
-                         f"{', '.join(LOOPS)}")
-    if loop == "uvloop":
-        try:
-            import uvloop  # noqa: F401
-        except ImportError:
-            raise ValueError("BASAL_LOCAL_LOOP=uvloop, but uvloop is not installed (pip install uvloop, or "
-                             "unset BASAL_LOCAL_LOOP)") from None
-    return loop
-
-
 def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tuple[AppState, uvicorn.Config]:
     """The daemon's state and its guarded app in a uvicorn config; `start_loading` then loads the models in the
     background (/health answers 503 until then). `quiet`: print nothing (the dashboard owns the screen)."""
@@ -220,7 +201,7 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
     if not quiet:  # quiet callers route every record to the log pane themselves
         logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            timeout_keep_alive=KEEP_ALIVE_S, access_log=False, loop=event_loop(),
+                            timeout_keep_alive=KEEP_ALIVE_S, access_log=False,
                             http=_http_protocol(settings.body_timeout_s, KEEP_ALIVE_S),
                             timeout_graceful_shutdown=max(1, round(settings.drain_s)),
                             **({"log_config": None} if quiet else {}))
