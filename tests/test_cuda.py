@@ -209,7 +209,7 @@ def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
 def test_cuda_alternative_attention_tiling_gives_the_same_bits(small_model, dtype):
     """The 128-query / 8-warp attention tiling that small graphs and long eager forwards use passed its load-time
     check (same bits as 64 / 4 warps), and a forward gives the same letter logits with it and without it."""
-    from backends.torch.fast import ALT_TILING
+    from basal_local.backends.torch.fast import ALT_TILING
 
     md, backend, prefixes = loaded(small_model, "cuda", dtype)
     fast = backend.fast

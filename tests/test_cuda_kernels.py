@@ -133,7 +133,7 @@ def test_fast_forward_alternative_attention_tiling(tiny_model):
     """Where a device gives the same bits with the alternative attention tiling (checked at load on a GPU), small
     graphs and long eager forwards plan 128-query tiles and the rest 64; a forward planned either way gives the
     same logits (the twins walk whatever table the host built)."""
-    from backends.torch.fast import ALT_MAX_TOKENS, ALT_TILING, TOKEN_BUCKETS
+    from basal_local.backends.torch.fast import ALT_MAX_TOKENS, ALT_TILING, TOKEN_BUCKETS
 
     md, backend, prefixes = load_backend(tiny_model, attention="tree")
     fast = backend.fast
