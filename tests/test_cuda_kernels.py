@@ -154,6 +154,27 @@ def test_fast_forward_alternative_attention_tiling(tiny_model):
     assert max(float(np.abs(a - b).max()) for a, b in zip(before, after)) <= 1e-6
 
 
+def test_alternative_tiling_is_dropped_where_it_differs_or_fails():
+    """The load-time choice: the alternative tiling only where it gives the same bits; a device that cannot run
+    it (a compile or launch error) loads without it, and says so in the plan `bench` prints."""
+    from basal_local.backends.torch.fast import ALT_TILING, FastPath
+
+    class Probe(FastPath):
+        def __init__(self, outcome):  # only what _pick_alt_tiling needs
+            self.gemm_plan, self.outcome = {}, outcome
+
+        def _alt_tiling_agrees(self, tiling):
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+    for outcome, tiling, said in ((True, ALT_TILING, "same bits"), (False, None, "bits differ"),
+                                  (RuntimeError("out of resource: shared memory"), None, "RuntimeError")):
+        probe = Probe(outcome)
+        assert probe._pick_alt_tiling() == tiling
+        assert said in probe.gemm_plan["attention_alt_tiling"]
+
+
 def test_chunked_linear_twin_is_row_invariant():
     """M-chunked GEMM (the default f16/bf16 GEMM route on CUDA): equals F.linear, pads to whole chunks, and a
     row's bits are the same alone, at any offset, or amid many rows, because every library call has one shape."""

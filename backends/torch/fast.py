@@ -130,9 +130,7 @@ class FastPath:
         self.block_m = self.ops.ATTN_BLOCK_M if self.use_triton else 64
         self.alt_tiling: tuple[int, int, int, int] | None = None
         if self.use_triton and backend.dtype != torch.float32 and os.environ.get("BASAL_LOCAL_ATTN_ALT", "1") != "0":
-            self.alt_tiling = ALT_TILING if self._alt_tiling_agrees(ALT_TILING) else None
-            self.gemm_plan["attention_alt_tiling"] = "x".join(map(str, ALT_TILING)) + \
-                (" (same bits)" if self.alt_tiling else " (bits differ: not used)")
+            self.alt_tiling = self._pick_alt_tiling()
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._capture_stream = None
@@ -146,6 +144,16 @@ class FastPath:
         angles = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None] * backend.inv_freq[None, :half]
         self.cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(backend.device)
         self.sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(backend.device)
+
+    def _pick_alt_tiling(self) -> tuple[int, int, int, int] | None:
+        """ALT_TILING where it gives the default tiling's bits on this device, else None (recorded in gemm_plan)."""
+        try:
+            same = self._alt_tiling_agrees(ALT_TILING)
+            why = "same bits" if same else "bits differ: not used"
+        except Exception as exc:  # noqa: BLE001 - e.g. a GPU with less shared memory than the tiling needs
+            same, why = False, f"does not run here ({type(exc).__name__}): not used"
+        self.gemm_plan["attention_alt_tiling"] = "x".join(map(str, ALT_TILING)) + f" ({why})"
+        return ALT_TILING if same else None
 
     def _alt(self, tokens: int) -> bool:
         """Whether a forward of `tokens` (its graph size, or its length when eager) runs the alternative tiling."""
