@@ -114,7 +114,12 @@ class BasalTokenizer:
         self._tok = Tokenizer.from_str(json.dumps(fixed))
         self._splits = splits_at_spaces(fixed)
         # encode_batch_fast (tokenizers >= 0.20.2) skips the character offsets that ids alone never need
-        self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        fast = getattr(self._tok, "encode_batch_fast", None)
+        self._batch = fast or self._tok.encode_batch
+        # one text: through encode_batch_fast too where it exists (same ids; a single decision's texts took 157
+        # instead of 233 us on the H200 host, tools/tok_bench.py: `encode` computes character offsets)
+        self._one = (lambda t: fast([t], add_special_tokens=False)[0].ids) if fast else \
+            (lambda t: self._tok.encode(t, add_special_tokens=False).ids)
         self.serial_chars = int(os.environ.get("BASAL_LOCAL_TOKENIZE_SERIAL_CHARS", SERIAL_CHARS))
         self.bos = bos_token
         if self._tok.token_to_id(bos_token) is None:
@@ -122,7 +127,7 @@ class BasalTokenizer:
         self.letter_ids = self._derive_letter_ids()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._one(text)
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and each token's (start, end) character offsets in `text` (evidence spans)."""
@@ -155,7 +160,7 @@ class BasalTokenizer:
         H200 host, more than two prompts take), the rest in one call on the pool, which also releases the GIL
         for the daemon's other threads. `BASAL_LOCAL_TOKENIZE_SERIAL_CHARS` moves the line (0: always the pool)."""
         if sum(len(t) for t in texts) < self.serial_chars:
-            return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
+            return [self._one(t) for t in texts]
         return [e.ids for e in self._batch(texts, add_special_tokens=False)]
 
     @staticmethod
