@@ -46,6 +46,23 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return 2 * cores
 
 
+# Files in the order the xdist workers start them: the longest first (wall seconds of the 4-worker run on a
+# 2-core machine; docs/TESTING.md), the rest in collection order. With `--dist loadfile` a worker runs a whole
+# file, so a long file picked up last decides when the run ends; pyproject's `--no-loadscope-reorder` makes xdist
+# hand the files out in this order instead of by their number of tests.
+LONGEST_FIRST = [
+    "test_parity.py", "test_dashboard.py", "test_replicas.py", "test_e2e.py", "test_reliability.py", "test_mlx.py",
+    "test_events.py", "test_mlx_weights.py", "test_mlx_daemon.py", "test_tree_attention.py", "test_evidence.py",
+    "test_clients.py", "test_properties.py", "test_packaging.py", "test_cli.py", "test_scheduler.py",
+    "test_e2e_extensions.py", "test_dashboard_snapshots.py",
+]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 _shared: list[subprocess.Popen] = []
 
 
