@@ -67,6 +67,27 @@ def test_tree_packing_equals_separate_forwards(tiny_pair, seed):
         assert worst <= 1e-5, (use_prefix, forward_limit, worst)
 
 
+def test_subtree_groups_equal_the_dense_mask(tiny_model):
+    """Independent subtrees attending alone (the twin's default) give the dense-mask result, on random q/k/v of
+    real packed batches, with and without cached prefixes."""
+    from basal_local.backends.mlx.tree_attention import TreeAttention
+    from basal_local.model import load_model_dir
+
+    md = load_model_dir(tiny_model)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    specs = [s for seed in range(4) for s in random_specs(md, random.Random(seed))]
+    rng = np.random.default_rng(0)
+    for use_prefix in (True, False):
+        batch = pack_prompts(specs, prefixes if use_prefix else None).batches[0]
+        lengths = [len(prefixes[name]) for name in batch.prefixes]
+        split, dense = TreeAttention(batch, lengths), TreeAttention(batch, lengths, segment=False)
+        assert split.grouped and not dense.grouped
+        n, s = batch.num_tokens, sum(lengths) + batch.num_tokens
+        q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+                   for shape in ((n, 4, 16), (s, 2, 16), (s, 2, 16)))
+        assert float(mx.abs(split(q, k, v) - dense(q, k, v)).max()) <= 1e-5
+
+
 def test_forward_steps_equals_forward(tiny_pair):
     md, _, backend, prefixes = tiny_pair
     pack = pack_prompts(random_specs(md, random.Random(7)), prefixes)
