@@ -46,7 +46,48 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return 2 * cores
 
 
+# Files in the order the xdist workers start them: the longest first (wall seconds of the 4-worker run on a
+# 2-core machine; docs/TESTING.md), the rest in collection order. With `--dist loadfile` a worker runs a whole
+# file, so a long file picked up last decides when the run ends; pyproject's `--no-loadscope-reorder` makes xdist
+# hand the files out in this order instead of by their number of tests.
+LONGEST_FIRST = [
+    "test_parity.py", "test_dashboard.py", "test_replicas.py", "test_e2e.py", "test_reliability.py", "test_mlx.py",
+    "test_events.py", "test_mlx_weights.py", "test_mlx_daemon.py", "test_tree_attention.py", "test_evidence.py",
+    "test_clients.py", "test_properties.py", "test_packaging.py", "test_cli.py", "test_scheduler.py",
+    "test_e2e_extensions.py", "test_dashboard_snapshots.py",
+]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 _shared: list[subprocess.Popen] = []
+
+# A fresh `pip install --no-compile` has no bytecode: the first import of torch then costs ~31 s of CPU instead of
+# ~9 s (compiling its sources), and the test workers, the fork server and the transformers reference all import
+# it at the same time, each compiling the same files. On such a cold install the controller lets the fork server
+# import torch and the daemon first (and another process what every worker's collection imports), waits, and only
+# then starts the reference server and the workers, which find the bytecode written.
+WARM_FIRST = ["textual.app", "hypothesis", "syrupy", "basal_local.tui.app", "mlx.core"]
+_IMPORT_ALL = """
+import importlib, sys
+sys.dont_write_bytecode = False
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception:  # an optional package that is not installed: nothing to warm
+        pass
+"""
+
+
+def _bytecode_cold() -> bool:
+    """Whether torch's bytecode is not cached yet (torch stands for everything the suite imports)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin) and not os.path.exists(importlib.util.cache_from_source(spec.origin))
 
 
 def pytest_configure(config) -> None:
@@ -57,14 +98,30 @@ def pytest_configure(config) -> None:
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cold = _bytecode_cold()
+    warming = [subprocess.Popen([sys.executable, "-c", _IMPORT_ALL, *WARM_FIRST], env=env)] if cold else []
     if zygote.ENABLED and not os.environ.get(zygote.SHARED):
         proc, path = zygote.start_server(env)
         _shared.append(proc)
         os.environ[zygote.SHARED] = path
+        if cold:  # the fork server imports torch and the daemon: wait until it has, writing their bytecode
+            while not os.path.exists(path) and proc.poll() is None:
+                time.sleep(0.2)
+    elif cold:
+        warming.append(subprocess.Popen([sys.executable, "-c", _IMPORT_ALL, *zygote.PRELOAD], env=env))
+    for proc in warming:
+        proc.wait()
+    if cold:  # then one collection of the suite, as each worker will do (the rest of its imports, test modules)
+        warming = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                                     *config.invocation_params.args, "-n", "0"], env=env,
+                                    cwd=config.invocation_params.dir, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)]
     if sys.platform != "win32" and not os.environ.get(hf_reference.ENV):
         proc, path = hf_reference.start_server(ROOT)
         _shared.append(proc)
         os.environ[hf_reference.ENV] = path
+    for proc in warming:
+        proc.wait()
     if sys.platform != "win32" and not os.environ.get("BASAL_LOCAL_TEST_MODELS"):
         import tempfile
 

@@ -105,16 +105,13 @@ def test_span_selection_non_overlapping_and_ties():
 
 
 def test_final_hidden_matches_transformers(tiny_model):
-    from transformers import LlamaForCausalLM
-
     from .conftest import load_backend
+    from .hf_reference import HFModel
 
     _, backend, _ = load_backend(tiny_model)
     ids = np.array([1, 3, 40, 41, 17, 200, 5, 9, 300], dtype=np.int64)
     ours = backend.final_hidden(ids)
-    hf = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf.model(torch.from_numpy(ids)[None]).last_hidden_state[0].numpy()
+    ref = HFModel(tiny_model).hidden(ids.tolist())  # transformers' `model.model` forward, f32 (shared server)
     assert ours.dtype == np.float32 and ours.shape == ref.shape
     assert np.abs(ours - ref).max() < 1e-4
 

@@ -1,6 +1,8 @@
 """The MLX backend on the CPU (`mlx[cpu]`) against the torch f32 reference; Metal kernels against their twins.
 
-Everything here but the Metal tests runs on Linux; those skip with a reason where Metal is absent.
+Everything here but the Metal tests runs on Linux; those skip with a reason where Metal is absent. The daemon
+with `--backend mlx` is in tests/test_mlx_daemon.py, quantized and torch-less weights in tests/test_mlx_weights.py
+(separate files run on separate test workers).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install '
 
 from basal_local.engine.packer import pack_prompts  # noqa: E402
 
-from .conftest import Daemon, http, load_backend, readout_logits  # noqa: E402
+from .conftest import load_backend, readout_logits  # noqa: E402
 from .test_packer import random_specs  # noqa: E402
 
 METAL = bool(mx.metal.is_available())
@@ -65,6 +67,27 @@ def test_tree_packing_equals_separate_forwards(tiny_pair, seed):
         assert worst <= 1e-5, (use_prefix, forward_limit, worst)
 
 
+def test_subtree_groups_equal_the_dense_mask(tiny_model):
+    """Independent subtrees attending alone (the twin's default) give the dense-mask result, on random q/k/v of
+    real packed batches, with and without cached prefixes."""
+    from basal_local.backends.mlx.tree_attention import TreeAttention
+    from basal_local.model import load_model_dir
+
+    md = load_model_dir(tiny_model)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    specs = [s for seed in range(4) for s in random_specs(md, random.Random(seed))]
+    rng = np.random.default_rng(0)
+    for use_prefix in (True, False):
+        batch = pack_prompts(specs, prefixes if use_prefix else None).batches[0]
+        lengths = [len(prefixes[name]) for name in batch.prefixes]
+        split, dense = TreeAttention(batch, lengths), TreeAttention(batch, lengths, segment=False)
+        assert split.grouped and not dense.grouped
+        n, s = batch.num_tokens, sum(lengths) + batch.num_tokens
+        q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+                   for shape in ((n, 4, 16), (s, 2, 16), (s, 2, 16)))
+        assert float(mx.abs(split(q, k, v) - dense(q, k, v)).max()) <= 1e-5
+
+
 def test_forward_steps_equals_forward(tiny_pair):
     md, _, backend, prefixes = tiny_pair
     pack = pack_prompts(random_specs(md, random.Random(7)), prefixes)
@@ -103,236 +126,6 @@ def test_strict_load_names_the_tensor(tiny_model, tmp_path):
     assert "model.extra.weight" in load_file(str(model_dir / "model.safetensors"))
     with pytest.raises(ValueError, match="unknown tensor 'model.extra.weight'"):
         MLXBackend("cpu").load(model_dir, "f32")
-
-
-# ---- the daemon with --backend mlx ------------------------------------------------------------------------
-BODY = {"model": "basal-test-tiny", "state": {"zgłoszenie": "Paczka dotarła uszkodzona", "kwota": 129.99},
-        "questions": {"kind": {"type": "choice", "criteria": {"damage": "Uszkodzenie", "late": "Opóźnienie"}},
-                      "urgent": {"type": "noul", "instructions": "Is it urgent?"},
-                      "level": {"type": "score", "instructions": "Priorytet?", "criteria": ["niski", "wysoki", "x"]}}}
-
-
-def _numbers(answer: dict) -> list[float]:
-    """Every probability-like number of an answer, in a fixed order."""
-    out = []
-    for ans in answer["answers"].values():
-        for key in sorted(ans):
-            value = ans[key]
-            if isinstance(value, float):
-                out.append(value)
-            elif isinstance(value, dict):
-                out.extend(v for _, v in sorted(value.items()) if isinstance(v, float))
-    return out
-
-
-def _compare(mlx_url: str, torch_url: str) -> None:
-    for dialect in ("systemone", "basal"):
-        s1, _, ours = http("POST", f"{mlx_url}/v1/{dialect}", BODY)
-        s2, _, ref = http("POST", f"{torch_url}/v1/{dialect}", BODY)
-        assert s1 == s2 == 200, (ours, ref)
-        a, b = _numbers(ours), _numbers(ref)
-        assert len(a) == len(b) and len(a) >= 3
-        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4, dialect
-
-
-@pytest.fixture(scope="module")
-def torch_daemon(tiny_model):
-    """Started, not awaited: each test starts its MLX daemon first and then waits for both, so the two load
-    side by side (a busy shared 2-core machine starts two daemons slowly: generous waits)."""
-    d = Daemon(["--model", str(tiny_model), "--backend", "torch", "--device", "cpu"])
-    try:
-        yield d
-    finally:
-        d.stop()  # also when it never became ready: no orphan daemon
-
-
-def test_daemon_mlx_cpu_equals_torch_cpu_on_both_endpoints(torch_daemon, tiny_model):
-    daemon = torch_daemon
-    d = Daemon(["--model", str(tiny_model), "--backend", "mlx", "--device", "cpu"])
-    try:
-        d.wait_ready(timeout=300)
-        daemon.wait_ready(timeout=300)
-        status, _, health = http("GET", d.url + "/health")
-        assert status == 200 and health["backend"] == "mlx" and health["device"] == "cpu"
-        assert health["dtype"] == "f32"
-        _compare(d.url, daemon.url)
-    finally:
-        d.stop()
-
-
-def test_long_lane_with_mlx(torch_daemon, tiny_model):
-    d = Daemon(["--model", str(tiny_model), "--backend", "mlx", "--device", "cpu", "--long-tokens", "40"])
-    try:
-        d.wait_ready(timeout=300)
-        torch_daemon.wait_ready(timeout=300)
-        _compare(d.url, torch_daemon.url)  # the request is above 40 tokens: the long lane answers it
-        _, _, stats = http("GET", d.url + "/api/stats")
-        assert {b["lane"] for b in stats["batches"]} == {"long"}
-    finally:
-        d.stop()
-
-
-def test_mlx_missing_is_one_clear_line(tiny_model, monkeypatch):
-    import basal_local.backends.select as select
-
-    monkeypatch.setattr(select, "mlx_importable", lambda: False)
-    with pytest.raises(ValueError) as err:
-        select.make_backend("mlx", "cpu")
-    assert "pip install" in str(err.value) and "\n" not in str(err.value)
-
-
-def test_auto_selection_rules(monkeypatch):
-    import basal_local.backends.select as select
-
-    monkeypatch.setattr(select, "mlx_available", lambda: True)
-    assert select.resolve_backend("auto", "auto") == "mlx"  # an Apple Silicon Mac with Metal
-    assert select.resolve_backend("auto", "cuda") == "torch"
-    monkeypatch.setattr(select, "mlx_available", lambda: False)
-    assert select.resolve_backend("auto", "auto") == "torch"  # torch is installed here
-    assert select.resolve_backend("mlx", "cpu") == "mlx"
-    with pytest.raises(ValueError, match="unknown backend"):
-        select.resolve_backend("tpu", "auto")
-    backend = select.make_backend("mlx", "cpu")
-    assert backend.name == "mlx" and backend.device == "cpu" and backend.attention == "sdpa"
-    if not METAL:
-        with pytest.raises(ValueError, match="Metal"):
-            select.make_backend("mlx", "mps")
-
-
-# ---- quantized weights --------------------------------------------------------------------------------------
-def _decisions(backend, md, every: int = 1):
-    """(decision, calibrated probabilities) for every `every`-th question of the sample set, via the real engine
-    path."""
-    from basal_local.api.systemone import validate_systemone
-    from basal_local.bench import single_question_requests
-    from basal_local.engine.engine import EngineSettings, ModelEngine
-    from basal_local.engine.gate import DeviceGate
-    from basal_local.telemetry import Telemetry
-
-    # batches of at most 512 tokens: the twin's dense [T, S] attention costs T x S, and MLX on a CPU runs it
-    # slowly (reference BLAS in the Linux wheel); f32 and quantized see the same batches, which is the point
-    engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=512))
-    engine.start()
-    try:
-        jobs = [engine.submit(engine.plan(validate_systemone(body, md.name)))
-                for body in single_question_requests(md.name)[::every]]
-        out = []
-        for job in jobs:
-            (ans,) = job.future.result(timeout=300).body["answers"].values()
-            probs = ({"true": ans["noul"], "false": 1.0 - ans["noul"]} if ans["type"] == "noul"
-                     else ans["probabilities"])
-            out.append((max(probs, key=probs.get), probs))
-        return out
-    finally:
-        engine.stop()
-
-
-@pytest.fixture(scope="module")
-def model64(tmp_path_factory):
-    from basal_local.model.testmodel import make_test_model
-
-    return make_test_model(tmp_path_factory.mktemp("tiny64"), preset="tiny64", seed=3)
-
-
-@pytest.mark.parametrize("dtype,share,max_dp,every", [
-    ("q8", 0.98, 0.02, 4),  # every 4th sample question (17): the same checks in a quarter of the time
-    pytest.param("q8", 0.98, 0.02, 1, marks=pytest.mark.slow),  # the whole sample set: the issue's figure
-    pytest.param("q4", 0.85, 0.2, 1, marks=pytest.mark.slow)])
-def test_quantized_agreement_with_f32_on_the_sample_set(model64, tmp_path, monkeypatch, dtype, share, max_dp, every):
-    """Figures of the issue: same decision share, max and median |Δp_cal| vs f32 (printed with -s)."""
-    from basal_local.backends.mlx.quantize import Quantized, cache_dir
-    from basal_local.model import load_model_dir
-
-    monkeypatch.setenv("BASAL_LOCAL_HOME", str(tmp_path / "home"))
-    md = load_model_dir(model64)
-    before = sorted(p.name for p in model64.iterdir())
-    ref = _decisions(load_mlx(model64, "f32"), md, every)
-    quantized = load_mlx(model64, dtype)
-    assert all(isinstance(getattr(layer, f"{name}_weight"), Quantized) for layer in quantized.layers
-               for name in ("qkv", "o_proj", "gate_up", "down_proj"))
-    got = _decisions(quantized, md, every)
-    same = np.mean([a[0] == b[0] for a, b in zip(got, ref)])
-    deltas = np.array([abs(a[1][k] - b[1][k]) for a, b in zip(got, ref) for k in b[1]])
-    print(f"\n{dtype} vs f32 on {len(ref)} sample questions (tiny64 model): same decision {same:.1%}, "
-          f"max |dp_cal| {deltas.max():.4f}, median {np.median(deltas):.5f}")
-    assert same >= share and deltas.max() <= max_dp and 0 < np.median(deltas) < max_dp
-    # converted once into the user cache, never into the model directory
-    cached = list(cache_dir().glob(f"*-{dtype}-g64.safetensors"))
-    assert len(cached) == 1 and sorted(p.name for p in model64.iterdir()) == before
-    stamp = cached[0].stat().st_mtime_ns
-    again = load_mlx(model64, dtype)
-    assert cached[0].stat().st_mtime_ns == stamp
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
-    batch = pack_prompts(random_specs(md, random.Random(3)), prefixes).batches[0]
-    assert np.array_equal(again.forward(batch), quantized.forward(batch))
-
-
-def test_tiny_model_quantizes_what_divides_by_64(tiny_model, tmp_path, monkeypatch):
-    """tiny's down_proj has 160 inputs (not a multiple of 64): it stays dense, the rest is q8."""
-    from basal_local.backends.mlx.quantize import Quantized
-
-    monkeypatch.setenv("BASAL_LOCAL_HOME", str(tmp_path / "home"))
-    backend = load_mlx(tiny_model, "q8")
-    layer = backend.layers[0]
-    assert isinstance(layer.qkv_weight, Quantized) and isinstance(layer.gate_up_weight, Quantized)
-    assert not isinstance(layer.down_proj_weight, Quantized)
-    assert backend.memory()["weights_bytes"] > 0
-
-
-# ---- weights without torch ----------------------------------------------------------------------------------
-def test_bf16_rounding_matches_torch():
-    torch = pytest.importorskip("torch")
-    from basal_local.model.testmodel import bf16_bits
-
-    rng = np.random.default_rng(0)
-    values = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10000),
-                             np.array([0.0, -0.0, 1.0, 3.0e38, -3.4e38, np.inf, -np.inf, 1.00390625, 1.01171875],
-                                      dtype=np.float32)])
-    ref = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(bf16_bits(values), ref)
-
-
-def test_numpy_weights_make_a_loadable_deterministic_model(tmp_path):
-    from safetensors import safe_open
-
-    from basal_local.model import load_model_dir
-    from basal_local.model.testmodel import make_test_model
-
-    a = make_test_model(tmp_path / "a", preset="tiny", seed=5, weights="numpy")
-    b = make_test_model(tmp_path / "b", preset="tiny", seed=5, weights="numpy")
-    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    md = load_model_dir(a, check_weights=True)
-    with safe_open(str(a / "model.safetensors"), framework="numpy") as fh:
-        assert set(fh.keys()) == set(md.config.weight_shapes())
-    backend = load_mlx(a)
-    pack = pack_prompts(random_specs(md, random.Random(1)), None)
-    logits = readout_logits(backend, pack)
-    assert all(np.isfinite(x).all() for x in logits)
-    if pytest.importorskip("torch"):
-        _, torch_backend, _ = load_backend(a)
-        assert max(float(np.abs(x - y).max()) for x, y in zip(logits, readout_logits(torch_backend, pack))) <= 1e-4
-
-
-def test_without_torch_make_test_model_and_auto_backend_run_on_mlx(tmp_path):
-    """A torch-less install (Apple Silicon): make-test-model writes weights with NumPy, auto picks MLX."""
-    import subprocess
-    import sys
-
-    block = "import sys; sys.modules['torch'] = None; "
-    out = subprocess.run([sys.executable, "-c", block + "from basal_local.cli import main; sys.exit(main(sys.argv[1:]))",
-                          "make-test-model", str(tmp_path / "m"), "--preset", "tiny"], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    code = block + (
-        "import numpy as np; from basal_local.backends.select import make_backend; "
-        "from basal_local.backends.mlx.llama import _single_prompt; "
-        "b = make_backend('auto', 'cpu'); b.load(sys.argv[1], 'auto'); "
-        "x = b.forward(_single_prompt([1, 3, 50, 60, 70])); "
-        "print(b.name, b.device, x.shape, bool(np.isfinite(x).all()))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["mlx", "cpu", "(1,", "1)", "True"]
 
 
 # ---- Metal kernels (Apple GPUs) -------------------------------------------------------------------------------

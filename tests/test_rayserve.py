@@ -17,16 +17,27 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
-from basal_local.server.rayserve import REPLICA_HEADER, EngineReplica, Front
 from basal_local.server.settings import Settings
 
 from .conftest import free_port, http
 from .test_replicas import bodies, probabilities  # the same requests as the one-host test
 from .zygote import cli_run
+
+if TYPE_CHECKING:
+    from basal_local.server.rayserve import EngineReplica, Front
+
+
+def rayserve():
+    """basal_local.server.rayserve, imported where a test uses it: it loads litestar and the daemon (~1.5 s of CPU),
+    and every test worker collects this file."""
+    from basal_local.server import rayserve
+
+    return rayserve
 
 
 def scope(path: str, body: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> dict:
@@ -54,7 +65,7 @@ def run_exchange(replica: EngineReplica, path: str, body: bytes, headers: dict |
 @pytest.fixture(scope="module")
 def replica(tiny_model):
     settings = Settings.load({"device": "cpu"}, config_file=Path("/nonexistent"))
-    engine = EngineReplica(settings, [str(tiny_model)])
+    engine = rayserve().EngineReplica(settings, [str(tiny_model)])
     yield engine
     engine.close()
 
@@ -68,7 +79,7 @@ def test_an_engine_replica_answers_errors_and_heads_like_the_daemon(daemon, repl
             assert status == want_status == 200, out
             assert np.abs(probabilities(out["answers"]) - probabilities(want["answers"])).max() <= 1e-6
             assert headers["x-request-id"] == headers["x-typesafe-request-id"] == "rid-1"
-            assert headers[REPLICA_HEADER.decode()].startswith("local-")
+            assert headers[rayserve().REPLICA_HEADER.decode()].startswith("local-")
             same = {k.lower() for k in want_headers} - {"date", "server", "content-length", "connection"}
             assert same - set(headers) == set(), same - set(headers)  # every header the daemon sends
     # the unary call (what the front uses for a decision) hands back the same messages as one list
@@ -160,7 +171,7 @@ def test_the_front_retries_a_request_whose_replica_died():
     died = ray_exceptions.ActorDiedError
     for path, unary in (("/v1/basal", True), ("/api/events", False)):  # one unary call, or the event stream
         engine = _FakeHandle(deaths=2, died=died)
-        front = Front(engine, max_body_bytes=1000, body_timeout_s=5)
+        front = rayserve().Front(engine, max_body_bytes=1000, body_timeout_s=5)
         sent = front_call(front, path, [b'{"a":', b" 1}"])
         assert engine.calls == 3  # two replicas died, the third answered
         assert (engine.unary, engine.streamed) == ((3, 0) if unary else (0, 3))
@@ -168,13 +179,13 @@ def test_the_front_retries_a_request_whose_replica_died():
         assert json.loads(sent[1]["body"]) == {"ok": 3, "len": 8}
     # every try dies: a 503 in the path's dialect, never a traceback
     engine = _FakeHandle(deaths=99, died=died)
-    sent = front_call(Front(engine, 1000, 5), "/v1/systemone", [b"{}"])
+    sent = front_call(rayserve().Front(engine, 1000, 5), "/v1/systemone", [b"{}"])
     assert sent[0]["status"] == 503 and engine.calls == 4
     assert json.loads(sent[1]["body"])["detail"]["error_type"] == "unavailable_error"
     # any other failure is not retried (it would fail again)
     engine = _FakeHandle(deaths=1, died=ValueError)
     with pytest.raises(ValueError):
-        front_call(Front(engine, 1000, 5), "/v1/basal", [b"{}"])
+        front_call(rayserve().Front(engine, 1000, 5), "/v1/basal", [b"{}"])
     assert engine.calls == 1
 
 
@@ -308,7 +319,7 @@ class RayDaemon:
 
 def _post(url: str, body: dict):
     status, headers, out = http("POST", url, body, timeout=120)
-    return status, headers.get(REPLICA_HEADER.decode()) or headers.get("X-Basal-Local-Replica"), out
+    return status, headers.get(rayserve().REPLICA_HEADER.decode()) or headers.get("X-Basal-Local-Replica"), out
 
 
 def test_two_ray_replicas_answer_like_the_daemon_share_the_work_and_survive_a_killed_one(daemon, tiny_model):

@@ -311,7 +311,16 @@ def test_stopping_the_daemon_leaves_no_replica_process(processes):
     deadline = time.time() + 30  # seconds on a loaded machine
     while time.time() < deadline and any(alive(pid) for pid in kids):
         time.sleep(0.1)
-    assert not [pid for pid in kids if alive(pid)]
+    left = [pid for pid in kids if alive(pid)]
+    assert not left, [(pid, _cmdline(pid)) for pid in left]  # which process outlived the daemon, and what it is
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "?"
 
 
 def test_replica_processes_are_the_default_for_a_model_on_several_gpus_only():

@@ -1,8 +1,11 @@
 """Tree attention over a packed batch in MLX: the plain twin everywhere, the Metal kernel on Apple GPUs.
 
 Visibility (ENGINE.md §1): query t of block b sees the cached prefix keys of its row, every key of an ancestor
-block, and the keys of its own block up to itself. The twin evaluates that rule as a dense [T, S] boolean mask
-for `mx.fast.scaled_dot_product_attention`. The kernel (`basal_local.metal_shaders`) reads the same rule as a
+block, and the keys of its own block up to itself. The twin evaluates that rule as a boolean mask for
+`mx.fast.scaled_dot_product_attention`: per group of independent subtrees (`subtree_groups`, padded into one
+batched call) where that at least halves the dense [T, S] work, else as one dense [T, S] mask. (On `mlx[cpu]`
+the masked scores' `exp` is most of a forward's time, so scores that are never visible are worth not making.)
+The kernel (`basal_local.metal_shaders`) reads the same rule as a
 short list of key ranges per block, in prompt-position order, so it visits only visible keys.
 """
 
@@ -51,9 +54,11 @@ def block_key_ranges(batch: PackedBatch, prefix_lengths: list[int]) -> tuple[np.
 class TreeAttention:
     """Built once per forward; called per layer with f32 q [T, Hq, D], keys/values [S, Hkv, D] -> [T', Hq, D].
 
-    impl "sdpa" is the twin; "metal" the kernel (Apple GPU only)."""
+    impl "sdpa" is the twin; "metal" the kernel (Apple GPU only). segment=False keeps the twin on one dense mask
+    (the reference its subtree groups are tested against)."""
 
-    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], impl: str = "sdpa") -> None:
+    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], impl: str = "sdpa",
+                 segment: bool = True) -> None:
         n_blocks = len(batch.block_parent)
         ext = np.zeros((n_blocks, n_blocks + len(prefix_lengths)), dtype=bool)
         ext[:, :n_blocks] = ancestor_matrix(batch.block_parent)
@@ -73,6 +78,23 @@ class TreeAttention:
         self.positions = batch.positions.astype(np.int32)
         self._dense: mx.array | None = None
         self._ranges = block_key_ranges(batch, prefix_lengths) if impl == "metal" else None
+        self._segments = None
+        groups = subtree_groups(batch, prefix_lengths) if impl == "sdpa" and segment else None
+        if groups is not None:
+            q_index, q_valid, k_index, k_valid, token_slot = groups
+            k_block = np.concatenate(prefix_blocks + [batch.token_block.astype(np.int32)])
+            k_order = np.concatenate([np.full(total_prefix, -1, dtype=np.int64), np.arange(n)])
+            mask = ext[self.q_block[q_index][:, :, None], k_block[k_index][:, None, :]]
+            mask &= k_order[k_index][:, None, :] <= q_index[:, :, None]
+            mask &= k_valid[:, None, :]
+            mask[:, :, 0] |= ~q_valid  # padding rows see one key (no NaN); their output is dropped
+            self._segments = (mx.array(q_index.reshape(-1).astype(np.int32)), mx.array(k_index.astype(np.int32)),
+                              mx.array(mask[:, None]), mx.array(token_slot.astype(np.int32)))
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the queries attend in independent subtree groups (instead of one dense mask)."""
+        return self._segments is not None
 
     def dense_mask(self, rows: np.ndarray | None = None) -> mx.array:
         """The [T, S] (or [len(rows), S]) boolean mask of the twin."""
@@ -95,7 +117,86 @@ class TreeAttention:
             ranges, n_ranges = self._ranges
             return tree_attention_metal(q, keys, values, self.q_block[queries], self.total_prefix + queries,
                                         self.positions[queries], ranges, n_ranges)
+        if rows is None and self._segments is not None:
+            q_flat, k_index, mask, token_slot = self._segments
+            n_groups, s_max = k_index.shape
+            scale = 1.0 / float(np.sqrt(q.shape[-1]))
+            qs = q[q_flat].reshape(n_groups, -1, *q.shape[1:]).transpose(0, 2, 1, 3)  # [G, Hq, L, D]
+            ks, vs = (t[k_index.reshape(-1)].reshape(n_groups, s_max, *t.shape[1:]).transpose(0, 2, 1, 3)
+                      for t in (keys, values))  # [G, Hkv, S', D]
+            out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=scale, mask=mask)
+            return out.transpose(0, 2, 1, 3).reshape(-1, *q.shape[1:])[token_slot]
         return sdpa_twin(q, keys, values, self.dense_mask(rows))
+
+
+def subtree_groups(batch: PackedBatch, prefix_lengths: list[int]):
+    """Split a forward's queries into independent groups; None unless that at least halves the dense T x S work.
+
+    Tokens of sibling subtrees never see each other, so a subtree can attend alone to its cached prefix, its
+    ancestors' tokens and itself. Starting from the top-level subtrees, the largest subtree is split into its own
+    block plus its children's subtrees while that lowers the padded work (groups x longest queries x longest
+    keys); the same rule as the torch backend's twin. Returns (q_index [G, L], q_valid, k_index [G, S'], k_valid,
+    token_slot [T]: where each token's output lands in the flattened [G * L] result).
+    """
+    n = batch.num_tokens
+    parent = batch.block_parent
+    n_blocks = len(parent)
+    if n_blocks < 2:
+        return None
+    start = np.searchsorted(batch.token_block, np.arange(n_blocks))
+    end = np.append(start[1:], n)
+    subtree_end = end.copy()
+    children: list[list[int]] = [[] for _ in range(n_blocks)]
+    for blk in range(n_blocks - 1, -1, -1):
+        if parent[blk] >= 0:
+            subtree_end[parent[blk]] = max(subtree_end[parent[blk]], subtree_end[blk])
+            children[parent[blk]].insert(0, blk)
+    offsets = np.concatenate([[0], np.cumsum(prefix_lengths)]).astype(np.int64)
+    total_prefix = int(offsets[-1])
+    ancestor_keys: list[np.ndarray] = []
+    for blk in range(n_blocks):
+        if parent[blk] >= 0:
+            p = parent[blk]
+            ancestor_keys.append(np.concatenate([ancestor_keys[p], total_prefix + np.arange(start[p], end[p])]))
+        else:
+            j = int(batch.block_prefix[blk])
+            ancestor_keys.append(np.arange(offsets[j], offsets[j + 1]) if j >= 0 else np.zeros(0, np.int64))
+
+    def group(blk: int, whole: bool) -> tuple[int, int, int, int, bool]:
+        q_end = subtree_end[blk] if whole else end[blk]
+        return (q_end - start[blk], len(ancestor_keys[blk]) + q_end - start[blk], blk, q_end, whole)
+
+    def cost(groups) -> int:
+        return len(groups) * max(g[0] for g in groups) * max(g[1] for g in groups)
+
+    groups = [group(blk, True) for blk in range(n_blocks) if parent[blk] < 0]
+    best, best_cost = list(groups), cost(groups)
+    while len(groups) < 512:
+        splittable = [g for g in groups if g[4] and children[g[2]]]
+        if not splittable:
+            break
+        largest = max(splittable, key=lambda g: g[0])
+        groups.remove(largest)
+        groups.append(group(largest[2], False))
+        groups.extend(group(c, True) for c in children[largest[2]])
+        if cost(groups) < best_cost:
+            best, best_cost = list(groups), cost(groups)
+    if len(best) < 2 or best_cost > 0.5 * n * (total_prefix + n):
+        return None
+    l_max = max(g[0] for g in best)
+    s_max = max(g[1] for g in best)
+    q_index = np.zeros((len(best), l_max), dtype=np.int64)
+    q_valid = np.zeros((len(best), l_max), dtype=bool)
+    k_index = np.zeros((len(best), s_max), dtype=np.int64)
+    k_valid = np.zeros((len(best), s_max), dtype=bool)
+    token_slot = np.zeros(n, dtype=np.int64)
+    for i, (length, keys, blk, q_end, _) in enumerate(best):
+        queries = np.arange(start[blk], q_end)
+        q_index[i, :length], q_valid[i, :length] = queries, True
+        k_index[i, :keys] = np.concatenate([ancestor_keys[blk], total_prefix + queries])
+        k_valid[i, :keys] = True
+        token_slot[queries] = i * l_max + np.arange(length)
+    return q_index, q_valid, k_index, k_valid, token_slot
 
 
 def sdpa_twin(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
