@@ -237,8 +237,12 @@ def _wait(predicate, timeout: float = 20.0) -> None:
 def test_trees_are_built_only_while_someone_listens(live):
     """No SSE subscriber: batches are recorded with their tree unbuilt (and the request details too). A subscriber
     gets every batch with its tree; /api/stats builds the unread ones it shows."""
+    from basal_local.server.events import KEEPALIVE_S
+
     telemetry = live.state.telemetry
-    _wait(lambda: telemetry.bus.subscribers == 0)  # earlier tests' readers are gone
+    # earlier tests' readers are gone: a reader that left unseen is dropped at a failed write, and with no events
+    # that is a keepalive (every KEEPALIVE_S): the first write after a close may still succeed, the second fails
+    _wait(lambda: telemetry.bus.subscribers == 0, timeout=2 * KEEPALIVE_S + 15)
     built = telemetry.trees_built
     with ThreadPoolExecutor(4) as pool:
         quiet = list(pool.map(lambda i: http("POST", live.url + "/v1/systemone", body(i),

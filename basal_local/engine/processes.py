@@ -63,6 +63,34 @@ def _start_context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
+def _end_forkserver(grace_s: float = 5.0) -> None:
+    """End multiprocessing's forkserver once the workers have stopped. It ends by itself when this process exits
+    (its "alive" pipe closes), but on a loaded machine a helper process outlived the daemon by more than 30 s in
+    tests; ending the forkserver here also closes the resource tracker's last pipe, so that one ends too. The
+    standard way (the alive pipe closed), then SIGKILL if it has not ended after `grace_s`. Uses the forkserver's
+    private fields (no public API); a no-op where none runs."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid, alive_fd = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
+    if not isinstance(pid, int):
+        return
+    try:
+        if isinstance(alive_fd, int):
+            os.close(alive_fd)
+        deadline = time.monotonic() + grace_s
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+    except OSError:  # already reaped, gone, or not ours
+        pass
+    # as ForkServer.ensure_running leaves a dead server: a later start (tests) begins a new one
+    server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+
+
 class RemoteError(RuntimeError):
     """An exception raised in a worker, by type name and text (its class may not unpickle in the front)."""
 
@@ -465,6 +493,7 @@ class ProcessReplicaSet:
                 r.process.join(5.0)
             r.reader.join(max(0.1, deadline - time.monotonic()))
         self._fail_all(EngineStopped())
+        _end_forkserver()
         return not any(r.process.is_alive() for r in self.replicas)
 
     # ---- the engine interface ----------------------------------------------------------------------------
