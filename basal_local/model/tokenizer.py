@@ -114,12 +114,7 @@ class BasalTokenizer:
         self._tok = Tokenizer.from_str(json.dumps(fixed))
         self._splits = splits_at_spaces(fixed)
         # encode_batch_fast (tokenizers >= 0.20.2) skips the character offsets that ids alone never need
-        fast = getattr(self._tok, "encode_batch_fast", None)
-        self._batch = fast or self._tok.encode_batch
-        # one text: through encode_batch_fast too where it exists (same ids; a single decision's texts took 157
-        # instead of 233 us on the H200 host, tools/tok_bench.py: `encode` computes character offsets)
-        self._one = (lambda t: fast([t], add_special_tokens=False)[0].ids) if fast else \
-            (lambda t: self._tok.encode(t, add_special_tokens=False).ids)
+        self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         self.serial_chars = int(os.environ.get("BASAL_LOCAL_TOKENIZE_SERIAL_CHARS", SERIAL_CHARS))
         self.bos = bos_token
         if self._tok.token_to_id(bos_token) is None:
@@ -127,7 +122,7 @@ class BasalTokenizer:
         self.letter_ids = self._derive_letter_ids()
 
     def encode(self, text: str) -> list[int]:
-        return self._one(text)
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and each token's (start, end) character offsets in `text` (evidence spans)."""
@@ -156,12 +151,14 @@ class BasalTokenizer:
         return [joined[0] + tail for tail in joined[1:]] if shared else joined
 
     def _run(self, texts: list[str]) -> list[list[int]]:
-        """Short work one text after another (a single decision's texts: 157 us one by one, 161 us in one call on
-        the pool, on the 16-core H200 host; encode_batch, with offsets, cost ~0.3 ms a call there), the rest in one
-        call on the pool, which also releases the GIL for the daemon's other threads.
-        `BASAL_LOCAL_TOKENIZE_SERIAL_CHARS` moves the line (0: always the pool)."""
+        """Short work one text after another with `encode` in the calling thread, the rest in one call on the
+        pool, which also releases the GIL for the daemon's other threads. `BASAL_LOCAL_TOKENIZE_SERIAL_CHARS`
+        moves the line (0: always the pool).
+        `encode_batch_fast` one text at a time is faster alone (157 vs 233 us a single decision's texts on the
+        H200 host, tools/tok_bench.py) but through the pool: with 32 clients the daemon's planning p50 went 0.6 ->
+        3.4 ms and 190-199 -> 183 req/s, and 1 client gained nothing measurable (docs/PERFORMANCE.md)."""
         if sum(len(t) for t in texts) < self.serial_chars:
-            return [self._one(t) for t in texts]
+            return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
         return [e.ids for e in self._batch(texts, add_special_tokens=False)]
 
     @staticmethod
