@@ -28,6 +28,7 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,11 @@ def _start_context() -> Any:
         context.set_forkserver_preload(["torch", "numpy", "basal_local.engine.processes"])
         return context
     return multiprocessing.get_context("spawn")
+
+
+# every replica set of this process: the forkserver is ended only when all of them have stopped (a worker's exit
+# status comes through the forkserver, so the others' workers would look dead without it)
+_SETS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _end_forkserver(grace_s: float = 5.0) -> None:
@@ -456,6 +462,7 @@ class ProcessReplicaSet:
                 self.prefixes[lang] = model.tokenizer.template_prefix(lang)
         self.dead: set[int] = set()
         self.stopping = False
+        _SETS.add(self)
         self._lock = threading.Lock()
         self._tokens = 0
         self._asks: dict[int, Future] = {}
@@ -493,7 +500,8 @@ class ProcessReplicaSet:
                 r.process.join(5.0)
             r.reader.join(max(0.1, deadline - time.monotonic()))
         self._fail_all(EngineStopped())
-        _end_forkserver()
+        if all(other.stopping for other in list(_SETS)):  # the last set stopped: no worker needs the server
+            _end_forkserver()
         return not any(r.process.is_alive() for r in self.replicas)
 
     # ---- the engine interface ----------------------------------------------------------------------------
