@@ -220,10 +220,12 @@ def _silu_mul_kernel(GU, OUT, stride_g, stride_o, N, BLOCK: tl.constexpr):
     tl.store(OUT + row * stride_o + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, out_rows: int | None = None) -> torch.Tensor:
+    """silu(gate) * up; `out_rows` (>= the rows of gate_up) sizes the output for a padded GEMM after it (the
+    rows past gate_up's are left unwritten)."""
     rows, n2 = gate_up.shape
     n = n2 // 2
-    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty(max(rows, out_rows or 0), n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
                                                    BLOCK=block, num_warps=4)

@@ -69,10 +69,16 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     return qkv
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused [T, 2I] gate/up, in f32, rounded once."""
+def silu_mul(gate_up: torch.Tensor, out_rows: int | None = None) -> torch.Tensor:
+    """silu(gate) * up of a fused [T, 2I] gate/up, in f32, rounded once; `out_rows` > T: an output of that
+    many rows whose first T are the result (the rest unwritten, for a padded GEMM after it)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
+    y = (F.silu(gate) * up).to(gate_up.dtype)
+    if out_rows is None or out_rows <= y.shape[0]:
+        return y
+    out = y.new_empty(out_rows, y.shape[1])
+    out[:y.shape[0]] = y
+    return out
 
 
 def letter_logits(h: torch.Tensor, lm_head: torch.Tensor, letters: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from basal_local.cuda_kernels import gemm, twins
 from basal_local.cuda_kernels import plan as tplan
-from basal_local.cuda_kernels import twins
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
 
@@ -127,6 +127,35 @@ def test_fast_forward_on_twins_equals_reference(tiny_model):
     batch = pack_prompts(random_specs(md, random.Random(5))[:2], prefixes).batches[0]
     steps = list(fast.forward_steps(batch))
     assert len(steps) == md.config.num_hidden_layers and np.array_equal(steps[-1], fast.forward(batch))
+
+
+def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
+    """Where a GEMM's verified row counts start above a forward's rows (the max preset's down projection: 384
+    for a 320-token graph; o at the last layer's readout rows), the kernel before it writes a block that tall,
+    so the GEMM reads it without a padding copy, and the logits are the reference's."""
+    md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
+    _, backend, _ = load_backend(tiny_model, attention="tree")
+    fast = backend.fast
+    fast.linear = fast._verified_linear(1)  # the f16/bf16 default route (f32 keeps plain cuBLAS)
+    layer = backend.layers[0]
+    down = fast._gemm_key(layer.down_proj_weight, layer.down_proj_bias)
+    assert down in fast._sizes
+    fast._sizes[down] = [s for s in fast._sizes[down] if s >= 256]  # as a library that agrees from 256 rows on
+    assert fast.padded_rows(200, layer.down_proj_weight, layer.down_proj_bias) == 256
+    assert fast.padded_rows(300, layer.down_proj_weight, layer.down_proj_bias) == 320
+    assert fast.padded_rows(9000, layer.down_proj_weight, layer.down_proj_bias) == 9000  # several calls
+    calls = []
+    real = gemm.sized_linear
+
+    def spy(x, w, b, sizes, linear=torch.nn.functional.linear):
+        calls.append((x.shape[0], any(w is L.down_proj_weight for L in backend.layers)))
+        return real(x, w, b, sizes, linear)
+    monkeypatch.setattr(gemm, "sized_linear", spy)
+    pack = pack_prompts(random_specs(md, random.Random(4)), prefixes)
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(ref, pack), readout_logits(backend, pack)))
+    assert worst <= 1e-5, worst
+    down_rows = [rows for rows, is_down in calls if is_down]
+    assert down_rows and all(rows in fast._sizes[down] for rows in down_rows), down_rows
 
 
 def test_fast_forward_alternative_attention_tiling(tiny_model):

@@ -114,6 +114,7 @@ class FastPath:
         # fixed-chunk route: every GEMM on blocks of exactly `chunk` rows, so graph sizes are whole chunks
         self.chunk = chunk if gemm == "chunked" else 1
         self.gemm_plan: dict[str, dict] = {}
+        self._sizes: dict[tuple, list[int]] = {}  # the verified route's row counts per GEMM key
         self.fp8_bytes = 0
         self._fp8: fp8.Fp8Weights | None = None
         if gemm == "triton":
@@ -251,7 +252,19 @@ class FastPath:
 
         def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
             return gemm.sized_linear(x, w, b, sizes[self._gemm_key(w, b)], base)
+        self._sizes = sizes
         return linear
+
+    def padded_rows(self, m: int, w: torch.Tensor, b: torch.Tensor | None) -> int:
+        """The rows of the one library call a GEMM of m rows on `w` makes (m where it needs no padding or
+        several calls): the kernel before it writes its output that tall, so the call reads it in place
+        instead of copying it into a padded block (the max preset's down projection pads a 320-token graph to
+        384 rows: 50 copies of 9 MB a forward)."""
+        sizes = self._sizes.get(self._gemm_key(w, b)) if self._sizes else None
+        if not sizes:
+            return m
+        pieces = gemm.row_pieces(m, sizes)
+        return pieces[0][2] if len(pieces) == 1 else m
 
     def _gemm_key(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, bool, bool]:
         """What a GEMM's verified sizes depend on: the weight's shape, a bias, and fp8 or not."""
@@ -360,7 +373,10 @@ class FastPath:
             (v["tiles"], v["qrows"], v["nt"])
         rows = q_rows.shape[0] if last else t
         if self.use_triton:
-            out = torch.empty(rows, hq * d, dtype=qkv.dtype, device=qkv.device)
+            # as tall as the o projection's library call (padded_rows): the rows past `rows` are never read back
+            layer = self.b.layers[i]
+            out = torch.empty(self.padded_rows(rows, layer.o_proj_weight, layer.o_proj_bias), hq * d,
+                              dtype=qkv.dtype, device=qkv.device)
             return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
                                            nt, out, compact=last, tiling=self.alt_tiling if self._alt(t) else None)
         n_tiles = int(nt[0])
@@ -387,10 +403,12 @@ class FastPath:
             attn = self._attention(i, qkv, v, last)
             if last:
                 x = x.index_select(0, v["readout"])
-            o = self.linear(attn, layer.o_proj_weight, layer.o_proj_bias)
+            o = self.linear(attn, layer.o_proj_weight, layer.o_proj_bias)[:x.shape[0]]
             h, x = ops.add_rms_norm(x, o, layer.post_attention_layernorm, eps)
-            delta = self.linear(ops.silu_mul(self.linear(h, layer.gate_up_weight, layer.gate_up_bias)),
-                                layer.down_proj_weight, layer.down_proj_bias)
+            gate_up = self.linear(h, layer.gate_up_weight, layer.gate_up_bias)
+            m = gate_up.shape[0]
+            act = ops.silu_mul(gate_up, self.padded_rows(m, layer.down_proj_weight, layer.down_proj_bias))
+            delta = self.linear(act, layer.down_proj_weight, layer.down_proj_bias)[:m]
             if not last:
                 if sync and x.is_cuda:
                     torch.cuda.synchronize()  # the device is idle at a yield: a parked long lane hands it over
