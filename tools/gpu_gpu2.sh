@@ -5,7 +5,7 @@
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
 # sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop, fp8sub (after max; FP8_SUBSETS),
-# prof (4.5B kernel profile);
+# prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py);
 # BENCH_TILINGS / MAX_TILINGS: attention tilings (block_m:block_n:warps:stages, or default) of the bench / max runs; HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
 # invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
 # default "--devices cuda:0,cuda:1"); REQ_PER_CLIENT (default 40) and C1_REQUESTS (default 268): requests of a run;
@@ -250,6 +250,33 @@ if has max; then  # the max preset: single and batch figures only (MAX_TILINGS: 
 import json; r=json.load(open('$OUT/bench-$name.json')); print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r.get('memory_after_bench'))" 2>&1 | tail -1
     el bench $name
   done
+fi
+if has maxab; then  # the max preset's bench again with another basal-local wheel (.whl/ab/*.whl): an A/B in one call
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_ab .whl/ab/*.whl &&
+  for i in 1 2; do
+    for side in new ab; do
+      sp=/tmp/site; [ $side = ab ] && sp=/tmp/site_ab
+      (cd /tmp && PYTHONPATH=$sp BASAL_BENCH_PARTIAL=$OUT/partial-max-$side$i.json timeout ${MAX_TIMEOUT:-150} \
+         python3 -m basal_local.cli bench --model /tmp/m-max --device cuda --repeat 1 --json > $OUT/bench-max-$side$i.json 2> $OUT/bench-max-$side$i.err)
+      python3 -c "
+import json; r=json.load(open('$OUT/bench-max-$side$i.json')); print('max $side$i', r['single_ms'], r['throughput']['batch32']['decisions_per_s'])" 2>&1 | tail -1
+    done
+  done
+  el maxab
+fi
+if has gsweep; then  # GEMM time per row count and graph replay per bucket (tools/graph_sweep.py)
+  [ -d /tmp/m-max ] || (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null)
+  (cd /tmp && timeout ${GSWEEP_TIMEOUT:-240} python3 $OLDPWD/tools/graph_sweep.py $OUT/graph_sweep.json $M /tmp/m-max \
+     > $OUT/graph_sweep.txt 2> $OUT/graph_sweep.err); grep -v '^{' $OUT/graph_sweep.txt; tail -2 $OUT/graph_sweep.err
+  python3 - $OUT/graph_sweep.json <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for m in r["models"]:
+    print(m["model"], "graphs ms:", m["graphs"], "| profile of", m["profile_bucket"], {k: v for k, v in m["profile"].items() if k != "top"})
+    for t in m["profile"]["top"][:8]:
+        print("   ", t)
+PY
+  el gsweep
 fi
 if has fp8sub; then  # fp8 agreement with f16 on the max preset per subset of projections (tools/fp8_check.py)
   (cd /tmp && timeout ${FP8_TIMEOUT:-150} python3 $OLDPWD/tools/fp8_check.py /tmp/m-max $OUT/fp8-check-max.json --skip-micro \
