@@ -255,7 +255,7 @@ if has maxab; then  # the max preset's bench again with another basal-local whee
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_ab .whl/ab/*.whl &&
   for i in 1 2; do
     for side in new ab; do
-      sp=/tmp/site; [ $side = ab ] && sp=/tmp/site_ab
+      sp=/tmp/site; [ $side = ab ] && sp=/tmp/site_ab:/tmp/site
       (cd /tmp && PYTHONPATH=$sp BASAL_BENCH_PARTIAL=$OUT/partial-max-$side$i.json timeout ${MAX_TIMEOUT:-150} \
          python3 -m basal_local.cli bench --model /tmp/m-max --device cuda --repeat 1 --json > $OUT/bench-max-$side$i.json 2> $OUT/bench-max-$side$i.err)
       python3 -c "
