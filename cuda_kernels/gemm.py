@@ -7,11 +7,16 @@ result cannot depend on the batch. The engine already runs forwards at fixed siz
 
 - `row_pieces` covers m rows by calls of allowed sizes only: whole pieces of the largest size, then the rest
   padded up to the smallest allowed size that holds it;
-- `verified_sizes` finds, per weight, the allowed sizes by measurement on the device at load: the GEMM of one
+- `agreeing_sizes` finds, per weight, the allowed sizes by measurement on the device at load: the GEMM of one
   random [max, K] block at every candidate size (rows taken from the start and from the end), compared bit for
-  bit with the largest size. Sizes below the smallest M from which every larger candidate agrees are not used
-  (smaller calls pad up to it). If that M is too large for small forwards, a fixed chunk (one size) is used
-  instead, which is invariant by construction.
+  bit with the largest size. Only the candidates that agree are used (a call of another size pads up to one of
+  them). If the smallest is too large for small forwards, a fixed chunk (one size) is used instead, which is
+  invariant by construction.
+- `CallSizes` then picks, for a call of m rows, the allowed size that runs fastest among those that hold m
+  (`time_sizes`: timed once at load on the device). Which allowed size runs never changes a row's bits, so the
+  timing may pick differently on another day without changing an answer: cuBLAS's choice of kernel by M is
+  uneven (max preset, gate/up: 268 us at 448 rows, 163 at 464; q/k/v: 35.8 us at 320, 29.2 at 352), and
+  padding a call up to a size where it picks a better kernel is faster than running it as it comes.
 
 Pure torch: the same functions run on the CPU in tests (ENGINE.md §2, DESIGN.md "Numerics and reproducibility").
 """
@@ -26,8 +31,36 @@ import torch.nn.functional as F
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def row_pieces(m: int, sizes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first row, rows, library M) of each call covering m rows; every M is one of `sizes` (ascending)."""
+class CallSizes:
+    """The row counts a weight's GEMMs may be issued with (ascending, verified to give the same bits), and the
+    seconds of one call at some of them (`time_sizes`). `call(rows)`: the size a call of `rows` rows runs at:
+    the fastest timed size that holds them, else the smallest size that holds them."""
+
+    def __init__(self, sizes: Sequence[int], times: dict[int, float] | None = None) -> None:
+        self.sizes = sorted(sizes)
+        self.times = dict(times or {})
+        self._memo: dict[int, int] = {}
+
+    def __getitem__(self, i: int) -> int:  # a sequence of sizes, as before timing existed
+        return self.sizes[i]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self):
+        return iter(self.sizes)
+
+    def call(self, rows: int) -> int:
+        if rows not in self._memo:
+            fits = [s for s in self.sizes if s >= rows]
+            timed = [s for s in fits if s in self.times]
+            self._memo[rows] = min(timed, key=lambda s: (self.times[s], s)) if timed else fits[0]
+        return self._memo[rows]
+
+
+def row_pieces(m: int, sizes: Sequence[int] | CallSizes) -> list[tuple[int, int, int]]:
+    """(first row, rows, library M) of each call covering m rows; every M is one of `sizes` (ascending): whole
+    calls of the largest size, then the rest at `sizes.call(rest)` (CallSizes) or the smallest size holding it."""
     top = sizes[-1]
     out = []
     start = 0
@@ -36,12 +69,13 @@ def row_pieces(m: int, sizes: Sequence[int]) -> list[tuple[int, int, int]]:
         start += top
     rest = m - start
     if rest > 0:
-        out.append((start, rest, next(s for s in sizes if s >= rest)))
+        call = sizes.call(rest) if isinstance(sizes, CallSizes) else next(s for s in sizes if s >= rest)
+        out.append((start, rest, call))
     return out
 
 
-def sized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int],
-                 linear: Linear = F.linear) -> torch.Tensor:
+def sized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 sizes: Sequence[int] | CallSizes, linear: Linear = F.linear) -> torch.Tensor:
     """x [m, K] @ weight[N, K].T (+ bias), issued to `linear` only with row counts from `sizes`.
 
     Whole pieces read x in place; only the last piece is copied into a padded block. Several pieces (a
@@ -73,9 +107,11 @@ def sized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def agreeing_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequence[int],
                    linear: Linear = F.linear, seed: int = 0) -> tuple[list[int], dict[int, bool]]:
-    """The candidates from the smallest M on which every larger candidate gives the largest's bits.
+    """The candidates on which the GEMM gives the largest candidate's bits (rows from the start and the end).
 
-    Returns (sizes, agrees) where agrees[M] says whether M alone matched (for the record)."""
+    Returns (sizes, agrees) where agrees[M] says whether M matched (for the record). cuBLAS agrees on most sizes
+    and not on a few in between where it picks split-K (max preset, down: 400, 416, 464, 480 among 352-512), so
+    every agreeing size is kept, not only the run of sizes that ends at the top."""
     cands = sorted(set(candidates))
     top = cands[-1]
     gen = torch.Generator(device=weight.device).manual_seed(seed)
@@ -86,12 +122,40 @@ def agreeing_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: 
         head = torch.equal(linear(x[:m].contiguous(), weight, bias), full[:m])
         tail = torch.equal(linear(x[top - m:].contiguous(), weight, bias), full[top - m:])
         agrees[m] = bool(head and tail)
-    sizes: list[int] = []
-    for m in reversed(cands):  # the longest run of agreeing sizes that ends at the top
-        if not agrees[m]:
-            break
-        sizes.insert(0, m)
-    return sizes, agrees
+    return [m for m in cands if agrees[m]], agrees
+
+
+def time_sizes(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int], linear: Linear = F.linear,
+               reps: int = 8) -> dict[int, float]:
+    """Seconds of one call at each of `sizes` on the weight's CUDA device: `reps` calls in one CUDA graph (as a
+    forward runs them), the least of three replays. For choosing among sizes only: never changes a result."""
+    if not sizes:
+        return {}
+    dev = weight.device
+    x = torch.randn(max(sizes), weight.shape[1], device=dev, dtype=torch.float32).to(weight.dtype)
+    times = {}
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for m in sizes:
+            xm = x[:m]
+            linear(xm, weight, bias)  # library handles and workspace outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(reps):
+                    linear(xm, weight, bias)
+            best = float("inf")
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                graph.replay()
+                end.record(stream)
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1000.0 / reps)
+            times[m] = best
+            del graph
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    return times
 
 
 def plan_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequence[int], max_floor: int,

@@ -172,12 +172,12 @@ def _add_rms_norm_kernel(X, DELTA, W, H, XOUT, stride_x, stride_d, stride_h, N, 
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + delta), x + delta); `out_rows` (>= x's rows) sizes the normed output for a padded
+    GEMM after it (the rows past x's are left unwritten)."""
     rows, n = x.shape
-    h = torch.empty_like(x)
+    h = torch.empty(max(rows, out_rows or 0), n, dtype=x.dtype, device=x.device)
     xout = torch.empty_like(x) if delta is not None else x
-    if delta is not None:
-        assert delta.stride(0) == x.stride(0) or True
     _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, h, xout, x.stride(0),
                                   delta.stride(0) if delta is not None else 0, h.stride(0), n, eps,
                                   HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), num_warps=8)

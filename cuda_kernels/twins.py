@@ -44,13 +44,23 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * rms_norm(x + delta), x + delta), the sum rounded to x's dtype as the residual stream is."""
+                 eps: float, out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + delta), x + delta), the sum rounded to x's dtype as the residual stream is;
+    `out_rows` > x's rows: the normed output that tall, its first rows the result (for a padded GEMM)."""
     if delta is not None:
         x = x + delta
     xf = x.float()
-    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype), x
+    h = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return _taller(h, out_rows), x
+
+
+def _taller(y: torch.Tensor, out_rows: int | None) -> torch.Tensor:
+    """y, or a block of `out_rows` rows whose first rows are y (the rest unwritten)."""
+    if out_rows is None or out_rows <= y.shape[0]:
+        return y
+    out = y.new_empty(out_rows, y.shape[1])
+    out[:y.shape[0]] = y
+    return out
 
 
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
@@ -73,12 +83,7 @@ def silu_mul(gate_up: torch.Tensor, out_rows: int | None = None) -> torch.Tensor
     """silu(gate) * up of a fused [T, 2I] gate/up, in f32, rounded once; `out_rows` > T: an output of that
     many rows whose first T are the result (the rest unwritten, for a padded GEMM after it)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    y = (F.silu(gate) * up).to(gate_up.dtype)
-    if out_rows is None or out_rows <= y.shape[0]:
-        return y
-    out = y.new_empty(out_rows, y.shape[1])
-    out[:y.shape[0]] = y
-    return out
+    return _taller((F.silu(gate) * up).to(gate_up.dtype), out_rows)
 
 
 def letter_logits(h: torch.Tensor, lm_head: torch.Tensor, letters: torch.Tensor) -> torch.Tensor:

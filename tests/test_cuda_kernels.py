@@ -140,9 +140,13 @@ def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
     layer = backend.layers[0]
     down = fast._gemm_key(layer.down_proj_weight, layer.down_proj_bias)
     assert down in fast._sizes
-    fast._sizes[down] = [s for s in fast._sizes[down] if s >= 256]  # as a library that agrees from 256 rows on
+    # as a library that agrees from 256 rows on, and where (timed) 320 rows run faster than 288 or 304
+    allowed = [s for s in fast._sizes[down] if s >= 256]
+    assert {256, 288, 304, 320, 8192} <= set(allowed)
+    fast._sizes[down] = gemm.CallSizes(allowed, {256: 3.0, 288: 5.0, 304: 5.0, 320: 4.0, 336: 6.0})
     assert fast.padded_rows(200, layer.down_proj_weight, layer.down_proj_bias) == 256
-    assert fast.padded_rows(300, layer.down_proj_weight, layer.down_proj_bias) == 320
+    assert fast.padded_rows(280, layer.down_proj_weight, layer.down_proj_bias) == 320
+    assert fast.padded_rows(330, layer.down_proj_weight, layer.down_proj_bias) == 336
     assert fast.padded_rows(9000, layer.down_proj_weight, layer.down_proj_bias) == 9000  # several calls
     calls = []
     real = gemm.sized_linear
@@ -250,3 +254,16 @@ def test_verified_gemm_sizes_and_sized_linear():
     for start, rows in ((0, 1), (7, 30), (250, 100), (0, 600)):
         assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, sizes, linear=drifting),
                            full[start:start + rows])
+
+    def gapped(x, w, b):  # also a different rounding at exactly 128 rows (cuBLAS's split-K in between)
+        return drifting(x, w, b) if x.shape[0] != 128 else (drifting(x, w, b).double() + 1e-3).float()
+    sizes, agrees = gemm.agreeing_sizes(w, b, [4, 16, 64, 128, 256], linear=gapped)
+    assert sizes == [64, 256] and not agrees[128]
+    timed = gemm.CallSizes(sizes, {64: 2.0, 256: 1.0})  # 256 rows timed faster than 64: every call runs at 256
+    assert [p[2] for p in gemm.row_pieces(600, timed)] == [256, 256, 256] and timed.call(10) == 256
+    assert gemm.CallSizes(sizes).call(10) == 64  # untimed: the smallest that holds the rows
+    full = gemm.sized_linear(x, w, b, sizes, linear=gapped)
+    for start, rows in ((0, 1), (7, 100), (250, 128), (0, 600)):
+        for allowed in (sizes, timed):
+            assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, allowed, linear=gapped),
+                               full[start:start + rows])

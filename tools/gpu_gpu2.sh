@@ -254,7 +254,7 @@ fi
 if has maxab; then  # the max preset's bench again with another basal-local wheel (.whl/ab/*.whl): an A/B in one call
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_ab .whl/ab/*.whl &&
   for i in 1 2; do
-    for side in new ab; do
+    for side in ${AB_ORDER:-new ab}; do
       sp=/tmp/site; [ $side = ab ] && sp=/tmp/site_ab:/tmp/site
       (cd /tmp && PYTHONPATH=$sp BASAL_BENCH_PARTIAL=$OUT/partial-max-$side$i.json timeout ${MAX_TIMEOUT:-150} \
          python3 -m basal_local.cli bench --model /tmp/m-max --device cuda --repeat 1 --json > $OUT/bench-max-$side$i.json 2> $OUT/bench-max-$side$i.err)
@@ -266,7 +266,7 @@ import json; r=json.load(open('$OUT/bench-max-$side$i.json')); print('max $side$
 fi
 if has gsweep; then  # GEMM time per row count and graph replay per bucket (tools/graph_sweep.py)
   [ -d /tmp/m-max ] || (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null)
-  (cd /tmp && timeout ${GSWEEP_TIMEOUT:-240} python3 $OLDPWD/tools/graph_sweep.py $OUT/graph_sweep.json $M /tmp/m-max \
+  (cd /tmp && timeout ${GSWEEP_TIMEOUT:-240} python3 $OLDPWD/tools/graph_sweep.py $OUT/graph_sweep.json $M /tmp/m-max ${GSWEEP_ARGS:-} \
      > $OUT/graph_sweep.txt 2> $OUT/graph_sweep.err); grep -v '^{' $OUT/graph_sweep.txt; tail -2 $OUT/graph_sweep.err
   python3 - $OUT/graph_sweep.json <<'PY'
 import json, sys

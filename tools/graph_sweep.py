@@ -44,10 +44,10 @@ def gemm_sweep(result: dict) -> None:
             full = F.linear(x, w)
             for m in ROWS:
                 xm = x[:m].contiguous()
-                ms = graphed_ms(lambda xm=xm: F.linear(xm, w))
+                ms = graphed_ms(lambda xm=xm, w=w: F.linear(xm, w))
                 row = {"preset": preset, "n": n, "k": k, "m": m, "us": round(ms * 1000, 2),
                        "tflops": round(2 * m * n * k / ms / 1e9, 1), "same_bits_as_512": bool(torch.equal(F.linear(xm, w), full[:m])),
-                       "kernels": kernel_names(lambda xm=xm: F.linear(xm, w))}
+                       "kernels": kernel_names(lambda xm=xm, w=w: F.linear(xm, w))}
                 per_rows[m] += ms * LAYERS[preset]
                 result["gemm"].append(row)
                 print(json.dumps(row), flush=True)

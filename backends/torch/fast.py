@@ -25,7 +25,10 @@ from basal_local.cuda_kernels import plan as tplan
 
 from ..base import PackedBatch, Ready
 
-TOKEN_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# graph sizes: steps of 16-32 tokens where single decisions fall (~200-500 tokens; the GEMMs' time moves in steps
+# of 16 rows, tools/graph_sweep.py), coarser above, where batches are
+TOKEN_BUCKETS = (64, 128, 192, 224, 256, 272, 288, 304, 320, 336, 352, 368, 384, 416, 448, 480, 512, 640, 768, 1024,
+                 1536, 2048, 3072, 4096, 6144, 8192)
 READOUT_BUCKETS = (4, 16, 64, 256)
 MAX_GRAPHS = 96
 GEMMS = ("verified", "chunked", "cublas", "triton", "fp8")
@@ -35,8 +38,13 @@ GEMM_CHUNK = 512
 # the projections the fp8 route quantizes (BASAL_LOCAL_FP8_GEMMS, a comma list of these, narrows it: the others
 # stay f16 cuBLAS at their own verified row counts)
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
-# the verified route uses cuBLAS as is where its results agree for every row count from at most this many rows
+# the verified route uses cuBLAS as is where its results agree at some row count of at most this many rows
 VERIFIED_FLOOR_MAX = 512
+# the verified route's candidate row counts: the graph sizes, the readout sizes and every multiple of GEMM_STEP up to
+# TIMED_MAX; those that agree are timed at load (up to TIMED_MAX) and a call runs at the fastest one that holds it
+# (gemm.CallSizes; BASAL_LOCAL_GEMM_TIMED=0: the smallest instead)
+GEMM_STEP = 16
+TIMED_MAX = 1024
 
 
 # a second tree-attention tiling (block_m, block_n, warps, stages) for graphs of up to ALT_MAX_TOKENS tokens and
@@ -114,7 +122,7 @@ class FastPath:
         # fixed-chunk route: every GEMM on blocks of exactly `chunk` rows, so graph sizes are whole chunks
         self.chunk = chunk if gemm == "chunked" else 1
         self.gemm_plan: dict[str, dict] = {}
-        self._sizes: dict[tuple, list[int]] = {}  # the verified route's row counts per GEMM key
+        self._sizes: dict[tuple, gemm.CallSizes] = {}  # the verified route's row counts per GEMM key
         self.fp8_bytes = 0
         self._fp8: fp8.Fp8Weights | None = None
         if gemm == "triton":
@@ -235,20 +243,25 @@ class FastPath:
         """`base` (cuBLAS f16, or the fp8 GEMM) at verified row counts per weight shape (cuda_kernels.gemm):
         checked once here, on this device."""
         layer = self.b.layers[0]
-        candidates = sorted(set(TOKEN_BUCKETS) | set(READOUT_BUCKETS))
+        candidates = sorted(set(TOKEN_BUCKETS) | set(READOUT_BUCKETS) | set(range(GEMM_STEP, TIMED_MAX + 1, GEMM_STEP)))
         if not self.use_triton and base is not torch.nn.functional.linear:
             # the fp8 twin on the CPU (tests): blocks of at most 512 rows keep the load-time check cheap
             candidates = [c for c in candidates if c <= VERIFIED_FLOOR_MAX]
-        sizes: dict[tuple[int, int, bool], list[int]] = {}
+        sizes: dict[tuple[int, int, bool], gemm.CallSizes] = {}
         for w, bias in ((layer.qkv_weight, layer.qkv_bias), (layer.o_proj_weight, layer.o_proj_bias),
                         (layer.gate_up_weight, layer.gate_up_bias), (layer.down_proj_weight, layer.down_proj_bias)):
             key = self._gemm_key(w, bias)
             if key not in sizes:
                 plan = gemm.plan_sizes(w, bias, candidates, VERIFIED_FLOOR_MAX, chunk, base)
-                sizes[key] = plan["sizes"]
+                times = {}
+                if w.is_cuda and plan["route"] == "verified" and os.environ.get("BASAL_LOCAL_GEMM_TIMED", "1") != "0":
+                    times = gemm.time_sizes(w, bias, [m for m in plan["sizes"] if m <= TIMED_MAX], base)
+                sizes[key] = gemm.CallSizes(plan["sizes"], times)
+                calls = {m: sizes[key].call(m) for m in TOKEN_BUCKETS if m <= min(TIMED_MAX, sizes[key][-1])}
                 self.gemm_plan[f"{w.shape[0]}x{w.shape[1]}" + ("-f16" if self._fp8 and not key[3] else "")] = {
                     "route": plan["route"], "sizes": plan["sizes"][0] if plan["route"] == "verified" else chunk,
-                    "disagree": [m for m, ok in plan["agrees"].items() if not ok]}
+                    "disagree": [m for m, ok in plan["agrees"].items() if not ok and m <= 1024],
+                    "padded_calls": {m: c for m, c in calls.items() if c != m}}
 
         def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
             return gemm.sized_linear(x, w, b, sizes[self._gemm_key(w, b)], base)
@@ -261,7 +274,7 @@ class FastPath:
         instead of copying it into a padded block (the max preset's down projection pads a 320-token graph to
         384 rows: 50 copies of 9 MB a forward)."""
         sizes = self._sizes.get(self._gemm_key(w, b)) if self._sizes else None
-        if not sizes:
+        if not sizes or m == 0:
             return m
         pieces = gemm.row_pieces(m, sizes)
         return pieces[0][2] if len(pieces) == 1 else m
@@ -393,8 +406,10 @@ class FastPath:
         n_layers = len(b.layers)
         for i, layer in enumerate(b.layers):
             last = i == n_layers - 1
-            h, x = ops.add_rms_norm(x, delta, layer.input_layernorm, eps)
-            qkv = self.linear(h, layer.qkv_weight, layer.qkv_bias)
+            m = x.shape[0]
+            h, x = ops.add_rms_norm(x, delta, layer.input_layernorm, eps,
+                                    self.padded_rows(m, layer.qkv_weight, layer.qkv_bias))
+            qkv = self.linear(h, layer.qkv_weight, layer.qkv_bias)[:m]
             ops.rope_(qkv, v["pos"], self.cos, self.sin, hq, hkv, d)
             if capture is not None:
                 t = qkv.shape[0]
@@ -403,10 +418,11 @@ class FastPath:
             attn = self._attention(i, qkv, v, last)
             if last:
                 x = x.index_select(0, v["readout"])
-            o = self.linear(attn, layer.o_proj_weight, layer.o_proj_bias)[:x.shape[0]]
-            h, x = ops.add_rms_norm(x, o, layer.post_attention_layernorm, eps)
-            gate_up = self.linear(h, layer.gate_up_weight, layer.gate_up_bias)
-            m = gate_up.shape[0]
+            m = x.shape[0]
+            o = self.linear(attn, layer.o_proj_weight, layer.o_proj_bias)[:m]
+            h, x = ops.add_rms_norm(x, o, layer.post_attention_layernorm, eps,
+                                    self.padded_rows(m, layer.gate_up_weight, layer.gate_up_bias))
+            gate_up = self.linear(h, layer.gate_up_weight, layer.gate_up_bias)[:m]
             act = ops.silu_mul(gate_up, self.padded_rows(m, layer.down_proj_weight, layer.down_proj_bias))
             delta = self.linear(act, layer.down_proj_weight, layer.down_proj_bias)[:m]
             if not last:
