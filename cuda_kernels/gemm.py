@@ -12,8 +12,8 @@ result cannot depend on the batch. The engine already runs forwards at fixed siz
   bit with the largest size. Only the candidates that agree are used (a call of another size pads up to one of
   them). If the smallest is too large for small forwards, a fixed chunk (one size) is used instead, which is
   invariant by construction.
-- `CallSizes` then picks, for a call of m rows, the allowed size that runs fastest among those that hold m
-  (`time_sizes`: timed once at load on the device). Which allowed size runs never changes a row's bits, so the
+- `CallSizes` then picks, for a call of m rows, the smallest allowed size that holds m, or a larger one where that
+  is clearly faster (`time_sizes`: timed once at load on the device). Which allowed size runs never changes a row's bits, so the
   timing may pick differently on another day without changing an answer: cuBLAS's choice of kernel by M is
   uneven (max preset, gate/up: 268 us at 448 rows, 163 at 464; q/k/v: 35.8 us at 320, 29.2 at 352), and
   padding a call up to a size where it picks a better kernel is faster than running it as it comes.
@@ -34,7 +34,11 @@ Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 class CallSizes:
     """The row counts a weight's GEMMs may be issued with (ascending, verified to give the same bits), and the
     seconds of one call at some of them (`time_sizes`). `call(rows)`: the size a call of `rows` rows runs at:
-    the fastest timed size that holds them, else the smallest size that holds them."""
+    the smallest size that holds them, unless a larger timed one is faster by more than MARGIN (timings alone
+    differ by a few per cent from run to run and from a GEMM's time inside a whole forward: only clear wins
+    count)."""
+
+    MARGIN = 0.05
 
     def __init__(self, sizes: Sequence[int], times: dict[int, float] | None = None) -> None:
         self.sizes = sorted(sizes)
@@ -53,8 +57,12 @@ class CallSizes:
     def call(self, rows: int) -> int:
         if rows not in self._memo:
             fits = [s for s in self.sizes if s >= rows]
-            timed = [s for s in fits if s in self.times]
-            self._memo[rows] = min(timed, key=lambda s: (self.times[s], s)) if timed else fits[0]
+            best = fits[0]
+            if best in self.times:
+                faster = [s for s in fits if s in self.times and self.times[s] < (1 - self.MARGIN) * self.times[best]]
+                if faster:
+                    best = min(faster, key=lambda s: (self.times[s], s))
+            self._memo[rows] = best
         return self._memo[rows]
 
 

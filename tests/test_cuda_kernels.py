@@ -262,6 +262,7 @@ def test_verified_gemm_sizes_and_sized_linear():
     timed = gemm.CallSizes(sizes, {64: 2.0, 256: 1.0})  # 256 rows timed faster than 64: every call runs at 256
     assert [p[2] for p in gemm.row_pieces(600, timed)] == [256, 256, 256] and timed.call(10) == 256
     assert gemm.CallSizes(sizes).call(10) == 64  # untimed: the smallest that holds the rows
+    assert gemm.CallSizes(sizes, {64: 2.0, 256: 1.95}).call(10) == 64  # within the timing noise: no padding
     full = gemm.sized_linear(x, w, b, sizes, linear=gapped)
     for start, rows in ((0, 1), (7, 100), (250, 128), (0, 600)):
         for allowed in (sizes, timed):

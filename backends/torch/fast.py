@@ -41,8 +41,8 @@ FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 # the verified route uses cuBLAS as is where its results agree at some row count of at most this many rows
 VERIFIED_FLOOR_MAX = 512
 # the verified route's candidate row counts: the graph sizes, the readout sizes and every multiple of GEMM_STEP up to
-# TIMED_MAX; those that agree are timed at load (up to TIMED_MAX) and a call runs at the fastest one that holds it
-# (gemm.CallSizes; BASAL_LOCAL_GEMM_TIMED=0: the smallest instead)
+# TIMED_MAX; those that agree are timed at load (up to TIMED_MAX) and a call runs at the smallest one that holds it
+# or a clearly faster larger one (gemm.CallSizes; BASAL_LOCAL_GEMM_TIMED=0: always the smallest)
 GEMM_STEP = 16
 TIMED_MAX = 1024
 
