@@ -49,10 +49,11 @@ TIMED_MAX = 1024
 
 # a second tree-attention tiling (block_m, block_n, warps, stages) for graphs of up to ALT_MAX_TOKENS tokens and
 # for eager forwards longer than the largest graph, where it is faster (docs/CUDA_NOTES.md: 19.2 vs 21.9 us a call
-# in a single decision, 6.4 vs 7.6 ms in a 17k-token document; slower in a batch of 32). Used only where it gives
+# in a single decision, 6.4 vs 7.6 ms in a 17k-token document; slower in a batch of 32; 3 stages: 20.1 vs 20.6 us
+# single, 5.8 vs 6.3 ms for the document, session 6 call 3). Used only where it gives
 # the default tiling's bits, checked at load on this device and dtype (as the GEMM row counts are), so a query's
 # result still never depends on the size of the forward it is in. BASAL_LOCAL_ATTN_ALT=0 turns it off.
-ALT_TILING = (128, 64, 8, 2)
+ALT_TILING = (128, 64, 8, 3)
 ALT_MAX_TOKENS = 1024
 # letter columns of a graph's logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
