@@ -241,6 +241,9 @@ if has ray; then
 fi
 if has max; then  # the max preset: single and batch figures only (MAX_TILINGS: one run per attention tiling)
   (cd /tmp && timeout ${MAX_MAKE_TIMEOUT:-150} python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null) && el make max
+  # CLOCKS=1: the SM clock and the power draw every 100 ms while the max bench runs (nvidia-smi)
+  [ -n "${CLOCKS:-}" ] && { nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks.max.sm \
+    --format=csv,noheader -lms 100 > $OUT/clocks-max.csv 2>&1 & CLOCKS_PID=$!; }
   for tl_ in ${MAX_TILINGS:-default}; do
     [ $tl_ = auto ] && tl_=$(cat $OUT/attn-best.txt 2>/dev/null || echo default)
     name=max$([ $tl_ = default ] || echo "-${tl_//:/x}")
@@ -250,6 +253,19 @@ if has max; then  # the max preset: single and batch figures only (MAX_TILINGS: 
 import json; r=json.load(open('$OUT/bench-$name.json')); print('$name', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], r.get('memory_after_bench'))" 2>&1 | tail -1
     el bench $name
   done
+  if [ -n "${CLOCKS:-}" ]; then kill $CLOCKS_PID; python3 - $OUT/clocks-max.csv <<'PY'
+import sys
+rows = [l.strip().split(", ") for l in open(sys.argv[1]) if l.count(",") >= 4]
+busy = [r for r in rows if r[2].replace(" W", "").replace(".", "").isdigit() and float(r[2].split()[0]) > 250]
+if busy:
+    mhz = sorted(int(r[1].split()[0]) for r in busy)
+    watts = sorted(float(r[2].split()[0]) for r in busy)
+    print(f"max bench, samples over 250 W: {len(busy)}; SM clock p10/p50/p90 {mhz[len(mhz)//10]}/{mhz[len(mhz)//2]}/{mhz[9*len(mhz)//10]} MHz;"
+          f" power p50/p90 {watts[len(watts)//2]}/{watts[9*len(watts)//10]} W; max SM clock {busy[0][4]}")
+else:
+    print("clocks: no busy samples;", rows[:2] or open(sys.argv[1]).read()[:300])
+PY
+  fi
 fi
 if has maxab; then  # the max preset's bench again with another basal-local wheel (.whl/ab/*.whl): an A/B in one call
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_ab .whl/ab/*.whl &&
