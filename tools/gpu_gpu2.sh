@@ -5,7 +5,7 @@
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
 # sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop, fp8sub (after max; FP8_SUBSETS),
-# prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py);
+# prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py), gsweepab (graph replays on max: ab wheel / ours / ours untimed);
 # BENCH_TILINGS / MAX_TILINGS: attention tilings (block_m:block_n:warps:stages, or default) of the bench / max runs; HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
 # invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
 # default "--devices cuda:0,cuda:1"); REQ_PER_CLIENT (default 40) and C1_REQUESTS (default 268): requests of a run;
@@ -293,6 +293,25 @@ for m in r["models"]:
         print("   ", t)
 PY
   el gsweep
+fi
+if has gsweepab; then  # graph replay per bucket on max: this wheel, .whl/ab's wheel, and this one untimed (twice)
+  [ -d /tmp/site_ab ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_ab .whl/ab/*.whl
+  [ -d /tmp/m-max ] || (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null)
+  for i in 1 2; do
+    for side in ${GAB_ORDER:-ab new untimed}; do
+      sp=/tmp/site; [ $side = ab ] && sp=/tmp/site_ab:/tmp/site
+      (cd /tmp && PYTHONPATH=$sp BASAL_LOCAL_GEMM_TIMED=$([ $side = untimed ] && echo 0 || echo 1) timeout 120 \
+         python3 $OLDPWD/tools/graph_sweep.py $OUT/gab-$side$i.json /tmp/m-max --no-gemm > /dev/null 2> $OUT/gab-$side$i.err)
+      python3 - $OUT/gab-$side$i.json $side$i <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))["models"][0]
+g = m["graphs"]
+print(sys.argv[2], " ".join(f"{k.split('x')[0]}:{v}" for k, v in g.items() if k.endswith("x4") and int(k.split("x")[0]) <= 512),
+      "| median bucket", m["profile_bucket"], "spaced", m.get("spaced_ms"), {k: v for k, v in m["profile"].items() if k != "top"})
+PY
+    done
+  done
+  el gsweepab
 fi
 if has fp8sub; then  # fp8 agreement with f16 on the max preset per subset of projections (tools/fp8_check.py)
   (cd /tmp && timeout ${FP8_TIMEOUT:-150} python3 $OLDPWD/tools/fp8_check.py /tmp/m-max $OUT/fp8-check-max.json --skip-micro \
