@@ -140,10 +140,10 @@ def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
     layer = backend.layers[0]
     down = fast._gemm_key(layer.down_proj_weight, layer.down_proj_bias)
     assert down in fast._sizes
-    # as a library that agrees from 256 rows on, and where (timed) 320 rows run faster than 288 or 304
+    # as a library that agrees from 256 rows on, and where (timed) 320 rows run much faster than 288 or 304
     allowed = [s for s in fast._sizes[down] if s >= 256]
     assert {256, 288, 304, 320, 8192} <= set(allowed)
-    fast._sizes[down] = gemm.CallSizes(allowed, {256: 3.0, 288: 5.0, 304: 5.0, 320: 4.0, 336: 6.0})
+    fast._sizes[down] = gemm.CallSizes(allowed, {256: 3.0, 288: 5.0, 304: 5.0, 320: 3.0, 336: 6.0})
     assert fast.padded_rows(200, layer.down_proj_weight, layer.down_proj_bias) == 256
     assert fast.padded_rows(280, layer.down_proj_weight, layer.down_proj_bias) == 320
     assert fast.padded_rows(330, layer.down_proj_weight, layer.down_proj_bias) == 336
@@ -262,7 +262,7 @@ def test_verified_gemm_sizes_and_sized_linear():
     timed = gemm.CallSizes(sizes, {64: 2.0, 256: 1.0})  # 256 rows timed faster than 64: every call runs at 256
     assert [p[2] for p in gemm.row_pieces(600, timed)] == [256, 256, 256] and timed.call(10) == 256
     assert gemm.CallSizes(sizes).call(10) == 64  # untimed: the smallest that holds the rows
-    assert gemm.CallSizes(sizes, {64: 2.0, 256: 1.95}).call(10) == 64  # within the timing noise: no padding
+    assert gemm.CallSizes(sizes, {64: 2.0, 256: 1.6}).call(10) == 64  # 20 % faster alone: not trusted, no padding
     full = gemm.sized_linear(x, w, b, sizes, linear=gapped)
     for start, rows in ((0, 1), (7, 100), (250, 128), (0, 600)):
         for allowed in (sizes, timed):

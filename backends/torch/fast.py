@@ -42,7 +42,7 @@ FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 VERIFIED_FLOOR_MAX = 512
 # the verified route's candidate row counts: the graph sizes, the readout sizes and every multiple of GEMM_STEP up to
 # TIMED_MAX; those that agree are timed at load (up to TIMED_MAX) and a call runs at the smallest one that holds it
-# or a clearly faster larger one (gemm.CallSizes; BASAL_LOCAL_GEMM_TIMED=0: always the smallest)
+# or a larger one that is faster by more than 25 % (gemm.CallSizes; BASAL_LOCAL_GEMM_TIMED=0: always the smallest)
 GEMM_STEP = 16
 TIMED_MAX = 1024
 
