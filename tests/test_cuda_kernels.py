@@ -162,6 +162,39 @@ def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
     assert down_rows and all(rows in fast._sizes[down] for rows in down_rows), down_rows
 
 
+def test_mlp_temporaries_are_freed_as_soon_as_used(tiny_model, monkeypatch):
+    """The gate/up output is freed before the down projection runs and SwiGLU's output before the next layer's
+    q/k/v projection: a long document's forward holds one of them at a time (kept alive to the next layer,
+    they raised a 17k-token forward's peak by 1.1 GB on the 4.5B preset)."""
+    import weakref
+
+    md, backend, prefixes = load_backend(tiny_model, attention="tree")
+    fast = backend.fast
+    fast.linear = fast._verified_linear(1)
+    downs = {id(L.down_proj_weight) for L in backend.layers}
+    qkvs = {id(L.qkv_weight) for L in backend.layers}
+    gate_ups, acts, checked = [], [], []
+    real_silu, real_linear = twins.silu_mul, gemm.sized_linear
+
+    def silu(gate_up, out_rows=None):
+        gate_ups.append(weakref.ref(gate_up._base if gate_up._base is not None else gate_up))
+        out = real_silu(gate_up, out_rows)
+        acts.append(weakref.ref(out))
+        return out
+
+    def spy(x, w, b, sizes, linear=torch.nn.functional.linear):
+        if id(w) in downs:
+            checked.append(all(r() is None for r in gate_ups))
+        if id(w) in qkvs:
+            checked.append(all(r() is None for r in acts))
+        return real_linear(x, w, b, sizes, linear)
+    monkeypatch.setattr(twins, "silu_mul", silu)
+    monkeypatch.setattr(gemm, "sized_linear", spy)
+    batch = pack_prompts(random_specs(md, random.Random(6))[:3], prefixes).batches[0]
+    list(fast.forward_steps(batch))
+    assert len(checked) == 2 * md.config.num_hidden_layers and all(checked), checked
+
+
 def test_fast_forward_alternative_attention_tiling(tiny_model):
     """Where a device gives the same bits with the alternative attention tiling (checked at load on a GPU), small
     graphs and long eager forwards plan 128-query tiles and the rest 64; a forward planned either way gives the
