@@ -6,17 +6,17 @@ uses one of a few row counts M, and the library gives the same bits for a row at
 result cannot depend on the batch. The engine already runs forwards at fixed sizes (CUDA graph buckets), so:
 
 - `row_pieces` covers m rows by calls of allowed sizes only: whole pieces of the largest size, then the rest
-  padded up to the smallest allowed size that holds it;
+  padded up to an allowed size that holds it (`CallSizes.call`);
 - `agreeing_sizes` finds, per weight, the allowed sizes by measurement on the device at load: the GEMM of one
   random [max, K] block at every candidate size (rows taken from the start and from the end), compared bit for
   bit with the largest size. Only the candidates that agree are used (a call of another size pads up to one of
   them). If the smallest is too large for small forwards, a fixed chunk (one size) is used instead, which is
   invariant by construction.
-- `CallSizes` then picks, for a call of m rows, the smallest allowed size that holds m, or a larger one where that
-  is faster by more than a quarter (`time_sizes`: timed once at load on the device). Which allowed size runs never changes a row's bits, so the
-  timing may pick differently on another day without changing an answer: cuBLAS's choice of kernel by M is
-  uneven (max preset, gate/up: 268 us at 448 rows, 163 at 464; q/k/v: 35.8 us at 320, 29.2 at 352), and
-  padding a call up to a size where it picks a better kernel is faster than running it as it comes.
+- `CallSizes` then picks, for a call of m rows, the smallest allowed size that holds m, or a larger one where
+  that is faster by more than a quarter (`time_sizes`: timed once at load on the device). Which allowed size
+  runs never changes a row's bits, so the timing may pick differently on another day without changing an
+  answer: cuBLAS's choice of kernel by M is uneven (max preset, gate/up: 268 us at 448 rows, 163 at 464), and
+  padding such a call up to a size where it picks a better kernel is faster than running it as it comes.
 
 Pure torch: the same functions run on the CPU in tests (ENGINE.md §2, DESIGN.md "Numerics and reproducibility").
 """

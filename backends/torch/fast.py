@@ -273,7 +273,7 @@ class FastPath:
         """The rows of the one library call a GEMM of m rows on `w` makes (m where it needs no padding or
         several calls): the kernel before it writes its output that tall, so the call reads it in place
         instead of copying it into a padded block (the max preset's down projection pads a 320-token graph to
-        384 rows: 50 copies of 9 MB a forward)."""
+        352 rows: 50 copies of 9 MB a forward)."""
         sizes = self._sizes.get(self._gemm_key(w, b)) if self._sizes else None
         if not sizes or m == 0:
             return m
