@@ -93,6 +93,8 @@ def pytest_configure(config) -> None:
         proc, path = zygote.start_server(env)
         _shared.append(proc)
         os.environ[zygote.SHARED] = path
+        if config.option.tx == ["popen"] * len(config.option.tx):  # `-n N`: the workers are forks of it too
+            config.option.tx = [f"popen//python={zygote.worker_python()}"] * len(config.option.tx)
     if sys.platform != "win32" and not os.environ.get(hf_reference.ENV):
         proc, path = hf_reference.start_server(ROOT)
         _shared.append(proc)
