@@ -48,8 +48,10 @@ class LiveDaemon:
 
         from basal_local.server.app import create_app
 
+        # an SSE stream never ends by itself: at stop, uvicorn waits for it until its graceful-shutdown timeout
+        # (the daemon sets one from --drain-s, at least 1 s; without one, stop() waited out its 20 s join)
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+                                                    log_level="warning", timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
         self.thread.start()
         deadline = time.time() + 20
