@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from . import hf_reference, zygote
+from . import bytecode, hf_reference, zygote
 from .zygote import cli_popen
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,23 +65,11 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 _shared: list[subprocess.Popen] = []
 
-# A fresh `pip install --no-compile` has no bytecode: the first import of torch then costs ~31 s of CPU instead of
-# ~9 s (compiling its sources), and the test workers, the fork server and the transformers reference all import
-# it at the same time, each compiling the same files. On such a cold install the controller lets the fork server
-# import torch and the daemon first (and another process what every worker's collection imports), waits, and only
-# then starts the reference server and the workers, which find the bytecode written.
-WARM_FIRST = ["textual.app", "hypothesis", "syrupy", "basal_local.tui.app", "mlx.core"]
-_IMPORT_ALL = """
-import importlib, sys
-sys.dont_write_bytecode = False
-for name in sys.argv[1:]:
-    try:
-        importlib.import_module(name)
-    except Exception:  # an optional package that is not installed: nothing to warm
-        pass
-"""
 
-
+# A fresh `pip install --no-compile` has no bytecode: the first `import torch` then costs ~31 s of CPU instead of
+# ~9 s, compiling on one core, and the fork server, the transformers reference and every worker would compile the
+# same files at the same time. On such an install the controller first compiles what a run imports, one process
+# per core (tests/bytecode.py), then starts everything as on a warm install.
 def _bytecode_cold() -> bool:
     """Whether torch's bytecode is not cached yet (torch stands for everything the suite imports)."""
     import importlib.util
@@ -98,30 +86,19 @@ def pytest_configure(config) -> None:
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cold = _bytecode_cold()
-    warming = [subprocess.Popen([sys.executable, "-c", _IMPORT_ALL, *WARM_FIRST], env=env)] if cold else []
+    if _bytecode_cold():  # a fresh `--no-compile` install: compile what the run imports first, on every core
+        for proc in bytecode.compile_listed(env):
+            proc.wait()
     if zygote.ENABLED and not os.environ.get(zygote.SHARED):
         proc, path = zygote.start_server(env)
         _shared.append(proc)
         os.environ[zygote.SHARED] = path
-        if cold:  # the fork server imports torch and the daemon: wait until it has, writing their bytecode
-            while not os.path.exists(path) and proc.poll() is None:
-                time.sleep(0.2)
-    elif cold:
-        warming.append(subprocess.Popen([sys.executable, "-c", _IMPORT_ALL, *zygote.PRELOAD], env=env))
-    for proc in warming:
-        proc.wait()
-    if cold:  # then one collection of the suite, as each worker will do (the rest of its imports, test modules)
-        warming = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                                     *config.invocation_params.args, "-n", "0"], env=env,
-                                    cwd=config.invocation_params.dir, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)]
+        if config.option.tx == ["popen"] * len(config.option.tx):  # `-n N`: the workers are forks of it too
+            config.option.tx = [f"popen//python={zygote.worker_python()}"] * len(config.option.tx)
     if sys.platform != "win32" and not os.environ.get(hf_reference.ENV):
         proc, path = hf_reference.start_server(ROOT)
         _shared.append(proc)
         os.environ[hf_reference.ENV] = path
-    for proc in warming:
-        proc.wait()
     if sys.platform != "win32" and not os.environ.get("BASAL_LOCAL_TEST_MODELS"):
         import tempfile
 

@@ -48,8 +48,10 @@ class LiveDaemon:
 
         from basal_local.server.app import create_app
 
+        # an SSE stream never ends by itself: at stop, uvicorn waits for it until its graceful-shutdown timeout
+        # (the daemon sets one from --drain-s, at least 1 s; without one, stop() waited out its 20 s join)
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+                                                    log_level="warning", timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
         self.thread.start()
         deadline = time.time() + 20
@@ -162,6 +164,50 @@ def test_batch_tree_json_is_the_packers_trie():
     assert all(n["tokens"] == 2 for n in leaves)
 
 
+def _wait(predicate, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.02)
+
+
+def test_trees_are_built_only_while_someone_listens(live):
+    """No SSE subscriber: batches are recorded with their tree unbuilt (and the request details too). A subscriber
+    gets every batch with its tree; /api/stats builds the unread ones it shows."""
+    from basal_local.server.events import KEEPALIVE_S
+
+    telemetry = live.state.telemetry
+    # no reader listens: this test comes before the file's other readers, because a reader that left unseen is
+    # only dropped at a failed write, and with no events that is a keepalive (every KEEPALIVE_S, 15 s): the first
+    # write after a close may still succeed, the second fails (the wait below was up to 2 keepalives here)
+    _wait(lambda: telemetry.bus.subscribers == 0, timeout=2 * KEEPALIVE_S + 15)
+    built = telemetry.trees_built
+    with ThreadPoolExecutor(4) as pool:
+        quiet = list(pool.map(lambda i: http("POST", live.url + "/v1/systemone", body(i),
+                                              headers={"x-request-id": f"quiet-{i}"}), range(4)))
+    assert all(status == 200 for status, _, _ in quiet)
+    quiet_batches = {r.batch_id for r in telemetry.batches if any(i.startswith("quiet-") for i in r.request_ids)}
+    assert quiet_batches and telemetry.trees_built == built  # no tree built
+    reader = SseReader(live.port)
+    try:
+        _wait(lambda: telemetry.bus.subscribers == 1)
+        status, _, _ = http("POST", live.url + "/v1/systemone", body(7), headers={"x-request-id": "heard"})
+        assert status == 200
+        events = reader.wait_for(lambda ev: any(e["kind"] == "computed" and "heard" in e["request_ids"] for e in ev))
+    finally:
+        reader.close()
+    computed = next(e for e in events if e["kind"] == "computed" and "heard" in e["request_ids"])
+    assert sum(row["tokens"] for row in computed["tree"]) == computed["packed_tokens"] > 0
+    assert telemetry.trees_built > built
+    _, _, stats = http("GET", live.url + "/api/stats")
+    for batch in stats["batches"]:
+        if batch["batch_id"] in quiet_batches:  # built now, from the tries the record kept
+            assert sum(row["tokens"] for row in batch["tree"]) == batch["packed_tokens"]
+    detail = http("GET", live.url + "/api/requests/quiet-2")[2]  # the details are built when asked, too
+    assert [q["id"] for q in detail["asked"]] == ["kind", "urgent"] and set(detail["answers"]) == {"kind", "urgent"}
+
+
 def test_sse_stream_and_counters_that_add_up(live):
     reader = SseReader(live.port)
     try:
@@ -224,49 +270,6 @@ def test_reconnect_with_last_event_id_replays_what_was_missed(live):
     finally:
         reader.close()
     assert events[0]["seq"] == seq and events[-1]["seq"] <= stats["last_seq"] + 5
-
-
-def _wait(predicate, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        if time.time() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.02)
-
-
-def test_trees_are_built_only_while_someone_listens(live):
-    """No SSE subscriber: batches are recorded with their tree unbuilt (and the request details too). A subscriber
-    gets every batch with its tree; /api/stats builds the unread ones it shows."""
-    from basal_local.server.events import KEEPALIVE_S
-
-    telemetry = live.state.telemetry
-    # earlier tests' readers are gone: a reader that left unseen is dropped at a failed write, and with no events
-    # that is a keepalive (every KEEPALIVE_S): the first write after a close may still succeed, the second fails
-    _wait(lambda: telemetry.bus.subscribers == 0, timeout=2 * KEEPALIVE_S + 15)
-    built = telemetry.trees_built
-    with ThreadPoolExecutor(4) as pool:
-        quiet = list(pool.map(lambda i: http("POST", live.url + "/v1/systemone", body(i),
-                                              headers={"x-request-id": f"quiet-{i}"}), range(4)))
-    assert all(status == 200 for status, _, _ in quiet)
-    quiet_batches = {r.batch_id for r in telemetry.batches if any(i.startswith("quiet-") for i in r.request_ids)}
-    assert quiet_batches and telemetry.trees_built == built  # no tree built
-    reader = SseReader(live.port)
-    try:
-        _wait(lambda: telemetry.bus.subscribers == 1)
-        status, _, _ = http("POST", live.url + "/v1/systemone", body(7), headers={"x-request-id": "heard"})
-        assert status == 200
-        events = reader.wait_for(lambda ev: any(e["kind"] == "computed" and "heard" in e["request_ids"] for e in ev))
-    finally:
-        reader.close()
-    computed = next(e for e in events if e["kind"] == "computed" and "heard" in e["request_ids"])
-    assert sum(row["tokens"] for row in computed["tree"]) == computed["packed_tokens"] > 0
-    assert telemetry.trees_built > built
-    _, _, stats = http("GET", live.url + "/api/stats")
-    for batch in stats["batches"]:
-        if batch["batch_id"] in quiet_batches:  # built now, from the tries the record kept
-            assert sum(row["tokens"] for row in batch["tree"]) == batch["packed_tokens"]
-    detail = http("GET", live.url + "/api/requests/quiet-2")[2]  # the details are built when asked, too
-    assert [q["id"] for q in detail["asked"]] == ["kind", "urgent"] and set(detail["answers"]) == {"kind", "urgent"}
 
 
 async def test_dashboard_attached_to_a_live_daemon(live, tiny_model):

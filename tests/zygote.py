@@ -62,11 +62,18 @@ def _child(conn: socket.socket, header: dict[str, Any], fds: list[int], closing:
     import numpy as np
 
     np.random.seed()  # a fresh interpreter seeds NumPy from the OS; every fork would share the server's state
-    sys.argv = ["basal-local", *header["args"]]
-    from basal_local.cli import main
-
     try:
-        code = main(header["args"])
+        if "exec" in header:  # `python -c CODE` (a pytest-xdist worker: worker_python below)
+            sys.argv = ["-c", *header["args"]]
+            sys.stdout.reconfigure(write_through=True)  # `-u`, as execnet starts its interpreters
+            sys.stderr.reconfigure(write_through=True)
+            exec(header["exec"], {"__name__": "__main__", "__builtins__": __builtins__})
+            code = 0
+        else:
+            sys.argv = ["basal-local", *header["args"]]
+            from basal_local.cli import main
+
+            code = main(header["args"])
     except SystemExit as exc:
         code = exc.code
     except BaseException:  # what the interpreter does with an uncaught exception: the traceback, status 1
@@ -349,6 +356,33 @@ class ForkedProcess:
         self.wait()
 
 
+def worker_python() -> str:
+    """The `python` of an execnet `popen` gateway spec that forks the shared server instead of starting an
+    interpreter (tests/conftest.py gives it to the pytest-xdist workers): torch and the daemon are then imported
+    once for every worker too (~11 s of CPU each on a 2-core machine). execnet appends `-u -c BOOTSTRAP`."""
+    return f"{sys.executable} {Path(__file__).resolve()}"
+
+
+def _exec_client(argv: list[str]) -> int:
+    """`python zygote.py [-u] [-B] -c CODE [ARGS]`: CODE runs in a fork of the shared server with this process's
+    stdin/stdout/stderr, environment and working directory; this process waits for it, passes it SIGTERM and
+    SIGINT, and exits with its status."""
+    while argv and argv[0] in ("-u", "-B"):
+        argv = argv[1:]
+    if len(argv) < 2 or argv[0] != "-c":
+        raise SystemExit(f"usage: python {__file__} [-u] -c CODE [ARGS]")
+    header = {"exec": argv[1], "args": argv[2:], "env": dict(os.environ), "cwd": os.getcwd()}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(_Shared(os.environ[SHARED]).path)
+    socket.send_fds(conn, [json.dumps(header).encode()], [0, 1, 2])
+    stream = conn.makefile("r")
+    pid = int(stream.readline().split()[1])
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda sig, _: os.kill(pid, sig))
+    line = stream.readline()
+    return int(line.split()[1]) if line else 1
+
+
 def cli_popen(args: list[str], **kwargs: Any) -> Any:
     """`basal-local ARGS` as its own process: forked from the server, or a fresh interpreter when disabled."""
     if ENABLED:
@@ -377,3 +411,11 @@ def cli_run(args: list[str], input: Any = None, capture_output: bool = False, te
     if check:
         done.check_returncode()
     return done
+
+
+if __name__ == "__main__":
+    status = _exec_client(sys.argv[1:])
+    if status < 0:  # killed by a signal: end the same way
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    sys.exit(status)

@@ -67,12 +67,11 @@ class EventBus:
 
     def emit(self, kind: str, **fields: Any) -> Event:
         event = {"seq": 0, "ts": round(time.time(), 6), "kind": kind, **fields}
-        with self._lock:
+        with self._lock:  # numbered and queued under one lock: every subscriber gets the events in `seq` order
             event["seq"] = next(self._seq)
             self.history.append(event)
-            subscribers = list(self._subscribers)
-        for sub in subscribers:
-            sub.put(event)
+            for sub in self._subscribers:
+                sub.put(event)
         return event
 
     def subscribe(self, max_queued: int = 4096, since: int | None = None) -> Subscription:
