@@ -292,7 +292,9 @@ def test_a_killed_replica_process_loses_nothing(processes, daemon):
             break
         time.sleep(0.05)
     assert [r["alive"] for r in health["replicas"]] == [True, False]
-    deadline = time.time() + 10  # the line is written once the process is reaped, after its requests moved
+    # the line is written once the process is reaped, after its requests moved (a forkserver child's exit status
+    # comes through the forkserver: 10 s were not always enough on a loaded 2-core machine, 2 of 7 runs)
+    deadline = time.time() + 30
     while True:
         moved = re.search(r"replica 1 of \S+ on cpu is out of rotation: its process ended \(exit code -9\); "
                           r"(\d+) requests went to the others", processes.log)
