@@ -57,6 +57,20 @@ def gemm_sweep(result: dict) -> None:
         print(preset, "forward GEMM ms per rows:", result["forward_gemm_ms"][preset], flush=True)
 
 
+def replay_ms(graph, times: int, idle_s: float = 0.0) -> float:
+    """Median milliseconds of one replay (CUDA events), `idle_s` of idle device before each."""
+    out = []
+    for _ in range(times):
+        time.sleep(idle_s)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return round(statistics.median(out), 3)
+
+
 def graph_sweep(result: dict, model_dir: str) -> None:
     from basal_local.api.systemone import validate_systemone
     from basal_local.backends.torch import TorchBackend
@@ -85,28 +99,11 @@ def graph_sweep(result: dict, model_dir: str) -> None:
     for key, entry in sorted(fast.graphs.items()):
         if key[0] > 1024:
             continue
-        times = []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            entry.graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        out["graphs"][f"{key[0]}x{key[1]}"] = round(statistics.median(times), 3)
+        out["graphs"][f"{key[0]}x{key[1]}"] = replay_ms(entry.graph, 30)
     entry = fast.graphs[(median_bucket, 4)]
     # the same graph replayed after 30 ms of idle device each time (vs back to back above): a difference is
     # the clock the device holds under sustained load (power), not our code
-    spaced = []
-    for _ in range(20):
-        time.sleep(0.03)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        entry.graph.replay()
-        end.record()
-        end.synchronize()
-        spaced.append(start.elapsed_time(end))
-    out["spaced_ms"] = round(statistics.median(spaced), 3)
+    out["spaced_ms"] = replay_ms(entry.graph, 20, idle_s=0.03)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         entry.graph.replay()
         torch.cuda.synchronize()
