@@ -256,7 +256,9 @@ class ForkedProcess:
     send_signal, returncode) for a CLI process forked by the server."""
 
     def __init__(self, args: list[str], env: dict | None = None, cwd: str | os.PathLike | None = None,
-                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False) -> None:
+                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
+                 code: str | None = None) -> None:
+        """`code`: run `python -c CODE ARGS` in the fork instead of `basal-local ARGS`."""
         self.args = args
         self.returncode: int | None = None
         fd_in, self.stdin = _pipe_end(stdin, False, text)
@@ -267,6 +269,8 @@ class ForkedProcess:
             fd_err, self.stderr = _pipe_end(stderr, True, text)
         header = {"args": [str(a) for a in args], "env": dict(os.environ if env is None else env),
                   "cwd": str(cwd or os.getcwd())}
+        if code is not None:
+            header["exec"] = code
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._conn.connect(_Server.get().path)
@@ -371,16 +375,10 @@ def _exec_client(argv: list[str]) -> int:
         argv = argv[1:]
     if len(argv) < 2 or argv[0] != "-c":
         raise SystemExit(f"usage: python {__file__} [-u] -c CODE [ARGS]")
-    header = {"exec": argv[1], "args": argv[2:], "env": dict(os.environ), "cwd": os.getcwd()}
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(_Shared(os.environ[SHARED]).path)
-    socket.send_fds(conn, [json.dumps(header).encode()], [0, 1, 2])
-    stream = conn.makefile("r")
-    pid = int(stream.readline().split()[1])
+    child = ForkedProcess(argv[2:], code=argv[1], stderr=sys.stderr)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda sig, _: os.kill(pid, sig))
-    line = stream.readline()
-    return int(line.split()[1]) if line else 1
+        signal.signal(sig, lambda sig, _: child.send_signal(sig))
+    return child.wait()
 
 
 def cli_popen(args: list[str], **kwargs: Any) -> Any:
