@@ -5,7 +5,7 @@
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
 # sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop, fp8sub (after max; FP8_SUBSETS),
-# prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py), gsweepab (graph replays on max: ab wheel / ours / ours untimed);
+# prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py), gsweepab (graph replays on max: ab wheel / ours / ours untimed), ltprobe (tools/lt_probe.py; LTPROBE_ROWS);
 # BENCH_TILINGS / MAX_TILINGS: attention tilings (block_m:block_n:warps:stages, or default) of the bench / max runs; HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
 # invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
 # default "--devices cuda:0,cuda:1"); REQ_PER_CLIENT (default 40) and C1_REQUESTS (default 268): requests of a run;
@@ -75,6 +75,11 @@ PY
     echo "attention tiling for the rest of the call: $(cat $OUT/attn-best.txt)"
   fi
   el attn
+fi
+if has ltprobe; then  # cuBLASLt algorithms per shape and row count: bits vs the 1,024-row call, time (tools/lt_probe.py)
+  (cd /tmp && timeout ${LTPROBE_TIMEOUT:-240} python3 $OLDPWD/tools/lt_probe.py $OUT/lt_probe.jsonl ${LTPROBE_ROWS:-} \
+     > $OUT/lt_probe.txt 2> $OUT/lt_probe.err); cut -c1-260 $OUT/lt_probe.txt | tail -60; tail -3 $OUT/lt_probe.err
+  el ltprobe
 fi
 if has tests; then
   rm -rf /tmp/t && cp -r tests /tmp/t
