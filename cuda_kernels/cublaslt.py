@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -27,7 +28,8 @@ import torch
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
-_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_REDUCTION_SCHEME_MASK = 3
 # workspace the algorithms may use (torch gives cuBLASLt 32 MiB on Hopper); split-K algorithms need it, the
@@ -99,11 +101,10 @@ def _check(status: int, what: str) -> None:
 
 
 class LtGemm:
-    """x [m, K] @ w [N, K].T -> [m, N] with a given cuBLASLt algorithm, on one device (one handle, one workspace).
-
-    The same column-major problem torch's F.linear poses (D [N, m] = W^T' * X with A = W transposed): only the
-    algorithm differs. Descriptors are built once per (N, K, m, dtype) and kept (a call in a CUDA graph is
-    captured with them; they must outlive nothing but the capture)."""
+    """x [m, K] @ w [N, K].T (+ bias) -> [m, N] with a given cuBLASLt algorithm, on one device (one handle, one
+    workspace). The same column-major problem torch's F.linear poses (D [N, m] = op(A) B with A = the weight,
+    transposed, B = x): only the algorithm differs. Descriptors are built once per shape and kept; the bias
+    pointer is set on the descriptor before each call (a CUDA graph captures the launch with it)."""
 
     def __init__(self, device: torch.device | str) -> None:
         lib = _lib()
@@ -112,20 +113,25 @@ class LtGemm:
         self.lib = lib
         self.device = torch.device(device)
         self.handle = ctypes.c_void_p()
-        _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
+        with torch.cuda.device(self.device):  # the handle belongs to the device current at its creation
+            _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._descs: dict[tuple, tuple] = {}
+        # the bias pointer lives on a shared descriptor until the launch: one call at a time per handle
+        self._lock = threading.Lock()
         self._alpha = ctypes.c_float(1.0)
         self._beta = ctypes.c_float(0.0)
 
-    def _layouts(self, n: int, k: int, m: int, dtype: torch.dtype) -> tuple:
-        key = (n, k, m, dtype)
+    def _layouts(self, n: int, k: int, m: int, dtype: torch.dtype, bias: bool) -> tuple:
+        key = (n, k, m, dtype, bias)
         if key not in self._descs:
             lib, dt = self.lib, _DTYPES[dtype]
             desc = ctypes.c_void_p()
             _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F), "desc")
-            for attr, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
-                v = ctypes.c_int32(op)
+            # a bias is added in the epilogue, in f32 before the rounding to f16/bf16, as torch's F.linear does
+            for attr, value in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N),
+                                (_DESC_EPILOGUE, _EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT)):
+                v = ctypes.c_int32(value)
                 _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), 4), "desc attribute")
             a, b, d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), dt, k, n, k), "layout A")  # w, column-major K x N
@@ -134,12 +140,20 @@ class LtGemm:
             self._descs[key] = (desc, a, b, d)
         return self._descs[key]
 
-    def algos(self, n: int, k: int, m: int, dtype: torch.dtype, count: int = 32,
+    def _set_bias(self, desc, bias: torch.Tensor | None) -> None:
+        if bias is not None:
+            ptr = ctypes.c_void_p(bias.data_ptr())
+            _check(self.lib.cublasLtMatmulDescSetAttribute(desc, _DESC_BIAS_POINTER, ctypes.byref(ptr), 8), "bias")
+
+    def algos(self, w: torch.Tensor, bias: torch.Tensor | None, m: int, count: int = 16,
               no_split: bool = False) -> list[Algo]:
-        """The heuristic's algorithms for this shape, best estimate first (`no_split`: only those without a
-        split-K reduction, where the library can filter them)."""
+        """The heuristic's algorithms for x [m, K] @ w.T (+ bias), best estimate first (`no_split`: only those
+        without a split-K reduction, where the library can filter them)."""
         lib = self.lib
-        desc, a, b, d = self._layouts(n, k, m, dtype)
+        n, k = w.shape
+        with self._lock:
+            desc, a, b, d = self._layouts(n, k, m, w.dtype, bias is not None)
+            self._set_bias(desc, bias)
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         try:
@@ -161,18 +175,19 @@ class LtGemm:
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
 
-    def matmul(self, x: torch.Tensor, w: torch.Tensor, algo: Algo, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w.T with `algo` on the current stream (capturable in a CUDA graph)."""
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, algo: Algo) -> torch.Tensor:
+        """x @ w.T (+ bias) with `algo` on the current stream (capturable in a CUDA graph)."""
         m, k = x.shape
         n = w.shape[0]
         assert x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype
-        if out is None:
-            out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        desc, a, b, d = self._layouts(n, k, m, x.dtype)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         raw = (ctypes.c_uint64 * 8).from_buffer_copy(algo.raw)
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        _check(self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(self._alpha), w.data_ptr(), a, x.data_ptr(), b,
-                                       ctypes.byref(self._beta), out.data_ptr(), d, out.data_ptr(), d,
-                                       ctypes.byref(raw), self.workspace.data_ptr(), WORKSPACE_BYTES, stream),
-               "matmul")
+        with self._lock:
+            desc, a, b, d = self._layouts(n, k, m, x.dtype, bias is not None)
+            self._set_bias(desc, bias)
+            _check(self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(self._alpha), w.data_ptr(), a, x.data_ptr(),
+                                           b, ctypes.byref(self._beta), out.data_ptr(), d, out.data_ptr(), d,
+                                           ctypes.byref(raw), self.workspace.data_ptr(), WORKSPACE_BYTES, stream),
+                   "matmul")
         return out

@@ -17,6 +17,10 @@ result cannot depend on the batch. The engine already runs forwards at fixed siz
   runs never changes a row's bits, so the timing may pick differently on another day without changing an
   answer: cuBLAS's choice of kernel by M is uneven (max preset, gate/up: 268 us at 448 rows, 163 at 464), and
   padding such a call up to a size where it picks a better kernel is faster than running it as it comes.
+- `lt_choices` adds row counts where the library's own call disagrees or is slow but one of the algorithms
+  cuBLASLt lists for that very count agrees (`cublaslt`: max preset, down projection at 304 rows: split-K
+  61 us and other bits; padded to 352 rows 67 us; a pinned algorithm without split-K at 304 rows 58 us, same
+  bits); `PinnedCall` runs them.
 
 Pure torch: the same functions run on the CPU in tests (ENGINE.md §2, DESIGN.md "Numerics and reproducibility").
 """
@@ -134,25 +138,20 @@ def agreeing_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: 
     return [m for m in cands if agrees[m]], agrees
 
 
-def time_sizes(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int], linear: Linear = F.linear,
-               reps: int = 8) -> dict[int, float]:
-    """Seconds of one call at each of `sizes` on the weight's CUDA device: `reps` calls in one CUDA graph (as a
-    forward runs them), the least of three replays. For choosing among sizes only: never changes a result."""
-    if not sizes:
-        return {}
-    dev = weight.device
-    x = torch.randn(max(sizes), weight.shape[1], device=dev, dtype=torch.float32).to(weight.dtype)
+def graph_seconds(calls: dict, device: torch.device, reps: int = 8) -> dict:
+    """Seconds of one call of each of `calls` (key -> a function of no arguments) on a CUDA device: `reps` calls
+    in one CUDA graph (as a forward runs them), the least of three replays. For choosing only: never changes a
+    result."""
     times = {}
-    stream = torch.cuda.Stream(dev)
-    stream.wait_stream(torch.cuda.current_stream(dev))
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for m in sizes:
-            xm = x[:m]
-            linear(xm, weight, bias)  # library handles and workspace outside the capture
+        for key, fn in calls.items():
+            fn()  # library handles and workspace outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(reps):
-                    linear(xm, weight, bias)
+                    fn()
             best = float("inf")
             for _ in range(3):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -161,10 +160,77 @@ def time_sizes(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[
                 end.record(stream)
                 end.synchronize()
                 best = min(best, start.elapsed_time(end) / 1000.0 / reps)
-            times[m] = best
+            times[key] = best
             del graph
-    torch.cuda.current_stream(dev).wait_stream(stream)
+    torch.cuda.current_stream(device).wait_stream(stream)
     return times
+
+
+def time_sizes(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int], linear: Linear = F.linear,
+               reps: int = 8) -> dict[int, float]:
+    """Seconds of one call at each of `sizes` on the weight's CUDA device (`graph_seconds`)."""
+    if not sizes:
+        return {}
+    x = torch.randn(max(sizes), weight.shape[1], device=weight.device, dtype=torch.float32).to(weight.dtype)
+    return graph_seconds({m: (lambda xm=x[:m]: linear(xm, weight, bias)) for m in sizes}, weight.device, reps)
+
+
+def lt_choices(weight: torch.Tensor, bias: torch.Tensor | None, top: int, sizes: Sequence[int], lt,
+               library_times: dict[int, float], timer=graph_seconds, seed: int = 0,
+               margin: float = 0.05) -> tuple[dict[int, object], dict[int, float]]:
+    """Row counts where a cuBLASLt algorithm of our choosing beats the library's own call (`cublaslt`).
+
+    For each m of `sizes`: every algorithm the heuristic offers (split-K filtered out and not), run on the rows
+    from the start and from the end of the `top`-row block `agreeing_sizes` checks, compared bit for bit with
+    the library's `top`-row call; the agreeing ones are timed (`timer`) and the fastest is kept where the library's
+    own call at m does not agree (no entry in `library_times`) or is slower by more than `margin`. Returns
+    ({m: algorithm}, {m: seconds of one call}). Which of these runs never changes a bit: each gives the
+    `top`-row call's bits, as every allowed size does."""
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
+    x = torch.randn(top, weight.shape[1], generator=gen, device=weight.device, dtype=torch.float32).to(weight.dtype)
+    full = F.linear(x, weight, bias)
+    pins: dict[int, object] = {}
+    times: dict[int, float] = {}
+    for m in sizes:
+        if m > top:
+            continue
+        head, tail = x[:m].contiguous(), x[top - m:].contiguous()
+        seen, agreeing = set(), []
+        for no_split in (False, True):
+            for algo in lt.algos(weight, bias, m, no_split=no_split):
+                if algo.raw in seen:
+                    continue
+                seen.add(algo.raw)
+                try:
+                    same = torch.equal(lt.matmul(head, weight, bias, algo), full[:m]) and \
+                        torch.equal(lt.matmul(tail, weight, bias, algo), full[top - m:])
+                except RuntimeError:  # an algorithm the library offers but cannot run here
+                    continue
+                if same:
+                    agreeing.append(algo)
+        if not agreeing:
+            continue
+        timed = timer({i: (lambda a=a, h=head: lt.matmul(h, weight, bias, a)) for i, a in enumerate(agreeing)},
+                      weight.device)
+        best = min(timed, key=timed.get)
+        own = library_times.get(m)
+        if own is None or timed[best] < (1 - margin) * own:
+            pins[m], times[m] = agreeing[best], timed[best]
+    return pins, times
+
+
+class PinnedCall:
+    """One library call of a verified row count: the pinned cuBLASLt algorithm for that count (`lt_choices`),
+    else `base` (torch's call)."""
+
+    def __init__(self, base: Linear, lt=None, pins: dict[int, object] | None = None) -> None:
+        self.base, self.lt, self.pins = base, lt, dict(pins or {})
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        algo = self.pins.get(x.shape[0])
+        if algo is None:
+            return self.base(x, weight, bias)
+        return self.lt.matmul(x if x.is_contiguous() else x.contiguous(), weight, bias, algo)
 
 
 def plan_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequence[int], max_floor: int,

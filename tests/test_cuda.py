@@ -276,3 +276,43 @@ def test_cuda_fp8_accuracy_envelope_vs_f32_reference(small_model):
     print(f"cuda fp8 vs cpu f32: max |dlogit| = {dlogit:.3g}, max |dp_cal| per order = {dp:.3g}, "
           f"same decision {same}/{len(ref)}")
     assert same >= 0.95 * len(ref) and dp <= 0.08
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_cublaslt_pinned_algorithms_give_the_large_calls_bits(bias):
+    """cuBLASLt algorithms pinned to a row count (`gemm.lt_choices`, chosen on one random block) give the bits of
+    torch's large-M call on another input too, called directly and replayed in a CUDA graph. The max preset's down
+    projection shape: torch's own call splits K below 352 rows; tools/lt_probe.py found agreeing algorithms
+    without split-K at 304 and 320 rows on the H200 (without a bias; with one, whatever agrees is checked)."""
+    import torch.nn.functional as F
+
+    from basal_local.cuda_kernels import cublaslt, gemm
+
+    if not cublaslt.available():
+        pytest.skip("cuBLASLt is not loaded in this process")
+    lt = cublaslt.LtGemm("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(4096, 14336, device="cuda", generator=gen) * 14336 ** -0.5).half()
+    b = torch.randn(4096, device="cuda", generator=gen).half() if bias else None
+    top = 2048
+    pins, times = gemm.lt_choices(w, b, top, [16, 304, 320], lt, {})
+    if not bias:
+        assert 304 in pins and 320 in pins, pins
+    assert set(times) == set(pins)
+    x = torch.randn(top, 14336, device="cuda", generator=gen).half()  # not the block they were chosen on
+    full = F.linear(x, w, b)
+    call = gemm.PinnedCall(F.linear, lt, pins)
+    for m in pins:
+        assert torch.equal(call(x[:m].contiguous(), w, b), full[:m]), m
+        static = x[top - m:].contiguous()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call(static, w, b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(static, w, b)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, full[top - m:]), m

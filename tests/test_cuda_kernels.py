@@ -301,3 +301,73 @@ def test_verified_gemm_sizes_and_sized_linear():
         for allowed in (sizes, timed):
             assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, allowed, linear=gapped),
                                full[start:start + rows])
+
+
+class _FakeLt:
+    """cuBLASLt's stand-in on the CPU (`gemm.lt_choices` and `gemm.PinnedCall` take any object with these two
+    methods): per row count it offers named algorithms; "same..." ones give F.linear's bits, "off" ones a
+    different rounding (as a split-K algorithm would). `last` records the algorithm of the latest call."""
+
+    def __init__(self, offered: dict[int, list[str]], no_split: dict[int, list[str]]) -> None:
+        self.offered, self.no_split, self.last, self.calls = offered, no_split, None, []
+
+    def algos(self, w, bias, m, count=16, no_split=False):
+        from basal_local.cuda_kernels.cublaslt import Algo
+
+        names = (self.no_split if no_split else self.offered).get(m, [])
+        return [Algo(name.encode(), 0, 1.0, i) for i, name in enumerate(names)]
+
+    def matmul(self, x, w, bias, algo):
+        self.last = algo.raw.decode()
+        self.calls.append((x.shape[0], self.last))
+        y = torch.nn.functional.linear(x, w, bias)
+        return y if self.last.startswith("same") else (y.double() + 1e-3).float()
+
+
+def test_pinned_library_algorithms_agree_and_are_chosen_by_time():
+    """A library algorithm of our choosing is pinned to a row count only where its rows give the large call's
+    bits (never the fastest one that differs), where the library's own call disagrees or is slower by more than
+    5 %; the pinned counts join the allowed sizes, and a row's bits stay the same alone and amid others."""
+    from basal_local.cuda_kernels import gemm
+
+    def drifting(x, w, b):  # the library's own call: exact from 64 rows, another rounding below (split-K)
+        y = torch.nn.functional.linear(x, w, b)
+        return y if x.shape[0] >= 64 else (y.double() + 1e-3).float()
+
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    cands = [4, 16, 64, 128, 256]
+    sizes, _ = gemm.agreeing_sizes(w, b, cands, linear=drifting)
+    assert sizes == [64, 128, 256]
+    library = {64: 2.0, 128: 3.0, 256: 5.0}
+    fake = _FakeLt({4: ["off4"], 16: ["off16", "same-slow", "same-fast"], 128: ["same128"], 256: ["same256"]},
+                   {16: ["same-fast", "same-ns"], 256: ["off256"]})
+    seconds = {"same-slow": 1.5, "same-fast": 1.0, "same-ns": 1.2, "same128": 2.9, "same256": 4.0}
+    timed_names = []
+
+    def timer(calls, device):
+        out = {}
+        for key, fn in calls.items():
+            fn()
+            timed_names.append(fake.last)
+            out[key] = seconds[fake.last]
+        return out
+
+    pins, times = gemm.lt_choices(w, b, cands[-1], cands, fake, library, timer=timer)
+    assert {m: a.raw.decode() for m, a in pins.items()} == {16: "same-fast", 256: "same256"}
+    assert times == {16: 1.0, 256: 4.0}
+    assert not any(n.startswith("off") for n in timed_names)  # only agreeing algorithms are timed
+    assert timed_names.count("same-fast") == 1  # offered twice (split-K filtered and not), tried once
+    # 128: 2.9 vs the library's 3.0 is within the 5 % margin: the library's own call stays; 4 rows: nothing agrees
+
+    allowed = gemm.CallSizes(sorted(set(sizes) | set(pins)), {**library, **times})
+    call = gemm.PinnedCall(drifting, fake, pins)
+    assert allowed.call(10) == 16 and allowed.call(100) == 128
+    x = torch.randn(600, 16, generator=gen)
+    full = gemm.sized_linear(x, w, b, allowed, call)
+    assert torch.allclose(full, torch.nn.functional.linear(x, w, b), atol=1e-5)
+    fake.calls.clear()
+    for start, rows in ((0, 1), (3, 10), (250, 100), (0, 600)):
+        assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, allowed, call), full[start:start + rows])
+    # the 1- and 10-row calls ran the pinned algorithm at 16 rows; the 100-row call the library's own at 128
+    assert (16, "same-fast") in fake.calls and all(m in (16, 256) for m, _ in fake.calls)

@@ -5,7 +5,7 @@
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
 # sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop, fp8sub (after max; FP8_SUBSETS),
-# prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py), gsweepab (graph replays on max: ab wheel / ours / ours untimed), ltprobe (tools/lt_probe.py; LTPROBE_ROWS);
+# prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py), gsweepab (graph replays on max: ab wheel / ours / ours untimed), ltprobe (tools/lt_probe.py; LTPROBE_ROWS), maxlt (after max: the max bench with and without cuBLASLt pins, twice);
 # BENCH_TILINGS / MAX_TILINGS: attention tilings (block_m:block_n:warps:stages, or default) of the bench / max runs; HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
 # invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
 # default "--devices cuda:0,cuda:1"); REQ_PER_CLIENT (default 40) and C1_REQUESTS (default 268): requests of a run;
@@ -284,6 +284,18 @@ import json; r=json.load(open('$OUT/bench-max-$side$i.json')); print('max $side$
     done
   done
   el maxab
+fi
+if has maxlt; then  # the max preset's bench with the pinned cuBLASLt algorithms and without (BASAL_LOCAL_GEMM_LT=0), interleaved
+  for i in 1 2; do
+    for side in ${LT_ORDER:-nolt lt}; do
+      (cd /tmp && BASAL_LOCAL_GEMM_LT=$([ $side = lt ] && echo 1 || echo 0) BASAL_BENCH_PARTIAL=$OUT/partial-max-$side$i.json \
+         timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max --device cuda --repeat 1 --json \
+         > $OUT/bench-max-$side$i.json 2> $OUT/bench-max-$side$i.err)
+      python3 -c "
+import json; r=json.load(open('$OUT/bench-max-$side$i.json')); print('max $side$i', r['single_ms'], r['throughput']['batch32']['decisions_per_s'], 'warmup', r['warmup_s'])" 2>&1 | tail -1
+    done
+  done
+  el maxlt
 fi
 if has gsweep; then  # GEMM time per row count and graph replay per bucket (tools/graph_sweep.py)
   [ -d /tmp/m-max ] || (cd /tmp && python3 -m basal_local.cli make-test-model /tmp/m-max --preset max --device cuda > /dev/null)

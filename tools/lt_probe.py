@@ -43,7 +43,7 @@ def main() -> None:
                     seen, tried = set(), []
                     for no_split in (False, True):
                         try:
-                            algos = lt.algos(n, k, m, w.dtype, 32, no_split=no_split)
+                            algos = lt.algos(w, None, m, 32, no_split=no_split)
                         except RuntimeError as exc:
                             tried.append({"no_split": no_split, "error": str(exc)})
                             continue
@@ -52,10 +52,10 @@ def main() -> None:
                                 continue
                             seen.add(a.raw)
                             try:
-                                y = lt.matmul(xm, w, a)
+                                y = lt.matmul(xm, w, None, a)
                                 torch.cuda.synchronize()
                                 same = bool(torch.equal(y, full[:m]))
-                                ms = graphed_ms(lambda xm=xm, w=w, a=a: lt.matmul(xm, w, a)) if same else None
+                                ms = graphed_ms(lambda xm=xm, w=w, a=a: lt.matmul(xm, w, None, a)) if same else None
                             except RuntimeError as exc:
                                 tried.append({"rank": a.rank, "no_split": no_split, "error": str(exc)[:120]})
                                 continue

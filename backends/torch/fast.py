@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from basal_local.cuda_kernels import fp8, gemm, triton_available, triton_kernels, twins
+from basal_local.cuda_kernels import cublaslt, fp8, gemm, triton_available, triton_kernels, twins
 from basal_local.cuda_kernels import plan as tplan
 
 from ..base import PackedBatch, Ready
@@ -45,6 +45,10 @@ VERIFIED_FLOOR_MAX = 512
 # or a larger one that is faster by more than 25 % (gemm.CallSizes; BASAL_LOCAL_GEMM_TIMED=0: always the smallest)
 GEMM_STEP = 16
 TIMED_MAX = 1024
+# row counts where cuBLASLt's algorithms are tried beside torch's call (gemm.lt_choices): the graph sizes and
+# readout sizes a forward calls at (the GEMM step between them would cost ~4x the load time for calls that pad
+# to these anyway); tools/lt_probe.py measured them per shape (docs/PERFORMANCE.md, session 7)
+LT_SIZES = tuple(sorted({s for s in TOKEN_BUCKETS if s <= TIMED_MAX} | set(READOUT_BUCKETS)))
 
 
 # a second tree-attention tiling (block_m, block_n, warps, stages) for graphs of up to ALT_MAX_TOKENS tokens and
@@ -242,32 +246,57 @@ class FastPath:
 
     def _verified_linear(self, chunk: int, base: gemm.Linear = torch.nn.functional.linear):
         """`base` (cuBLAS f16, or the fp8 GEMM) at verified row counts per weight shape (cuda_kernels.gemm):
-        checked once here, on this device."""
+        checked once here, on this device; with f16/bf16 cuBLAS, cuBLASLt algorithms pinned per row count where
+        they agree and are faster (`gemm.lt_choices`)."""
         layer = self.b.layers[0]
         candidates = sorted(set(TOKEN_BUCKETS) | set(READOUT_BUCKETS) | set(range(GEMM_STEP, TIMED_MAX + 1, GEMM_STEP)))
         if not self.use_triton and base is not torch.nn.functional.linear:
             # the fp8 twin on the CPU (tests): blocks of at most 512 rows keep the load-time check cheap
             candidates = [c for c in candidates if c <= VERIFIED_FLOOR_MAX]
+        timed = os.environ.get("BASAL_LOCAL_GEMM_TIMED", "1") != "0"
+        lt = self._lt() if base is torch.nn.functional.linear and timed and layer.qkv_weight.is_cuda else None
         sizes: dict[tuple[int, int, bool], gemm.CallSizes] = {}
+        calls: dict[tuple, gemm.PinnedCall] = {}
         for w, bias in ((layer.qkv_weight, layer.qkv_bias), (layer.o_proj_weight, layer.o_proj_bias),
                         (layer.gate_up_weight, layer.gate_up_bias), (layer.down_proj_weight, layer.down_proj_bias)):
             key = self._gemm_key(w, bias)
             if key not in sizes:
                 plan = gemm.plan_sizes(w, bias, candidates, VERIFIED_FLOOR_MAX, chunk, base)
-                times = {}
-                if w.is_cuda and plan["route"] == "verified" and os.environ.get("BASAL_LOCAL_GEMM_TIMED", "1") != "0":
+                times, pins = {}, {}
+                if w.is_cuda and plan["route"] == "verified" and timed:
                     times = gemm.time_sizes(w, bias, [m for m in plan["sizes"] if m <= TIMED_MAX], base)
-                sizes[key] = gemm.CallSizes(plan["sizes"], times)
-                calls = {m: sizes[key].call(m) for m in TOKEN_BUCKETS if m <= min(TIMED_MAX, sizes[key][-1])}
+                    if lt is not None:
+                        pins, lt_times = gemm.lt_choices(w, bias, candidates[-1], LT_SIZES, lt, times)
+                        times.update(lt_times)
+                sizes[key] = gemm.CallSizes(sorted(set(plan["sizes"]) | set(pins)), times)
+                calls[key] = gemm.PinnedCall(base, lt, pins)
+                report = {m: sizes[key].call(m) for m in TOKEN_BUCKETS + READOUT_BUCKETS
+                          if m <= min(TIMED_MAX, sizes[key][-1])}
                 self.gemm_plan[f"{w.shape[0]}x{w.shape[1]}" + ("-f16" if self._fp8 and not key[3] else "")] = {
                     "route": plan["route"], "sizes": plan["sizes"][0] if plan["route"] == "verified" else chunk,
                     "disagree": [m for m, ok in plan["agrees"].items() if not ok and m <= 1024],
-                    "padded_calls": {m: c for m, c in calls.items() if c != m}}
+                    "padded_calls": {m: c for m, c in report.items() if c != m},
+                    **({"cublaslt_at": sorted(pins)} if pins else {})}
 
         def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            return gemm.sized_linear(x, w, b, sizes[self._gemm_key(w, b)], base)
+            key = self._gemm_key(w, b)
+            return gemm.sized_linear(x, w, b, sizes[key], calls[key])
         self._sizes = sizes
         return linear
+
+    def _lt(self):
+        """A cuBLASLt GEMM on this device (`cuda_kernels.cublaslt`), or None where it is off
+        (BASAL_LOCAL_GEMM_LT=0) or cannot run here (recorded in gemm_plan)."""
+        if os.environ.get("BASAL_LOCAL_GEMM_LT", "1") == "0":
+            self.gemm_plan["cublaslt"] = "off (BASAL_LOCAL_GEMM_LT=0)"
+            return None
+        try:
+            lt = cublaslt.LtGemm(self.b.device)
+        except Exception as exc:  # noqa: BLE001 - no library, another version: the verified route as before
+            self.gemm_plan["cublaslt"] = f"not used ({type(exc).__name__}: {str(exc)[:120]})"
+            return None
+        self.gemm_plan["cublaslt"] = "pinned algorithms where they agree and are faster"
+        return lt
 
     def padded_rows(self, m: int, w: torch.Tensor, b: torch.Tensor | None) -> int:
         """The rows of the one library call a GEMM of m rows on `w` makes (m where it needs no padding or
