@@ -286,9 +286,11 @@ import json; r=json.load(open('$OUT/bench-max-$side$i.json')); print('max $side$
   el maxab
 fi
 if has maxlt; then  # the max preset's bench with the pinned cuBLASLt algorithms and without (BASAL_LOCAL_GEMM_LT=0), interleaved
+  # (LT_ORDER: sides among nolt, lt, and ltNN = pinned with a margin of NN %)
   for i in 1 2; do
     for side in ${LT_ORDER:-nolt lt}; do
-      (cd /tmp && BASAL_LOCAL_GEMM_LT=$([ $side = lt ] && echo 1 || echo 0) BASAL_BENCH_PARTIAL=$OUT/partial-max-$side$i.json \
+      margin=; [[ $side == lt?* ]] && margin=0.${side#lt}
+      (cd /tmp && env BASAL_LOCAL_GEMM_LT=$([ $side = nolt ] && echo 0 || echo 1) ${margin:+BASAL_LOCAL_GEMM_LT_MARGIN=$margin} BASAL_BENCH_PARTIAL=$OUT/partial-max-$side$i.json \
          timeout ${MAX_TIMEOUT:-150} python3 -m basal_local.cli bench --model /tmp/m-max --device cuda --repeat 1 --json \
          > $OUT/bench-max-$side$i.json 2> $OUT/bench-max-$side$i.err)
       python3 -c "
