@@ -68,19 +68,21 @@ def resolve_backend(backend: str = "auto", device: str = "auto") -> str:
     return "torch"
 
 
-def make_backend(backend: str = "auto", device: str = "auto", attention: str = "auto") -> Backend:
+def make_backend(backend: str = "auto", device: str = "auto", attention: str = "auto",
+                 memory_limit: str | float | None = None) -> Backend:
+    """A backend; `memory_limit` is --gpu-memory (backends/memory.py), applied when the model loads."""
     name = resolve_backend(backend, device)
     if name == "mlx":
         if not mlx_importable():
             raise ValueError(MLX_MISSING)
         from .mlx import MLXBackend
 
-        return MLXBackend(device, attention)
+        return MLXBackend(device, attention, memory_limit=memory_limit)
     if importlib.util.find_spec("torch") is None:
         raise ValueError(TORCH_MISSING)
     from .torch import TorchBackend
 
-    return TorchBackend(device, attention)
+    return TorchBackend(device, attention, memory_limit=memory_limit)
 
 
 def _cuda_available() -> bool:

@@ -40,26 +40,49 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
+def _load(backend, model, dtype: str):
+    """backend.load, its refusals (a dtype it cannot run, weights over --gpu-memory) as the user's error."""
+    from .commands import UserError
+
+    try:
+        return backend.load(model.path, dtype)
+    except ValueError as exc:
+        raise UserError(f"cannot load {model.name} on {backend.device}: {exc}") from None
+
+
+def _engine(model, backend):
+    """The engine (its warm-up: template K/V, CUDA graphs), running out of a --gpu-memory limit as the user's error."""
+    from .commands import UserError
+    from .engine.engine import EngineSettings, ModelEngine
+    from .engine.gate import DeviceGate
+    from .telemetry import Telemetry
+
+    try:
+        return ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    except ValueError as exc:
+        if getattr(backend, "memory_limit", None) is None:
+            raise
+        raise UserError(f"cannot warm up {model.name} on {backend.device}: {exc}") from None
+
+
 def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention: str = "auto",
-                     backend_name: str = "torch", decisions: int = 0) -> dict[str, Any]:
+                     backend_name: str = "torch", decisions: int = 0,
+                     gpu_memory: str | None = None) -> dict[str, Any]:
     from basal_local.backends.select import make_backend
 
     from .api.systemone import validate_systemone
-    from .engine.engine import EngineSettings, ModelEngine
-    from .engine.gate import DeviceGate
     from .engine.packer import pack_prompts
     from .model.directory import load_model_dir
-    from .telemetry import Telemetry
 
     model = load_model_dir(model_dir)
-    backend = make_backend(backend_name, device, attention)
+    backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory)
     _phase(f"loading {model.name} on {backend.device}")
     t0 = time.perf_counter()
-    info = backend.load(model.path, dtype)
+    info = _load(backend, model, dtype)
     load_s = time.perf_counter() - t0
     _phase("warming up (template K/V" + (", CUDA graphs)" if backend.device.startswith("cuda") else ")"))
     t0 = time.perf_counter()
-    engine = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    engine = _engine(model, backend)
     warmup_s = time.perf_counter() - t0  # template K/V and, on CUDA, graph capture of every bucket
     requests = [validate_systemone(r, model.name) for r in single_question_requests(model.name)]
     if decisions:  # --decisions N: the first N of the sample set (a quick run)
@@ -355,14 +378,16 @@ def run_bench(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise UserError(str(exc)) from None
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
-                                  getattr(args, "backend", "torch"), getattr(args, "decisions", 0))
+                                  getattr(args, "backend", "torch"), getattr(args, "decisions", 0),
+                                  getattr(args, "gpu_memory", None))
         _save_partial(result)
         if result["device"].startswith("cuda"):
             result["memory_after_bench"] = _cuda_memory_now()
         if getattr(args, "long_doc", False) or getattr(args, "invariance", 0):
             result["extras"] = bench_extras(model_dir, args.device, args.dtype, args.attention,
                                             long_doc=getattr(args, "long_doc", False),
-                                            invariance=getattr(args, "invariance", 0), repeat=args.repeat)
+                                            invariance=getattr(args, "invariance", 0), repeat=args.repeat,
+                                            gpu_memory=getattr(args, "gpu_memory", None))
             _save_partial(result)
         if args.baseline in ("transformers-compiled", "both"):
             try:
@@ -443,7 +468,7 @@ def _cuda_memory(backend) -> dict[str, float]:
 
 
 def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", long_doc: bool = False,
-                 invariance: int = 0, repeat: int = 1) -> dict[str, Any]:
+                 invariance: int = 0, repeat: int = 1, gpu_memory: str | None = None) -> dict[str, Any]:
     """The long-document figures and the alone-vs-amid-31-others bitwise check, in-process."""
     import gc
     import random
@@ -453,17 +478,14 @@ def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", lo
     from basal_local.backends.select import make_backend
 
     from .api.systemone import validate_systemone
-    from .engine.engine import EngineSettings, ModelEngine
-    from .engine.gate import DeviceGate
     from .engine.packer import pack_prompts
     from .model.directory import load_model_dir
-    from .telemetry import Telemetry
 
     gc.collect()  # the in-process bench's backend (a backend <-> FastPath cycle) must not count in these figures
     model = load_model_dir(model_dir)
-    backend = make_backend("torch", device, attention)
-    backend.load(model.path, dtype)
-    engine = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    backend = make_backend("torch", device, attention, memory_limit=gpu_memory)
+    _load(backend, model, dtype)
+    engine = _engine(model, backend)
     out: dict[str, Any] = {"attention": getattr(backend, "attention", ""), "memory_after_load": _cuda_memory(backend)}
 
     def sync():

@@ -139,13 +139,14 @@ def cmd_top(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     from .commands import check_url, get_json
-    from .commands.serving import check_device
+    from .commands.serving import check_device, check_gpu_memory
 
     if args.http:
         args.http = check_url(args.http, "--http")
         get_json(args.http, "/v1/models", flag="--http")
     else:
         check_device(args.device)
+        check_gpu_memory(args.gpu_memory, args.device)
         if args.model:
             from .commands import model_path
 
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "fp8", "q8", "q4"],
                    help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 with float8 "
                         "GEMMs; q8/q4: MLX only, quantized once and cached in the user cache folder)")
+    p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
+                   help="GPU memory the models may use on each device: a size (24GB, 22.5GiB) or a share (0.8, "
+                        "80%%); the weights must fit, and a batch that needs more gets a 503 (default: all of it)")
     p.add_argument("--default-model", dest="default_model",
                    help="model for requests that name none (default: the first --model)")
     p.add_argument("--max-inflight", type=_positive, dest="max_inflight",
@@ -327,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32", "fp8"],
                    help="(default auto; fp8: CUDA only, f16 with float8 GEMMs)")
+    p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
+                   help="in-process: GPU memory the model may use, a size (24GB) or a share (0.8) (default: all)")
     p.add_argument("--repeat", type=_positive, default=1, help="passes over the sample set (default 1)")
     p.add_argument("--decisions", type=_positive, metavar="N",
                    help="in-process: only the first N decisions of the sample set (default: all 67)")

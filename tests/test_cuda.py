@@ -316,3 +316,23 @@ def test_cuda_cublaslt_pinned_algorithms_give_the_large_calls_bits(bias):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, full[top - m:]), m
+
+
+def test_cuda_gpu_memory_limit_refuses_and_is_enforced(small_model):
+    """--gpu-memory on a GPU: weights over the limit are refused before loading, with the figures; a model that
+    fits loads, reports its limit, and torch's allocator then refuses what would pass it."""
+    from basal_local.backends.select import make_backend
+
+    index = torch.cuda.current_device()
+    try:
+        too_small = make_backend("torch", "cuda", memory_limit="0.1MB")
+        with pytest.raises(ValueError, match=r"more than --gpu-memory 0.1MB allows \(0.0 GB\)"):
+            too_small.load(small_model, "f16")
+        backend = make_backend("torch", "cuda", memory_limit="4GB")
+        backend.load(small_model, "f16")
+        assert backend.memory()["device_limit_bytes"] == 4 * 10 ** 9
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(5 * 10 ** 9, dtype=torch.uint8, device="cuda")
+        torch.empty(10 ** 8, dtype=torch.uint8, device="cuda")  # within the limit: fine
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)

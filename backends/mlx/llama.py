@@ -9,6 +9,7 @@ the quantized q8/q4 (MLX's own format, group size 64) on request.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import numpy as np
 from ..base import ModelInfo, PackedBatch
 from .quantize import QUANTIZED, Quantized, quantized_layers
 from .tree_attention import TreeAttention
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 
@@ -50,9 +53,12 @@ class MLXBackend:
 
     name = "mlx"
 
-    def __init__(self, device: str = "auto", attention: str = "auto") -> None:
+    def __init__(self, device: str = "auto", attention: str = "auto", memory_limit: str | float | None = None) -> None:
         self.mx_device = mx.gpu if resolve_device(device) == "gpu" else mx.cpu
         self.device = "metal" if self.mx_device == mx.gpu else "cpu"
+        # --gpu-memory (backends/memory.py): MLX's memory limit on Metal, applied at load
+        self.memory_limit = memory_limit
+        self.memory_limit_bytes: int | None = None
         if attention == "auto":
             # the kernel is packing-invariant by construction; warmup() checks it against the twin first
             attention = "metal" if self.device == "metal" else "sdpa"
@@ -76,6 +82,7 @@ class MLXBackend:
         self.dtype_name = dtype
         # quantized weights compute in f16 on Metal and f32 on the CPU
         self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
+        self._apply_memory_limit()
         with mx.stream(self.mx_device):
             weights = mx.load(str(model_dir / "model.safetensors"))
             quantized = quantized_layers(model_dir / "model.safetensors", weights, cfg, QUANTIZED[dtype],
@@ -147,7 +154,25 @@ class MLXBackend:
         out = {"weights_bytes": sum(t.nbytes for t in self._tensors())}
         out["device_allocated_bytes"] = int(mx.get_active_memory())
         out["device_peak_bytes"] = int(mx.get_peak_memory())
+        if self.memory_limit_bytes is not None:
+            out["device_limit_bytes"] = self.memory_limit_bytes
         return out
+
+    def _apply_memory_limit(self) -> None:
+        """--gpu-memory on Metal: MLX's memory limit (a bound on what a computation may hold; beyond it and
+        the machine's memory an allocation fails). The CPU device uses the machine's memory: ignored there."""
+        if self.memory_limit is None:
+            return
+        from .. import memory
+
+        if self.device != "metal":
+            log.warning("--gpu-memory %s ignored: the MLX backend runs on the CPU here", self.memory_limit)
+            return
+        total = int(mx.device_info().get("memory_size", 0))
+        if total <= 0:
+            raise ValueError("--gpu-memory: this MLX build does not report the GPU's memory; drop --gpu-memory")
+        self.memory_limit_bytes = memory.limit_bytes(self.memory_limit, total, "the Metal GPU")
+        mx.set_memory_limit(self.memory_limit_bytes)
 
     # ---- pieces --------------------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from safetensors import safe_open
 
 from ..base import ModelInfo, PackedBatch, Ready
 from .tree_attention import StaticMaskAttention, TreeAttention, flex_available
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # and "fp8": f16 + fp8 GEMMs
 # token counts a CUDA graph is captured for; a forward is padded up to the next one
@@ -65,9 +68,12 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, device: str = "auto", attention: str = "auto", cuda_graphs: bool = True,
-                 gemm: str = "auto") -> None:
+                 gemm: str = "auto", memory_limit: str | float | None = None) -> None:
         self.device = resolve_device(device)
         self.gemm = gemm
+        # --gpu-memory (backends/memory.py): the value as given, and in bytes once the device is known (load)
+        self.memory_limit = memory_limit
+        self.memory_limit_bytes: int | None = None
         self.fast = None  # the FastPath of attention "tree", made at load
         # one CUDA graph per bucket replays layers 0..L-2 with a single launch; the last layer runs eagerly
         self.cuda_graphs = cuda_graphs and self.device.startswith("cuda")
@@ -113,8 +119,12 @@ class TorchBackend:
         weights: dict[str, torch.Tensor] = {}
         # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
         with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
-            for key in fh.keys():
-                weights[key] = fh.get_tensor(key).to(device=dev, dtype=self.dtype)
+            self._apply_memory_limit(fh)
+            try:
+                for key in fh.keys():
+                    weights[key] = fh.get_tensor(key).to(device=dev, dtype=self.dtype)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc, "loading the weights") from None
         self.embed_tokens = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
         # letter logits are f32 dot products with the lm_head rows
@@ -147,9 +157,43 @@ class TorchBackend:
         if self.attention == "tree":
             from .fast import FastPath
 
-            self.fast = FastPath(self, use_triton=self.device.startswith("cuda"), gemm=self.gemm)
+            try:
+                self.fast = FastPath(self, use_triton=self.device.startswith("cuda"), gemm=self.gemm)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc, "checking the GEMMs") from None
         return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, dtype, self.device, params,
                          sum(t.numel() * t.element_size() for t in self._tensors()))
+
+    def _apply_memory_limit(self, fh) -> None:
+        """--gpu-memory: refuse weights that cannot fit, then cap torch's allocator on this device."""
+        if self.memory_limit is None:
+            return
+        from .. import memory
+
+        if not self.device.startswith("cuda"):
+            log.warning("--gpu-memory %s ignored: the torch backend runs on %s here", self.memory_limit, self.device)
+            return
+        index = torch.device(self.device).index
+        index = torch.cuda.current_device() if index is None else index
+        total = torch.cuda.get_device_properties(index).total_memory
+        limit = memory.limit_bytes(self.memory_limit, total, self.device)
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        weights = sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys()) * size
+        if self.dtype_name == "fp8":  # the float8 copies of the GEMM weights are held beside the f16 ones
+            weights += weights // size
+        memory.check_weights_fit(weights, limit, self.memory_limit, self.device, self.dtype_name)
+        torch.cuda.set_per_process_memory_fraction(limit / total, index)
+        self.memory_limit_bytes = limit
+
+    def _out_of_memory(self, exc: Exception, doing: str) -> Exception:
+        """An out-of-memory error while loading, with what the limit allowed (the original without one)."""
+        if self.memory_limit_bytes is None:
+            return exc
+        from .. import memory
+
+        weights = sum(t.numel() * t.element_size() for t in self._tensors()) if getattr(self, "layers", None) else 0
+        return ValueError(f"out of memory on {self.device} while {doing}: {memory.first_sentence(exc)}"
+                          + memory.out_of_memory_hint(self.memory_limit, self.memory_limit_bytes, weights))
 
     def _tensors(self) -> Iterator[torch.Tensor]:
         yield from (self.embed_tokens, self.norm, self.lm_head)
@@ -167,6 +211,8 @@ class TorchBackend:
         if self.device.startswith("cuda"):
             out["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if self.memory_limit_bytes is not None:
+            out["device_limit_bytes"] = self.memory_limit_bytes
         return out
 
     # ---- pieces --------------------------------------------------------------------------------------------
@@ -334,7 +380,10 @@ class TorchBackend:
         """Capture the CUDA graphs of every bucket up to `max_tokens` now, not on the first request."""
         if self.fast is not None:
             if self.cuda_graphs:
-                self.fast.warmup(max_tokens)
+                try:
+                    self.fast.warmup(max_tokens)
+                except torch.OutOfMemoryError as exc:
+                    raise self._out_of_memory(exc, "capturing the CUDA graphs") from None
             return
         if self.cuda_graphs and self.attention == "sdpa":
             for size in GRAPH_BUCKETS:

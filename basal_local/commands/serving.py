@@ -12,7 +12,7 @@ from .. import __version__
 from . import UserError, port_free
 
 SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas",
-              "replica_processes", "dtype", "default_model", "max_inflight",
+              "replica_processes", "dtype", "gpu_memory", "default_model", "max_inflight",
               "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "coalesce_ms", "pipeline", "prefix_cache",
               "metrics", "api_key",
               "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
@@ -66,6 +66,22 @@ def check_device(device: str) -> None:
         raise UserError("--device mps, but Metal is not available here", "use --device cpu (or auto)")
 
 
+def check_gpu_memory(value, device: str, source: str = "") -> None:
+    """Refuse a malformed --gpu-memory, or one given with --device cpu, before anything loads. `source`: where
+    the value came from when not from the command line (the config file or the environment)."""
+    if value is None:
+        return
+    from ..backends.memory import parse_limit
+
+    try:
+        parse_limit(value)
+    except ValueError as exc:
+        raise UserError(str(exc) + (f" (set in {source})" if source else "")) from None
+    if device == "cpu":
+        raise UserError(f"--gpu-memory {value} with --device cpu: the CPU uses the machine's memory",
+                        "drop --gpu-memory, or use --device cuda (or mps)")
+
+
 def log_file_handler() -> Path | None:
     """Also log to basal-local.log in the platformdirs log folder; None when that folder cannot be written."""
     from ..server.settings import home_dirs
@@ -107,6 +123,9 @@ def serve_command(args: argparse.Namespace) -> int:
     check_ray_flags(args, ray_mode)
     if not ray_mode:  # with --ray the engines run on the cluster's nodes, not here
         check_device(settings.device)
+    check_gpu_memory(settings.gpu_memory, settings.device, "" if args.gpu_memory is not None else
+                     "BASAL_LOCAL_GPU_MEMORY" if "BASAL_LOCAL_GPU_MEMORY" in os.environ else
+                     f"gpu_memory of {args.config or config_path()}")
     dirs: list[Path] = []
     for ref in settings.models:
         try:

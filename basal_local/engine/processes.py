@@ -149,6 +149,7 @@ class WorkerSpec:
     settings: EngineSettings
     replica: int
     log_level: int = logging.WARNING
+    gpu_memory: str | float | None = None  # --gpu-memory (backends/memory.py)
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -305,7 +306,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
     engine_ref: list = [None]
     try:
         model = load_model_dir(spec.model_path)
-        backend = make_backend(spec.backend, spec.device)
+        backend = make_backend(spec.backend, spec.device, memory_limit=spec.gpu_memory)
         info = backend.load(model.path, spec.dtype)
         telemetry = _RelayTelemetry(out)
         telemetry.memory_probe = backend.memory

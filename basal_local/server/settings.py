@@ -25,6 +25,8 @@ class Settings:
     replica_processes: bool | None = None
     placement: dict[str, list[str]] = field(default_factory=dict)  # config.toml: model name -> its devices
     dtype: str = "auto"
+    # --gpu-memory: a size (24GB) or a share (0.8) of each GPU's memory the models may use (backends/memory.py)
+    gpu_memory: str | None = None
     default_model: str | None = None
     max_inflight: int = 1024
     release_date: str = "2026-10-05"
@@ -59,7 +61,8 @@ class Settings:
         if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
             raise ValueError(f'{path}: [aliases] must map names to served model names (jev-latest = "mini")')
         env_map = {"BASAL_LOCAL_HOST": "host", "BASAL_LOCAL_PORT": "port", "BASAL_LOCAL_DEVICE": "device",
-                   "BASAL_LOCAL_BACKEND": "backend", "BASAL_LOCAL_DTYPE": "dtype", "BASAL_LOCAL_API_KEY": "api_key"}
+                   "BASAL_LOCAL_BACKEND": "backend", "BASAL_LOCAL_DTYPE": "dtype", "BASAL_LOCAL_API_KEY": "api_key",
+                   "BASAL_LOCAL_GPU_MEMORY": "gpu_memory"}
         for var, key in env_map.items():
             if var in os.environ:
                 values[key] = os.environ[var]
