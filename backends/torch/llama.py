@@ -383,7 +383,7 @@ class TorchBackend:
                 try:
                     self.fast.warmup(max_tokens)
                 except torch.OutOfMemoryError as exc:
-                    raise self._out_of_memory(exc, "capturing the CUDA graphs") from None
+                    raise self._out_of_memory(exc, "warming up (CUDA graphs, a long-document forward)") from None
             return
         if self.cuda_graphs and self.attention == "sdpa":
             for size in GRAPH_BUCKETS:
