@@ -96,7 +96,11 @@ def pytest_configure(config) -> None:
         if config.option.tx == ["popen"] * len(config.option.tx):  # `-n N`: the workers are forks of it too
             config.option.tx = [f"popen//python={zygote.worker_python()}"] * len(config.option.tx)
     if sys.platform != "win32" and not os.environ.get(hf_reference.ENV):
-        proc, path = hf_reference.start_server(ROOT)
+        fork = None
+        if zygote.ENABLED and os.environ.get(zygote.SHARED):  # a fork of the server: torch is imported there
+            def fork(code: str, env: dict) -> zygote.ForkedProcess:
+                return zygote.ForkedProcess([], code=code, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stderr=2)
+        proc, path = hf_reference.start_server(ROOT, fork)
         _shared.append(proc)
         os.environ[hf_reference.ENV] = path
     if sys.platform != "win32" and not os.environ.get("BASAL_LOCAL_TEST_MODELS"):
@@ -107,13 +111,15 @@ def pytest_configure(config) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    for proc in _shared:
+    for proc in reversed(_shared):  # the forks of the fork server before the server
         proc.terminate()
-    for proc in _shared:
+    for proc in reversed(_shared):
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        except RuntimeError:  # a fork whose server went first: the server's exit killed it
+            pass
     if folder := getattr(config, "_basal_models", None):
         import shutil
 
