@@ -87,7 +87,7 @@ def pytest_configure(config) -> None:
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if _bytecode_cold():  # a fresh `--no-compile` install: compile what the run imports first, on every core
-        for proc in bytecode.compile_listed(env):
+        for proc in [*bytecode.compile_listed(env), bytecode.rewrite_tests(env)]:
             proc.wait()
     if zygote.ENABLED and not os.environ.get(zygote.SHARED):
         proc, path = zygote.start_server(env)
