@@ -38,11 +38,29 @@ def listed(site: Path) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
-def compile_listed(env: dict | None = None, jobs: int | None = None) -> list[subprocess.Popen]:
+# What the fork server (tests/zygote.py) does not import, in the order the late pass compiles it: the workers'
+# collection imports the first ones (the dashboard's and the property tests' libraries), the transformers reference
+# the rest (transformers pulls in torch's dynamo and distributed packages, sympy and networkx).
+LATE = ("textual", "rich", "pygments", "jinja2", "markupsafe", "hypothesis", "gguf", "huggingface_hub", "transformers",
+        "torch/_dynamo", "torch/_inductor", "torch/onnx", "sympy", "mpmath", "networkx")
+
+
+def _late_rank(site: Path, f: Path) -> int:
+    rel = f.relative_to(site).as_posix()
+    return next((i for i, top in enumerate(LATE) if rel.startswith(top + "/")), -1)
+
+
+def compile_listed(env: dict | None = None, jobs: int | None = None, late: bool | None = None) -> list[subprocess.Popen]:
     """Start one `compileall` per core on a share of the listed files (biggest first, dealt round-robin so the
     shares are even); returns the processes (wait for them). compileall writes where an import looks
-    (`importlib.util.cache_from_source`, PYTHONPYCACHEPREFIX included)."""
-    files = sorted(listed(site_packages()), key=lambda f: f.stat().st_size, reverse=True)
+    (`importlib.util.cache_from_source`, PYTHONPYCACHEPREFIX included). `late=False`: only what the fork server
+    imports; `late=True`: only the rest (LATE), in LATE's order."""
+    site = site_packages()
+    files = sorted(listed(site), key=lambda f: f.stat().st_size, reverse=True)
+    if late is not None:
+        files = [f for f in files if (_late_rank(site, f) >= 0) == late]
+    if late:
+        files.sort(key=lambda f: _late_rank(site, f))  # stable: biggest first within a package
     if jobs is None:
         try:
             jobs = len(os.sched_getaffinity(0))

@@ -64,6 +64,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 _shared: list[subprocess.Popen] = []
+_starting: list[threading.Thread] = []
 
 
 # A fresh `pip install --no-compile` has no bytecode: the first `import torch` then costs ~31 s of CPU instead of
@@ -86,9 +87,12 @@ def pytest_configure(config) -> None:
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    late: list[subprocess.Popen] = []
     if _bytecode_cold():  # a fresh `--no-compile` install: compile what the run imports first, on every core
-        for proc in [*bytecode.compile_listed(env), bytecode.rewrite_tests(env)]:
+        for proc in bytecode.compile_listed(env, late=False):  # what the fork server imports
             proc.wait()
+        # the rest on one core while the fork server imports (one core's work), and the test modules' rewrite
+        late = [*bytecode.compile_listed(env, jobs=1, late=True), bytecode.rewrite_tests(env)]
     if zygote.ENABLED and not os.environ.get(zygote.SHARED):
         proc, path = zygote.start_server(env)
         _shared.append(proc)
@@ -100,8 +104,15 @@ def pytest_configure(config) -> None:
         if zygote.ENABLED and os.environ.get(zygote.SHARED):  # a fork of the server: torch is imported there
             def fork(code: str, env: dict) -> zygote.ForkedProcess:
                 return zygote.ForkedProcess([], code=code, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stderr=2)
-        proc, path = hf_reference.start_server(ROOT, fork)
-        _shared.append(proc)
+        path = hf_reference.socket_path()
+
+        def start() -> None:  # once transformers is compiled and the fork server listens
+            for proc in late:
+                proc.wait()
+            _shared.append(hf_reference.start_server(ROOT, fork, path)[0])
+
+        _starting.append(threading.Thread(target=start, name="hf-reference-start", daemon=True))
+        _starting[-1].start()
         os.environ[hf_reference.ENV] = path
     if sys.platform != "win32" and not os.environ.get("BASAL_LOCAL_TEST_MODELS"):
         import tempfile
@@ -111,6 +122,8 @@ def pytest_configure(config) -> None:
 
 
 def pytest_unconfigure(config) -> None:
+    for thread in _starting:
+        thread.join(timeout=300)
     for proc in reversed(_shared):  # the forks of the fork server before the server
         proc.terminate()
     for proc in reversed(_shared):

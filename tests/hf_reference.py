@@ -88,14 +88,19 @@ def serve(path: str) -> None:
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
-def start_server(root: Path, fork: Any = None) -> tuple[Any, str]:
+def socket_path() -> str:
+    """A fresh path for the server's socket (a new temporary folder)."""
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix="basal-hfref-"), "s")
+
+
+def start_server(root: Path, fork: Any = None, path: str | None = None) -> tuple[Any, str]:
     """Start the shared server in the background (the caller does not wait for it); (process, socket path).
 
     `fork`: a callable that runs code in a fork of the suite's fork server (tests/zygote.py), which has torch
     imported already (~6-9 s of CPU less than a fresh interpreter; transformers is still imported here)."""
-    import tempfile
-
-    path = os.path.join(tempfile.mkdtemp(prefix="basal-hfref-"), "s")
+    path = path or socket_path()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # read when torch loads: one thread, as in the workers
     code = f"import sys; sys.path.insert(0, {str(root)!r}); from tests.hf_reference import serve; serve({path!r})"
