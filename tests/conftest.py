@@ -64,6 +64,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 _shared: list[subprocess.Popen] = []
+_starting: list[threading.Thread] = []
 
 
 # A fresh `pip install --no-compile` has no bytecode: the first `import torch` then costs ~31 s of CPU instead of
@@ -86,9 +87,12 @@ def pytest_configure(config) -> None:
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    late: list[subprocess.Popen] = []
     if _bytecode_cold():  # a fresh `--no-compile` install: compile what the run imports first, on every core
-        for proc in bytecode.compile_listed(env):
+        for proc in bytecode.compile_listed(env, late=False):  # what the fork server imports
             proc.wait()
+        # the rest on one core while the fork server imports (one core's work), and the test modules' rewrite
+        late = [*bytecode.compile_listed(env, jobs=1, late=True), bytecode.rewrite_tests(env)]
     if zygote.ENABLED and not os.environ.get(zygote.SHARED):
         proc, path = zygote.start_server(env)
         _shared.append(proc)
@@ -96,8 +100,19 @@ def pytest_configure(config) -> None:
         if config.option.tx == ["popen"] * len(config.option.tx):  # `-n N`: the workers are forks of it too
             config.option.tx = [f"popen//python={zygote.worker_python()}"] * len(config.option.tx)
     if sys.platform != "win32" and not os.environ.get(hf_reference.ENV):
-        proc, path = hf_reference.start_server(ROOT)
-        _shared.append(proc)
+        fork = None
+        if zygote.ENABLED and os.environ.get(zygote.SHARED):  # a fork of the server: torch is imported there
+            def fork(code: str, env: dict) -> zygote.ForkedProcess:
+                return zygote.ForkedProcess([], code=code, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stderr=2)
+        path = hf_reference.socket_path()
+
+        def start() -> None:  # once transformers is compiled and the fork server listens
+            for proc in late:
+                proc.wait()
+            _shared.append(hf_reference.start_server(ROOT, fork, path)[0])
+
+        _starting.append(threading.Thread(target=start, name="hf-reference-start", daemon=True))
+        _starting[-1].start()
         os.environ[hf_reference.ENV] = path
     if sys.platform != "win32" and not os.environ.get("BASAL_LOCAL_TEST_MODELS"):
         import tempfile
@@ -107,13 +122,17 @@ def pytest_configure(config) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    for proc in _shared:
+    for thread in _starting:
+        thread.join(timeout=300)
+    for proc in reversed(_shared):  # the forks of the fork server before the server
         proc.terminate()
-    for proc in _shared:
+    for proc in reversed(_shared):
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        except RuntimeError:  # a fork whose server went first: the server's exit killed it
+            pass
     if folder := getattr(config, "_basal_models", None):
         import shutil
 

@@ -4,7 +4,7 @@ transformers can load a GGUF itself, but its reader (the `gguf` package's `GGUFR
 metadata item: SmolLM2's 49k-token vocabulary and 49k merges cost minutes of CPU per read, and transformers reads
 the file twice (config, then weights). The test needs only the architecture numbers and the tensors, so this
 module walks the metadata with `struct` (skipping the vocabulary), dequantizes the tensors with the `gguf`
-package's own `dequantize`, undoes llama.cpp's q/k row permutation and names them as Hugging Face does.
+package's own dequantization, undoes llama.cpp's q/k row permutation and names them as Hugging Face does.
 Both sides of the parity test then load the same f32 weights; what the test compares is the forward.
 """
 
@@ -56,8 +56,7 @@ class _Cursor:
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata with arrays replaced by their lengths, {GGUF tensor name: f32 array in NumPy's row-major shape})."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -87,8 +86,19 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
         nbytes = count // block * size
         raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start + offset)
         rows = raw.reshape(count // dims[0], dims[0] // block * size)  # one row per innermost dimension
-        tensors[name] = np.ascontiguousarray(dequantize(rows, qt), dtype=np.float32).reshape(dims[::-1])
+        tensors[name] = np.ascontiguousarray(_dequantize(quants, rows, qt), dtype=np.float32).reshape(dims[::-1])
     return meta, tensors
+
+
+def _dequantize(quants, rows: np.ndarray, qt) -> np.ndarray:
+    """The `gguf` package's dequantization of a whole tensor: its quantization class's `dequantize_rows` on all
+    rows at once (`quants.dequantize` applies the same function to groups of 16 rows: SmolLM2's 49k-row
+    embedding is 3,000 calls; 9.5 -> 6.1 s of CPU for the file, the same bits)."""
+    cls = getattr(quants, qt.name, None)
+    if isinstance(cls, type) and hasattr(cls, "dequantize_rows") and hasattr(cls, "init_grid"):
+        cls.init_grid()
+        return cls.dequantize_rows(rows)
+    return quants.dequantize(rows, qt)  # F32, F16 and anything without a class of its own
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
