@@ -666,7 +666,9 @@ class ProcessReplicaSet:
     def lost(self, r: RemoteReplica) -> None:
         """A worker's pipe closed: out of rotation; what it had not answered runs on the others."""
         with self._lock:
-            was_alive = r.alive
+            # announced once per replica that had joined the rotation (`ready`): a failed send to it may have marked
+            # it not alive already (`_dispatch`), before its reader saw the pipe close
+            announce = bool(r.info) and r.replica not in self.dead
             r.alive = False
             self.dead.add(r.replica)
             orphans = list(r.pending.values())
@@ -683,7 +685,7 @@ class ProcessReplicaSet:
                 self._dispatch(pending)
         # then reap it (a forkserver's child: its exit status arrives through the forkserver, a moment later)
         r.process.join(timeout=5)
-        if was_alive and not self.stopping:
+        if announce and not self.stopping:
             log.error("replica %d of %s on %s is out of rotation: its process ended (exit code %s); %d requests "
                       "went to the others", r.replica, self.model.name, r.backend.device, r.process.exitcode,
                       len(orphans))
