@@ -31,15 +31,17 @@ from typing import Any
 
 PRELOAD = ["torch", "numpy", "safetensors", "tokenizers", "litestar", "uvicorn", "msgspec", "basal_local.cli",
            "basal_local.server.daemon", "basal_local.server.app", "basal_local.commands.serving",
-           "basal_local.backends.torch",
-           # what every daemon imported lazily while it started and answered its first requests (~1 s of CPU per
-           # daemon, most of it litestar's pydantic plugin, which imports pydantic when pydantic is installed)
-           "litestar.plugins.pydantic", "litestar._kwargs", "litestar.exceptions.responses", "litestar.logging.standard",
-           "litestar.middleware.allowed_hosts", "litestar.middleware.csrf", "litestar.middleware.response_cache",
-           "litestar.middleware._internal.exceptions", "uvicorn.lifespan.on", "uvicorn.loops.asyncio",
-           "uvicorn.loops.auto", "uvicorn.protocols.http.h11_impl", "uvicorn.protocols.websockets.auto",
-           "anyio._backends._asyncio", "anyio.streams.memory", "anyio.streams.stapled", "anyio.streams.tls",
-           "basal_local.server.openapi", "basal_local.server.extras", "basal_local.model.registry"]
+           "basal_local.backends.torch"]
+# what every daemon imported lazily while it started and answered its first requests (~1 s of CPU per daemon, most
+# of it litestar's pydantic plugin, which imports pydantic when pydantic is installed); best effort: several are
+# private modules that another litestar, uvicorn or anyio release may move (a missing one is only not preloaded)
+PRELOAD_LAZY = ["litestar.plugins.pydantic", "litestar._kwargs", "litestar.exceptions.responses",
+                "litestar.logging.standard", "litestar.middleware.allowed_hosts", "litestar.middleware.csrf",
+                "litestar.middleware.response_cache", "litestar.middleware._internal.exceptions",
+                "uvicorn.lifespan.on", "uvicorn.loops.asyncio", "uvicorn.loops.auto",
+                "uvicorn.protocols.http.h11_impl", "uvicorn.protocols.websockets.auto", "anyio._backends._asyncio",
+                "anyio.streams.memory", "anyio.streams.stapled", "anyio.streams.tls", "basal_local.server.openapi",
+                "basal_local.server.extras", "basal_local.model.registry"]
 ENABLED = os.environ.get("BASAL_LOCAL_TEST_FORK", "1") != "0" and hasattr(os, "fork") and sys.platform != "darwin"
 SHARED = "BASAL_LOCAL_TEST_ZYGOTE"  # the socket of a server the pytest-xdist controller started for all workers
 
@@ -114,6 +116,11 @@ def serve(path: str) -> None:
         pass
     for name in PRELOAD:
         __import__(name)
+    for name in PRELOAD_LAZY:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(64)
