@@ -33,7 +33,8 @@ _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_REDUCTION_SCHEME_MASK = 3
 # workspace the algorithms may use (torch gives cuBLASLt 32 MiB on Hopper); split-K algorithms need it, the
-# ones we keep mostly do not
+# ones we keep mostly do not. One per LtGemm (per device), shared by its calls: safe because a backend's forwards,
+# eager and graph replays alike, run one after another on the thread's current (default) stream
 WORKSPACE_BYTES = 32 << 20
 _DTYPES = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF}
 
