@@ -90,7 +90,11 @@ def test_fp8_fast_forward_on_twins_close_to_reference(tiny_model):
     assert worst <= 0.1 * max(1.0, scale), (worst, scale)
     assert all(np.argmax(x) == np.argmax(y) for x, y in zip(a, b))
     alone = readout_logits(quant, pack_prompts(specs[-1:], prefixes))[0]
-    assert np.array_equal(alone, b[-1])
+    if quant.device.startswith("cuda"):
+        assert np.array_equal(alone, b[-1])  # the numerics contract: bitwise on CUDA
+    else:
+        # on the CPU the contract is 1e-6: torch's CPU GEMMs may pick other kernels for other row counts (AVX-512)
+        assert float(np.abs(alone - b[-1]).max()) <= 1e-6 * max(1.0, scale)
 
 
 def test_fp8_refused_where_it_cannot_run(tiny_model):
