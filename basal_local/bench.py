@@ -19,10 +19,7 @@ import urllib.request
 from importlib import resources
 from typing import Any
 
-
-def sample_requests() -> list[dict[str, Any]]:
-    text = resources.files("basal_local.assets").joinpath("sample_requests.jsonl").read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+from .samples import sample_requests
 
 
 def single_question_requests(model: str) -> list[dict[str, Any]]:

@@ -11,32 +11,6 @@ from pathlib import Path
 from . import __version__
 from .commands import UserError
 
-DEMO_BANNER = """\
-basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
-  The demo model has RANDOM weights: its answers are random. It shows the API, not a real decision model.
-  Get a real model with `basal-local pull mini` and start it with `basal-local serve --model mini`.
-
-Try it:
-  curl -s http://{host}:{port}/v1/systemone -H 'content-type: application/json' -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
-    "questions": {{"urgent": {{"type": "noul", "instructions": "Is this urgent?"}}}}}}'
-
-  basal-local ask --url http://{host}:{port} --state "The parcel arrived broken." --noul "Is this urgent?"
-
-  python - <<'PY'
-  import json, urllib.request
-  body = {{"model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
-          "questions": {{"kind": {{"type": "choice", "criteria": {{"damage": "Uszkodzenie", "late": "Opóźnienie"}}}}}}}}
-  req = urllib.request.Request("http://{host}:{port}/v1/systemone", json.dumps(body).encode())
-  print(json.load(urllib.request.urlopen(req)))
-  PY
-Stop with Ctrl-C."""
-
-NO_MODEL = """\
-basal-local: error: no model to serve.
-  Try the demo (random weights, answers are random):  basal-local serve --demo
-  Serve a real model: basal-local pull mini && basal-local serve --model mini
-  or point at a model directory:                      basal-local serve --model /path/to/basal-1.5-mini"""
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is two lines (what is wrong, where the help is), not the whole usage."""

@@ -21,10 +21,10 @@ import torch
 
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.torch import TorchBackend
-from basal_local.bench import sample_requests
 from basal_local.engine.packer import PromptSpec, pack_prompts
 from basal_local.model import load_model_dir
 from basal_local.protocol.render import render_question
+from basal_local.samples import sample_requests
 
 from .conftest import CACHE, load_backend
 from .hf_reference import HFModel

@@ -48,7 +48,7 @@ class Quantized:
 
 
 def cache_dir() -> Path:
-    from basal_local.server.settings import home_dirs
+    from basal_local.paths import home_dirs
 
     return home_dirs()["cache"] / "mlx-quantized"
 

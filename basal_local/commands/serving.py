@@ -17,6 +17,32 @@ SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas",
               "metrics", "api_key",
               "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
 
+DEMO_BANNER = """\
+basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
+  The demo model has RANDOM weights: its answers are random. It shows the API, not a real decision model.
+  Get a real model with `basal-local pull mini` and start it with `basal-local serve --model mini`.
+
+Try it:
+  curl -s http://{host}:{port}/v1/systemone -H 'content-type: application/json' -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
+    "questions": {{"urgent": {{"type": "noul", "instructions": "Is this urgent?"}}}}}}'
+
+  basal-local ask --url http://{host}:{port} --state "The parcel arrived broken." --noul "Is this urgent?"
+
+  python - <<'PY'
+  import json, urllib.request
+  body = {{"model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
+          "questions": {{"kind": {{"type": "choice", "criteria": {{"damage": "Uszkodzenie", "late": "Opóźnienie"}}}}}}}}
+  req = urllib.request.Request("http://{host}:{port}/v1/systemone", json.dumps(body).encode())
+  print(json.load(urllib.request.urlopen(req)))
+  PY
+Stop with Ctrl-C."""
+
+NO_MODEL = """\
+basal-local: error: no model to serve.
+  Try the demo (random weights, answers are random):  basal-local serve --demo
+  Serve a real model: basal-local pull mini && basal-local serve --model mini
+  or point at a model directory:                      basal-local serve --model /path/to/basal-1.5-mini"""
+
 
 def load_settings(args: argparse.Namespace, keys=SERVE_KEYS):
     """Settings from the flags present in `args`, the environment and config.toml; errors name the file."""
@@ -110,7 +136,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     if not settings.models and not args.demo:
-        print(NO_MODEL_HINT(), file=sys.stderr)
+        print(NO_MODEL, file=sys.stderr)
         return 2
     try:
         check_dtype(settings.backend, settings.device, settings.dtype)
@@ -150,8 +176,6 @@ def serve_command(args: argparse.Namespace) -> int:
     where = "\n".join(f"  model: {d}" for d in dirs)
     footer = f"{where}\n  {cfg_note}" + (f"\n  log: {log_path}" if log_path else "")
     if args.demo:
-        from ..cli import DEMO_BANNER
-
         banner = DEMO_BANNER.format(host=settings.host, port=settings.port, version=__version__) + "\n" + footer
     else:
         banner = (f"basal-local {__version__}: serving on http://{settings.host}:{settings.port} "
@@ -212,9 +236,3 @@ def serve_ray_command(args: argparse.Namespace, settings, banner: str) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def NO_MODEL_HINT() -> str:  # noqa: N802 -- kept next to the message it returns
-    from ..cli import NO_MODEL
-
-    return NO_MODEL

@@ -32,43 +32,16 @@ from ..engine.evidence import attach_evidence
 from ..engine.plan import RequestPlan, next_round
 from ..engine.scheduler import Cancelled, EngineStopped, Job
 from ..protocol.errors import AnswerRefused, ProtocolError
-from ..telemetry import Telemetry
-from .body import BodyError, BodyLimits, ClientGone, read_body
+from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
+from .extras import extra_handlers, stamp_request_id, wrap_asgi
+from .state import MAX_BODY_BYTES, AppState
 
 log = logging.getLogger("basal_local.server")
 DESCRIPTION = "basal typed-decision model (choice / noul / score / act / multi), Polish and English"
-MAX_BODY_BYTES = 32 * 1024 * 1024
 # bodies above this are parsed and planned in their own pool, so a few big ones never delay small ones
 BIG_BODY_BYTES = 256 * 1024
 LOGGED_BODY_BYTES = 64 * 1024
-
-
-@dataclass
-class AppState:
-    """What the handlers share: engines by served name, the in-flight counter, telemetry, readiness."""
-
-    # replaced, never mutated, while serving (copy on write): handlers iterate it while the loader adds models
-    engines: dict[str, ModelEngine] = field(default_factory=dict)
-    default_model: str | None = None
-    max_inflight: int = 1024
-    release_date: str = "2026-10-05"
-    backend_name: str = ""
-    device: str = ""
-    dtype: str = ""
-    telemetry: Telemetry = field(default_factory=Telemetry)
-    ready: bool = False
-    load_error: str | None = None
-    stopping: bool = False
-    access_log: bool = False
-    log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
-    limits: BodyLimits = field(default_factory=BodyLimits)
-    metrics: bool = False
-    aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name (server/aliases.py)
-    inflight: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "basal-plan"))
-    big_planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "basal-plan-big"))
 
 
 def _json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
@@ -355,8 +328,6 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def create_app(state: AppState) -> Litestar:
-    from .extras import extra_handlers, stamp_request_id, wrap_asgi
-
     app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state)],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
                    exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id])

@@ -18,11 +18,12 @@ from ..engine.processes import ProcessReplicaSet, WorkerSpec
 from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
 from .aliases import resolve_aliases
-from .app import AppState, create_app
+from .app import create_app
 from .body import BodyLimits
 from .events import BusLogHandler
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
+from .state import AppState
 
 log = logging.getLogger("basal_local.daemon")
 KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (CLIENTS.md A.6)

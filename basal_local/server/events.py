@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from litestar import Request, Response, get
@@ -20,9 +20,7 @@ from litestar.response import Stream
 
 from .. import __version__
 from ..telemetry import Lazy, resolve
-
-if TYPE_CHECKING:
-    from .app import AppState
+from .state import MAX_BODY_BYTES, AppState
 
 KEEPALIVE_S = 15.0
 # Events go out in bundles: after a send, the stream waits this long before it drains again, so a busy daemon
@@ -100,8 +98,6 @@ def _models(state: AppState) -> list[dict[str, Any]]:
 
 def stats_snapshot(state: AppState) -> dict[str, Any]:
     """Everything a dashboard needs at start: identity, limits, counters, percentiles, queues, recent history."""
-    from .app import MAX_BODY_BYTES
-
     snap = state.telemetry.snapshot()
     snap.update({"version": __version__, "ready": state.ready, "load_error": state.load_error,
                  "backend": state.backend_name, "device": state.device, "dtype": state.dtype,

@@ -18,15 +18,14 @@ import sys
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from litestar import Request, Response, get
 
 from .. import __version__
+from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
-
-if TYPE_CHECKING:
-    from .app import AppState
+from .state import AppState
 
 DECISION_PATHS = ("/v1/systemone", "/v1/basal")
 
@@ -100,8 +99,6 @@ def wrap_asgi(state: AppState):
     state.retry = spreader  # type: ignore[attr-defined]
     recorder = None
     if state.metrics:
-        from .metrics import MetricsRecorder
-
         recorder = MetricsRecorder(state)
         state.metrics_recorder = recorder  # type: ignore[attr-defined]
 
@@ -200,7 +197,5 @@ async def docs() -> Response:
 def extra_handlers(state: AppState) -> list:
     handlers = [ps, openapi, docs]
     if state.metrics:
-        from .metrics import metrics_handler
-
         handlers.append(metrics_handler)
     return handlers

@@ -7,7 +7,6 @@ naming an unknown model is counted under model="").
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from litestar import Request, Response, get
 from prometheus_client import (
@@ -19,8 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-if TYPE_CHECKING:
-    from .app import AppState
+from .state import AppState
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
            300.0, 600.0)

@@ -30,8 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .daemon import shutdown
+from ..model.registry import demo_model_dir, resolve_model
+from .app import create_app
+from .body import BodyLimits
+from .daemon import load_engines, shutdown
+from .security import AccessPolicy, Guard
 from .settings import Settings
+from .state import AppState
 
 log = logging.getLogger("basal_local.ray")
 APP_NAME = "basal-local"
@@ -93,12 +98,6 @@ class EngineReplica:
     """One engine replica: the daemon's state and guarded app, loaded in the actor's constructor."""
 
     def __init__(self, settings: Settings, model_refs: list[str], demo: bool = False) -> None:
-        from ..model.registry import demo_model_dir, resolve_model
-        from .app import AppState, create_app
-        from .body import BodyLimits
-        from .daemon import load_engines
-        from .security import AccessPolicy, Guard
-
         logging.getLogger("basal_local.server").setLevel(logging.INFO)
         dirs = [Path(resolve_model(ref)) for ref in model_refs]  # names resolve in this node's model cache
         if demo:

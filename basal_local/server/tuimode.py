@@ -23,10 +23,11 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import AppState
+from ..samples import sample_requests
 from .daemon import build, shutdown, start_loading
 from .events import BusLogHandler
 from .settings import Settings
+from .state import AppState
 
 log = logging.getLogger("basal_local.demo")
 DEMO_AGENT = "demo-traffic"
@@ -34,8 +35,6 @@ DEMO_AGENT = "demo-traffic"
 
 def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: float = 0.3) -> list[threading.Thread]:
     """Threads that post the sample requests (whole, then question by question) until `stop` is set."""
-    from ..bench import sample_requests
-
     samples = sample_requests()
 
     def post(body: dict) -> None:

@@ -1,0 +1,40 @@
+"""The `Engine` protocol: what the server needs of any engine kind (DESIGN.md "The Engine protocol").
+
+One model on one device (`engine.ModelEngine`), several in-process replicas (`replicas.ReplicaSet`), replicas
+in worker processes (`replicas.ProcessReplicaSet`): the server awaits one future per request and knows none of
+them by kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
+
+from ..model.directory import ModelDir
+from ..protocol.outcome import Outcome
+from ..protocol.questions import DecisionRequest
+from .plan import RequestPlan
+
+
+@runtime_checkable
+class Engine(Protocol):
+    model: ModelDir
+
+    def plan(self, request: DecisionRequest) -> RequestPlan:
+        """Render, tokenize and size a validated request (raises ContextTooLong); runs on the caller's thread."""
+        ...
+
+    def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = ..., request_id: str = "") -> Future[Outcome]:
+        """Queue the request: its evidence forwards, every round of a large choice, its answer. The future fails
+        with Cancelled (the client left), EngineStopped, a protocol error (NoEvidenceHead) or the batch's error."""
+        ...
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One entry per replica: model, replica, device, alive, batches, waiting, queued_tokens, in_flight, and
+        for the stats `lanes` (label -> waiting, waiting_tokens, oldest_wait_ms) and `memory` (the device's)."""
+        ...
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Fail queued requests with EngineStopped, let running batches finish; whether everything ended in time."""
+        ...
