@@ -1,6 +1,6 @@
 """Decision math (PROTOCOL.md §5) against the golden vectors of §9, to the last printed digit."""
 
-from basal_local.protocol.answers import answer
+from basal_local.api.answers import answer as outcome_answer
 from basal_local.protocol.decision import (
     average_orders,
     calibrate,
@@ -8,7 +8,13 @@ from basal_local.protocol.decision import (
     score_confidence,
     score_value,
 )
+from basal_local.protocol.outcome import QuestionOutcome
 from basal_local.protocol.questions import Question
+
+
+def answer(q, p_cal, dialect):
+    """The answer object the api builds from the engine's outcome for `q`."""
+    return outcome_answer(QuestionOutcome(q.qtype, list(q.keys), list(p_cal), q.legend, q.fixed), dialect)
 
 
 def test_choice_golden():

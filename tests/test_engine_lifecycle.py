@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from basal_local.api.systemone import validate_systemone
-from basal_local.engine.engine import EngineSettings, JobResult, ModelEngine
+from basal_local.engine.engine import EngineSettings, ModelEngine
 from basal_local.engine.gate import DeviceGate
-from basal_local.engine.plan import next_round
 from basal_local.engine.scheduler import Cancelled, EngineStopped
 from basal_local.model import load_model_dir
+from basal_local.protocol.outcome import Outcome
 from basal_local.telemetry import KEEP_UNBUILT, BatchRecord, Lazy, Telemetry, resolve
 
 from .conftest import free_port
@@ -90,16 +90,16 @@ def test_a_job_cancelled_in_the_queue_hurts_neither_its_batch_nor_the_lane(engin
     kept = eng.submit(plan(eng, "kept"))
     cancelled = eng.submit(plan(eng, "cancelled"))
     both = eng.submit(plan(eng, "both"), is_cancelled=lambda: True)  # client gone AND future cancelled
-    assert cancelled.future.cancel() and both.future.cancel()
+    assert cancelled.cancel() and both.cancel()
     backend.release(2)  # the blocker's forward, then the next batch
-    assert isinstance(blocker.future.result(WAIT), JobResult)
-    assert isinstance(kept.future.result(WAIT), JobResult)
-    assert cancelled.future.cancelled() and both.future.cancelled()
+    assert isinstance(blocker.result(WAIT), Outcome)
+    assert isinstance(kept.result(WAIT), Outcome)
+    assert cancelled.cancelled() and both.cancelled()
     assert eng.telemetry.counters["cancelled"] == 2
     # the lane is alive: a later request is answered
     later = eng.submit(plan(eng, "later"))
     backend.release()
-    assert isinstance(later.future.result(WAIT), JobResult)
+    assert isinstance(later.result(WAIT), Outcome)
     assert eng.main.thread.is_alive()
 
 
@@ -111,16 +111,16 @@ def test_a_job_cancelled_during_compute_does_not_fail_its_batch_mates(engine):
     b = eng.submit(plan(eng, "b"))
     backend.release()  # the blocker finishes; a and b form one batch
     backend.wait_entered()
-    assert blocker.future.result(WAIT)
-    assert a.future.cancel()  # the waiter goes away while a's batch computes
+    assert blocker.result(WAIT)
+    assert a.cancel()  # the waiter goes away while a's batch computes
     backend.release()
-    result = b.future.result(WAIT)
-    assert isinstance(result, JobResult) and result.batch_requests == 2
+    result = b.result(WAIT)
+    assert isinstance(result, Outcome) and result.batch_requests == 2
     with pytest.raises(CancelledError):
-        a.future.result(0)
+        a.result(0)
     later = eng.submit(plan(eng, "later"))
     backend.release()
-    assert isinstance(later.future.result(WAIT), JobResult)
+    assert isinstance(later.result(WAIT), Outcome)
 
 
 def test_a_broken_cancellation_flag_does_not_stop_the_lane(engine):
@@ -131,7 +131,7 @@ def test_a_broken_cancellation_flag_does_not_stop_the_lane(engine):
 
     job = eng.submit(plan(eng, "flag"), is_cancelled=broken)
     backend.release()
-    assert isinstance(job.future.result(WAIT), JobResult)
+    assert isinstance(job.result(WAIT), Outcome)
 
 
 def test_an_answer_that_fails_fails_only_its_own_request(engine, monkeypatch):
@@ -150,10 +150,10 @@ def test_an_answer_that_fails_fails_only_its_own_request(engine, monkeypatch):
     backend.wait_entered()
     poison, fine = eng.submit(plan(eng, "poison")), eng.submit(plan(eng, "fine"))
     backend.release(2)
-    assert blocker.future.result(WAIT)
-    assert fine.future.result(WAIT).batch_requests == 2
+    assert blocker.result(WAIT)
+    assert fine.result(WAIT).batch_requests == 2
     with pytest.raises(ValueError, match="poisoned"):
-        poison.future.result(WAIT)
+        poison.result(WAIT)
 
 
 def test_stop_fails_queued_jobs_finishes_the_running_batch_and_joins_the_threads(model):
@@ -168,16 +168,16 @@ def test_stop_fails_queued_jobs_finishes_the_running_batch_and_joins_the_threads
     stopper.start()
     for job in queued:  # failed at once, while the running batch still computes
         with pytest.raises(EngineStopped):
-            job.future.result(WAIT)
-    assert not running.future.done()
+            job.result(WAIT)
+    assert not running.done()
     backend.release()
     stopper.join(WAIT)
     assert stopped == [True]
-    assert isinstance(running.future.result(0), JobResult)
+    assert isinstance(running.result(0), Outcome)
     assert not any(lane.thread.is_alive() for lane in eng.lanes())
     late = eng.submit(plan(eng, "late"))
     with pytest.raises(EngineStopped):
-        late.future.result(0)
+        late.result(0)
 
 
 def test_cancelled_requests_are_counted_once_and_never_computed(engine):
@@ -186,10 +186,10 @@ def test_cancelled_requests_are_counted_once_and_never_computed(engine):
     backend.wait_entered()
     gone = [eng.submit(plan(eng, f"gone {i}"), is_cancelled=lambda: True) for i in range(4)]
     backend.release()
-    assert blocker.future.result(WAIT)
+    assert blocker.result(WAIT)
     for job in gone:
         with pytest.raises(Cancelled):
-            job.future.result(WAIT)
+            job.result(WAIT)
     assert backend.calls == 1
 
 
@@ -214,7 +214,7 @@ def test_a_failed_batch_is_no_longer_running(engine):
     assert telemetry.running[key]["requests"] == 1  # computing now
     backend.release()
     with pytest.raises(RuntimeError, match="fell over"):
-        doomed.future.result(WAIT)
+        doomed.result(WAIT)
     assert key not in telemetry.running and telemetry.snapshot()["running"] == {}
     events = sub.drain()[0]
     batched = next(e for e in events if e["kind"] == "batched")
@@ -224,7 +224,7 @@ def test_a_failed_batch_is_no_longer_running(engine):
     backend.forward = real_forward
     later = eng.submit(plan(eng, "later"))
     backend.release()
-    assert isinstance(later.future.result(WAIT), JobResult) and key not in telemetry.running
+    assert isinstance(later.result(WAIT), Outcome) and key not in telemetry.running
     sub.close()
 
 
@@ -239,14 +239,14 @@ def test_a_batch_tree_is_built_only_when_someone_reads_it(engine):
     telemetry = eng.telemetry
     alone = eng.submit(plan(eng, "alone"), request_id="alone")
     backend.release()
-    assert isinstance(alone.future.result(WAIT), JobResult)
+    assert isinstance(alone.result(WAIT), Outcome)
     record = telemetry.batches[-1]
     # nobody listens: the record holds a builder, never a tree
     assert isinstance(record.tree, Lazy) and not record.tree.built and telemetry.trees_built == 0
     sub = telemetry.bus.subscribe()  # an /api/events reader
     watched = eng.submit(plan(eng, "watched"), request_id="watched")
     backend.release()
-    assert isinstance(watched.future.result(WAIT), JobResult)
+    assert isinstance(watched.result(WAIT), Outcome)
     computed = next(e for e in sub.drain()[0] if e["kind"] == "computed")
     assert telemetry.trees_built == 0  # handed over unbuilt: the reader's serialization builds it
     sent = json.loads(json.dumps(computed, default=resolve))  # what /api/events writes
@@ -290,14 +290,9 @@ def test_multi_branches_and_large_choice_rounds_are_named_in_the_tree(engine):
         "big": {"type": "choice", "instructions": "Pick one.", "criteria": {f"k{i}": f"Option {i}" for i in range(13)}}}}
     planned = eng.plan(validate_systemone(body, eng.model.name))
     sub = eng.telemetry.bus.subscribe()
-    job = eng.submit(planned, request_id="units")
-    backend.release()
-    job.future.result(WAIT)
-    follow = next_round(planned)  # the large choice's finalists, as the server asks them
-    assert follow is not None
-    job = eng.submit(follow, request_id="units")
-    backend.release()
-    job.future.result(WAIT)
+    job = eng.submit(planned, request_id="units")  # both rounds: the groups, then the large choice's finalists
+    backend.release(2)
+    job.result(WAIT)
     trees = [json.loads(json.dumps(e, default=resolve))["tree"] for e in sub.drain()[0] if e["kind"] == "computed"]
     assert len(trees) == 2
     first = [n for row in trees[0] for n in _walk(row["children"])]

@@ -90,6 +90,16 @@ def _code_words(path: Path) -> set[str]:
     return words
 
 
+def test_the_engine_never_mentions_a_dialect():
+    """The engine and the replicas return Outcomes; only api/ knows /v1/systemone and /v1/basal bodies."""
+    bad = []
+    for layer in ("engine", "replicas"):
+        for path in sorted((PACKAGE / layer).glob("*.py")):
+            words = _code_words(path)
+            bad += [f"{path.relative_to(PACKAGE)} says {w}" for w in ("dialect", "systemone") if w in words]
+    assert bad == []
+
+
 def test_no_import_circles():
     """Module-level imports between the product's modules form no cycle (a function-local import for a heavy or
     optional dependency is not a circle)."""

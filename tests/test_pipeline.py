@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from basal_local.api.answers import response_body
 from basal_local.api.systemone import validate_systemone
 from basal_local.engine.engine import PIPELINE_MIN_S, EngineSettings, ModelEngine, _size_class
 from basal_local.engine.gate import DeviceGate
@@ -94,7 +95,7 @@ def _run(model, pipeline: bool, expected_s: float = 0.3) -> tuple[HeldDevice, li
         if pipeline and expected_s >= PIPELINE_MIN_S:  # the second batch launches while the device holds the first
             assert device.launched.acquire(timeout=WAIT)
         device.released.set()
-        results = [job.future.result(timeout=WAIT) for job in jobs]
+        results = [job.result(timeout=WAIT) for job in jobs]
         return device, results, [b.requests for b in engine.telemetry.batches]
     finally:
         device.released.set()
@@ -113,7 +114,7 @@ def test_pipelining_changes_no_answer_and_is_off_when_asked(model):
     off_device, off, batches = _run(model, pipeline=False)
     assert [released for *_, released in off_device.log] == [False, True]  # formed after the blocker's end
     assert batches == [1, 10]
-    bodies = [[{k: v for k, v in r.body.items() if k != "usage"} for r in res] for res in (on, off)]
+    bodies = [[{k: v for k, v in response_body(r, "systemone", 0.0).items() if k != "usage"} for r in res] for res in (on, off)]
     assert bodies[0] == bodies[1]
 
 

@@ -19,12 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from basal_local.api.answers import response_body
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.torch import TorchBackend
-from basal_local.engine.engine import EngineSettings, JobResult, ModelEngine
+from basal_local.engine.engine import EngineSettings, ModelEngine
 from basal_local.engine.gate import DeviceGate
-from basal_local.engine.replicas import ReplicaSet
 from basal_local.model import load_model_dir
+from basal_local.protocol.outcome import Outcome
+from basal_local.replicas.inprocess import ReplicaSet
 from basal_local.telemetry import Telemetry
 
 from .conftest import Daemon, http
@@ -107,20 +109,20 @@ def test_a_dead_replica_leaves_the_rotation_and_nothing_is_lost(replica_set, tin
                             EngineSettings(long_tokens=0))
     reference.start()
     try:
-        expected = [reference.submit(p).future.result(WAIT).body["answers"] for p in plans(replica_set, 16)]
+        expected = [response_body(reference.submit(p).result(WAIT), "systemone", 0.0)["answers"] for p in plans(replica_set, 16)]
     finally:
         reference.stop(WAIT)
     replica_set.replicas[1].backend.die.set()
     jobs = [replica_set.submit(p) for p in plans(replica_set, 16)]
-    results = [job.future.result(WAIT) for job in jobs]
-    assert all(isinstance(r, JobResult) for r in results)
+    results = [job.result(WAIT) for job in jobs]
+    assert all(isinstance(r, Outcome) for r in results)
     for got, want in zip(results, expected):
-        assert np.abs(probabilities(got.body["answers"]) - probabilities(want)).max() <= 1e-6
+        assert np.abs(probabilities(response_body(got, "systemone", 0.0)["answers"]) - probabilities(want)).max() <= 1e-6
     assert replica_set.dead == {1}
     assert [r["alive"] for r in replica_set.describe()] == [True, False]
     assert replica_set.replicas[1].backend.forwards == 0
     # later work goes to the live replica only
-    assert replica_set.submit(plans(replica_set, 1)[0]).future.result(WAIT)
+    assert replica_set.submit(plans(replica_set, 1)[0]).result(WAIT)
     assert replica_set.replicas[1].batches == 0
 
 
@@ -129,11 +131,11 @@ def test_a_batch_that_fails_on_a_working_device_fails_alone(replica_set):
     replica_set.replicas[1].backend.poison_batches.set()
     job = replica_set.submit(plans(replica_set, 1)[0])
     with pytest.raises(RuntimeError, match="poisoned"):
-        job.future.result(WAIT)
+        job.result(WAIT)
     assert replica_set.dead == set()  # the probe computed: the device is fine
     for engine in replica_set.replicas:
         engine.backend.poison_batches.clear()
-    assert isinstance(replica_set.submit(plans(replica_set, 1)[0]).future.result(WAIT), JobResult)
+    assert isinstance(replica_set.submit(plans(replica_set, 1)[0]).result(WAIT), Outcome)
 
 
 def test_every_replica_dead_answers_engine_stopped(replica_set):
@@ -143,12 +145,12 @@ def test_every_replica_dead_answers_engine_stopped(replica_set):
         engine.backend.die.set()
     job = replica_set.submit(plans(replica_set, 1)[0])
     with pytest.raises(RuntimeError):  # the last replica keeps the error: nowhere left to retry
-        job.future.result(WAIT)
+        job.result(WAIT)
     # whichever replica ran it first died; once both are out, new work is refused at once
     follow = [replica_set.submit(p) for p in plans(replica_set, 2)]
     for f in follow:
         with pytest.raises((RuntimeError, EngineStopped)):
-            f.future.result(WAIT)
+            f.result(WAIT)
 
 
 # ---- replicas in worker processes (`--replica-processes`): one daemon for the three tests below, in order
@@ -342,7 +344,7 @@ def test_a_lost_replica_is_announced_once_even_when_a_send_saw_it_first(caplog):
     import logging
     from types import SimpleNamespace
 
-    from basal_local.engine.processes import ProcessReplicaSet
+    from basal_local.replicas.front import ProcessReplicaSet
 
     owner = object.__new__(ProcessReplicaSet)  # only what `lost` touches: no worker processes
     owner._lock, owner.dead, owner.stopping = threading.Lock(), set(), False
@@ -350,8 +352,8 @@ def test_a_lost_replica_is_announced_once_even_when_a_send_saw_it_first(caplog):
     owner._dispatch = lambda pending: None
 
     def replica(number: int, ready: bool):
-        return SimpleNamespace(replica=number, info={"pid": 1} if ready else {}, alive=False, pending={}, queued=0,
-                               running_ids=set(), backend=SimpleNamespace(device="cpu"),
+        return SimpleNamespace(replica=number, info=SimpleNamespace(pid=1) if ready else None, alive=False,
+                               pending={}, queued=0, running_ids=set(), device="cpu",
                                process=SimpleNamespace(join=lambda timeout: None, exitcode=-9))
 
     seen, never_ready = replica(1, True), replica(2, False)  # `alive` already False: a send failed first

@@ -10,6 +10,7 @@ from concurrent.futures import wait
 import numpy as np
 import pytest
 
+from basal_local.api.answers import response_body
 from basal_local.api.systemone import validate_systemone
 from basal_local.engine.engine import EngineSettings, Lane, ModelEngine
 from basal_local.engine.gate import DeviceGate
@@ -85,7 +86,7 @@ def plan(engine, model, words: int, tag: str = ""):
 
 def submit_timed(engine, p, done_at: dict, key, **kw):
     job = engine.submit(p, **kw)
-    job.future.add_done_callback(lambda f: done_at.__setitem__(key, time.perf_counter()))
+    job.add_done_callback(lambda f: done_at.__setitem__(key, time.perf_counter()))
     return job
 
 
@@ -107,7 +108,7 @@ def test_short_requests_overtake_a_long_one_only_with_hrrn(model, schedule):
             p.arrival = time.perf_counter()
             jobs.append(submit_timed(engine, p, done, f"s{i}"))
         backend.release()
-        wait([blocker.future] + [j.future for j in jobs], timeout=30)
+        wait([blocker] + jobs, timeout=30)
         shorts_before_long = all(done[f"s{i}"] < done["long"] for i in range(4))
         assert shorts_before_long == (schedule == "hrrn")
     finally:
@@ -124,11 +125,11 @@ def short_p95_under_mixed_load(model, **settings) -> tuple[float, int]:
         start = time.perf_counter()
         for i, p in enumerate(shorts):
             if i % 13 == 0:
-                futures.append(engine.submit(longs[i // 13]).future)
+                futures.append(engine.submit(longs[i // 13]))
             p.arrival = time.perf_counter()
             job = engine.submit(p)
-            job.future.add_done_callback(lambda f, t=p.arrival: latencies.append(time.perf_counter() - t))
-            futures.append(job.future)
+            job.add_done_callback(lambda f, t=p.arrival: latencies.append(time.perf_counter() - t))
+            futures.append(job)
             time.sleep(0.02)
         wait(futures, timeout=60)
         assert len(latencies) == len(shorts) and time.perf_counter() - start < 60
@@ -158,7 +159,7 @@ def test_long_lane_runs_one_request_at_a_time(model):
         jobs += [engine.submit(p) for p in plans[1:]]  # three wait together in the long lane's queue
         assert engine.long.waiting() == 3
         backend.release()
-        results = [j.future.result(timeout=30) for j in jobs]
+        results = [j.result(timeout=30) for j in jobs]
         long_batches = [b for b in engine.telemetry.batches if b.lane == "long"]
         assert [b.requests for b in long_batches] == [1, 1, 1, 1]
         assert all(r.batch_requests == 1 for r in results)
@@ -174,11 +175,11 @@ def test_cancelled_requests_cost_no_forward(model):
         time.sleep(0.02)
         gone = [engine.submit(plan(engine, model, 5, f"g{i}"), is_cancelled=lambda: True) for i in range(5)]
         kept = engine.submit(plan(engine, model, 5, "kept"))
-        kept.future.result(timeout=30)
-        blocker.future.result(timeout=30)
+        kept.result(timeout=30)
+        blocker.result(timeout=30)
         for job in gone:
             with pytest.raises(Cancelled):
-                job.future.result(timeout=5)
+                job.result(timeout=5)
         assert backend.calls == 2
         assert engine.telemetry.counters["cancelled"] == 5
     finally:
@@ -194,8 +195,8 @@ def test_batches_form_within_the_token_budget(model):
         assert backend.running.wait(timeout=30)
         jobs = [engine.submit(p) for p in plans]
         backend.release()
-        results = [j.future.result(timeout=30) for j in jobs]
-        blocker.future.result(timeout=30)
+        results = [j.result(timeout=30) for j in jobs]
+        blocker.result(timeout=30)
         assert max(r.batch_requests for r in results) == 10  # queued during the blocker, one batch after it
         assert backend.calls == 2
         record = engine.telemetry.batches[-1]
@@ -237,9 +238,9 @@ def test_client_disconnect_over_http_drops_the_request_before_compute(model):
             deadline = time.time() + 5
             while engine.waiting() == 0 and time.time() < deadline:
                 time.sleep(0.002)
-            assert engine.waiting() == 1 and not blockers[0].future.done()
+            assert engine.waiting() == 1 and not blockers[0].done()
         for blocker in blockers:
-            blocker.future.result(timeout=30)
+            blocker.result(timeout=30)
         deadline = time.time() + 5
         while engine.telemetry.counters["cancelled"] == 0 and time.time() < deadline:
             time.sleep(0.01)
@@ -266,17 +267,17 @@ def test_answers_alone_equal_answers_in_a_batch_of_32(tiny_model):
     engine.start()
     try:
         plans = [engine.plan(validate_systemone(r, md.name)) for r in single_question_requests(md.name)[:32]]
-        alone = [engine.submit(p).future.result(timeout=60) for p in plans]
+        alone = [engine.submit(p).result(timeout=60) for p in plans]
         blocker = engine.submit(plans[0])
         batched_jobs = [engine.submit(p) for p in plans]
-        blocker.future.result(timeout=60)
-        batched = [j.future.result(timeout=60) for j in batched_jobs]
+        blocker.result(timeout=60)
+        batched = [j.result(timeout=60) for j in batched_jobs]
         assert max(r.batch_requests for r in batched) >= 16
         worst = 0.0
         for a, b in zip(alone, batched):
-            for qid, ans in a.body["answers"].items():
+            for qid, ans in response_body(a, "systemone", 0.0)["answers"].items():
                 pa = ans.get("probabilities", {"p": ans.get("noul")})
-                pb = b.body["answers"][qid].get("probabilities", {"p": b.body["answers"][qid].get("noul")})
+                pb = response_body(b, "systemone", 0.0)["answers"][qid].get("probabilities", {"p": response_body(b, "systemone", 0.0)["answers"][qid].get("noul")})
                 worst = max(worst, max(abs(pa[k] - pb[k]) for k in pa))
         assert worst <= 1e-6, worst
     finally:

@@ -1,6 +1,6 @@
 """What replicas in processes cost per request on the CPU side (issue 13): `python tools/replica_ipc.py MODEL_DIR`.
 
-1. The wire: pickled size and pickle + unpickle time of each sample question's plan as sent to a worker.
+1. The wire: encoded size and encode + decode time of each sample question's plan as sent to a worker.
 2. Latency at one client: the sample questions one after the other through an in-process engine, then through a
    ProcessReplicaSet of one worker on the same device; the difference of the medians is the round trip's cost.
 3. CPU per request at 8 concurrent submitters: the front process (planning, pickling, pipe, answers, telemetry)
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import resource
 import statistics
 import sys
@@ -26,8 +25,10 @@ from basal_local.backends.select import make_backend
 from basal_local.bench import single_question_requests
 from basal_local.engine.engine import EngineSettings, ModelEngine
 from basal_local.engine.gate import DeviceGate
-from basal_local.engine.processes import ProcessReplicaSet, WorkerSpec, wire_plan
 from basal_local.model.directory import load_model_dir
+from basal_local.replicas import wire
+from basal_local.replicas.front import ProcessReplicaSet
+from basal_local.replicas.worker import WorkerSpec
 from basal_local.telemetry import Telemetry
 
 
@@ -60,10 +61,9 @@ def main() -> int:
     plans = [local.plan(r) for r in requests]
     sizes, times = [], []
     for p in plans:
-        wire = wire_plan(p)
         t0 = time.perf_counter()
-        data = pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(data)
+        data = wire.ENCODER.encode(wire.Submit(0, "", wire.encode_plan(p)))
+        wire.decode_plan(wire.TO_WORKER.decode(data).plan)
         times.append((time.perf_counter() - t0) * 1e6)
         sizes.append(len(data))
     out["wire_bytes"] = {"median": statistics.median(sizes), "max": max(sizes)}
@@ -75,7 +75,7 @@ def main() -> int:
             for r in requests:
                 plan = engine.plan(r)
                 t0 = time.perf_counter()
-                engine.submit(plan).future.result(60)
+                engine.submit(plan).result(60)
                 lat.append((time.perf_counter() - t0) * 1e3)
         return lat
 
@@ -102,7 +102,7 @@ def main() -> int:
     work = requests * max(1, 400 // len(requests))
 
     def run(r):
-        return pair.submit(pair.plan(r)).future.result(120)
+        return pair.submit(pair.plan(r)).result(120)
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(run, requests))  # warm

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +27,15 @@ import numpy as np
 from basal_local.backends.base import Backend, PackedBatch, Ready
 
 from ..model.directory import ModelDir
+from ..protocol.outcome import Outcome
+from ..protocol.questions import DecisionRequest
 from ..telemetry import BatchRecord, Telemetry
+from .evidence import attach_evidence
 from .gate import DeviceGate
 from .packer import PackPlan, pack_prompts
 from .plan import RequestPlan, finish, plan_request
 from .pretty import batch_tree, unit_label
+from .requests import RoundResult, run_request
 from .scheduler import RATE_START, Cancelled, EngineStopped, Job, form_batch
 
 log = logging.getLogger(__name__)
@@ -68,15 +73,6 @@ class EngineSettings:
     # overlap a batch's host work (packing, inputs, answering) with the previous batch's device work where the
     # backend can launch without waiting (module docstring)
     pipeline: bool = True
-
-
-@dataclass
-class JobResult:
-    body: dict[str, Any]
-    queue_ms: float
-    compute_ms: float
-    batch_requests: int
-    batch_id: int
 
 
 @dataclass
@@ -331,6 +327,8 @@ class ModelEngine:
             warmup(self.settings.max_forward_tokens)
         self.main = Lane(self, "main", urgent=True)
         self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
+        # evidence forwards and the planning of later rounds (engine/requests.py), off the lanes and the caller
+        self.helpers = ThreadPoolExecutor(2, f"{model.name}-helpers")
 
     def lanes(self) -> list[Lane]:
         return [self.main] + ([self.long] if self.long else [])
@@ -345,26 +343,56 @@ class ModelEngine:
         Returns whether every lane thread ended within `timeout` seconds."""
         for lane in self.lanes():
             lane.stop()
+        self.helpers.shutdown(wait=False)
         deadline = None if timeout is None else time.monotonic() + timeout
         for lane in self.lanes():
             if lane.thread.is_alive():
                 lane.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(lane.thread.is_alive() for lane in self.lanes())
 
-    def plan(self, request: Any) -> RequestPlan:
+    def plan(self, request: DecisionRequest) -> RequestPlan:
         return plan_request(request, self.model.tokenizer, self.model.config.max_position_embeddings,
                             self.prefixes)
 
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
-               request_id: str = "") -> Job:
+               request_id: str = "") -> Future[Outcome]:
+        """The Engine protocol's submit: evidence, every round, the Outcome."""
+        return run_request(plan, self.submit_round, is_cancelled, request_id, self.helpers, self.attach_evidence)
+
+    def attach_evidence(self, plan: RequestPlan) -> None:
+        attach_evidence(plan, self.model, self.backend, self.gate)
+
+    def submit_round(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
+                     request_id: str = "") -> Future[RoundResult]:
+        """Queue one round of a request; its future is the lane's answer."""
         job = Job(plan, plan.packed_tokens, plan.prompt_specs(), is_cancelled=is_cancelled, arrival=plan.arrival,
                   request_id=request_id)
         if not plan.questions:  # every question fixed: nothing to compute
-            body = finish(plan, [], self.model.calibration, 0.0)
-            job.resolve(JobResult(body, 0.0, 0.0, 1, 0))
-            return job
+            job.resolve(RoundResult(finish(plan, [], self.model.calibration), 0.0, 0.0, 1, 0))
+            return job.future
         self.put(job)
-        return job
+        return job.future
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [self.describe_replica()]
+
+    def describe_replica(self, alive: bool = True) -> dict[str, Any]:
+        """This engine as one replica entry of the Engine protocol's `describe`."""
+        now = time.perf_counter()
+        lanes = {}
+        for lane in self.lanes():
+            jobs = list(lane.queue)  # a copy; the lane replaces the list, it never blocks us
+            lanes[lane.label] = {"waiting": len(jobs), "waiting_tokens": sum(j.tokens for j in jobs),
+                                 "oldest_wait_ms": round(max((now - j.arrival for j in jobs), default=0.0) * 1000.0,
+                                                         1)}
+        waiting = sum(lane["waiting"] for lane in lanes.values())
+        try:
+            memory = self.backend.memory()
+        except Exception:  # a device that stopped answering still shows in the stats
+            memory = {}
+        return {"model": self.model.name, "replica": self.replica, "device": self.backend.device, "alive": alive,
+                "batches": self.batches, "waiting": waiting, "queued_tokens": self.queued_tokens(),
+                "requests": waiting, "lanes": lanes, "memory": memory}
 
     def waiting(self) -> int:
         return sum(lane.waiting() for lane in self.lanes())
@@ -470,11 +498,10 @@ class ModelEngine:
             request_ids=[j.request_id for j in jobs], replica=self.replica, device=self.backend.device))
         for j, job in enumerate(jobs):
             try:
-                body = finish(job.plan, logits[j], self.model.calibration,
-                              (time.perf_counter() - job.plan.arrival) * 1000.0)
+                outcome = finish(job.plan, logits[j], self.model.calibration)
             except Exception as exc:  # one request's answer failing must not take its batch-mates' answers
                 log.exception("answer of request %s failed", job.request_id)
                 job.fail(exc)
                 continue
             queue_ms = (started - job.arrival) * 1000.0
-            job.resolve(JobResult(body, queue_ms, compute_ms, len(jobs), batch_id))
+            job.resolve(RoundResult(outcome, queue_ms, compute_ms, len(jobs), batch_id))

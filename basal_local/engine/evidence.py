@@ -7,31 +7,27 @@ Its tokens are not part of `usage.input_tokens`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from basal_local.backends.base import Backend
+
+from ..model.directory import ModelDir
 from ..protocol.errors import NoEvidenceHead
 from ..protocol.evidence import select_spans, state_chars, state_tokens
+from .gate import DeviceGate
 from .plan import RequestPlan
 
 
-def attach_evidence(plan: RequestPlan, engine: Any) -> None:
-    """Compute the spans of every question with `evidence` into `plan.evidence`; 422 when there is no head.
-
-    An engine with its own `attach_evidence` (replicas in worker processes) computes them where its device is."""
-    own = getattr(engine, "attach_evidence", None)
-    if own is not None:
-        own(plan)
-        return
+def attach_evidence(plan: RequestPlan, model: ModelDir, backend: Backend, gate: DeviceGate) -> None:
+    """Compute the spans of every question with `evidence` into `plan.evidence`; 422 when there is no head."""
     request = plan.request
     wanted = [q for q in request.questions if q.evidence]
     if not wanted:
         return
-    head = engine.model.evidence_head
+    head = model.evidence_head
     if head is None:
         raise NoEvidenceHead(wanted[0].qid)
-    tokenizer = engine.model.tokenizer
+    tokenizer = model.tokenizer
     units = {qp.question.qid: qp for qp in plan.questions if qp.role == "main"}
     for q in wanted:
         prompt = units[q.qid].prompts[0]  # perm0, the original order
@@ -42,11 +38,11 @@ def attach_evidence(plan: RequestPlan, engine: Any) -> None:
             plan.evidence[q.qid] = []
             continue
         t0, t1 = span
-        engine.gate.acquire(urgent=True)
+        gate.acquire(urgent=True)
         try:
-            hidden = engine.backend.final_hidden(np.asarray(ids, dtype=np.int64))
+            hidden = backend.final_hidden(np.asarray(ids, dtype=np.int64))
         finally:
-            engine.gate.release()
+            gate.release()
         start, end = head.scores(hidden[t0:t1], hidden[-1])
         s0 = chars[0]
         plan.evidence[q.qid] = select_spans(start, end, [offsets[i][0] - s0 for i in range(t0, t1)],

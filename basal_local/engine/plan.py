@@ -19,11 +19,11 @@ import numpy as np
 from ..model.directory import Calibration
 from ..model.tokenizer import BasalTokenizer
 from ..protocol.act import ActError, act_answer
-from ..protocol.answers import answer, usage
 from ..protocol.decision import average_orders, calibrate
 from ..protocol.errors import AnswerRefused, ContextTooLong
 from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
+from ..protocol.outcome import Outcome, QuestionOutcome
 from ..protocol.questions import DecisionRequest, Question, detect_language
 from ..protocol.render import orders, render_prompt, render_question
 from .packer import PromptSpec, TrieSizer
@@ -194,37 +194,39 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
     return follow
 
 
+def _outcome(q: Question, p_cal: list[float] | None = None, fields: dict[str, Any] | None = None) -> QuestionOutcome:
+    return QuestionOutcome(q.qtype, list(q.keys), list(p_cal or []), q.legend, q.fixed, fields)
+
+
 def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
-            unit: QuestionPlan | None) -> dict[str, Any]:
-    request = plan.request
+            unit: QuestionPlan | None) -> QuestionOutcome:
     temperature = calibration.temperature(q.calibration_key)
     if q.fixed:
-        return answer(q, [1.0], request.dialect)
+        return _outcome(q, [1.0])
     if q.qtype == "multi":
         probs = [calibrate(results[(q.qid, "branch", i)], temperature)[0] for i in range(len(q.keys))]
-        return multi_answer(q.keys, probs, q.spec)
+        return _outcome(q, fields=multi_answer(q.keys, probs, q.spec))
     if q.large:
         members, targets = _large_groups(q, results)
         if unit is None or unit.members is None:
             raise RuntimeError(f"large choice {q.qid!r}: the final round's answer is missing")
         p = fit_joint(len(q.keys), [*members, unit.members], [*targets, results[(q.qid, "final", 0)]])
-        return answer(q, calibrate(p, temperature), request.dialect)
+        return _outcome(q, calibrate(p, temperature))
     p_cal = calibrate(results[(q.qid, "main", 0)], temperature)
     if q.qtype == "act":
         try:
-            return act_answer(q.spec, q.keys, p_cal, calibration.thresholds, bool(calibration.temperatures))
+            return _outcome(q, fields=act_answer(q.spec, q.keys, p_cal, calibration.thresholds,
+                                                 bool(calibration.temperatures)))
         except ActError as exc:
             plan.error = plan.error or AnswerRefused(q.qid, exc.msg)
-            return {"type": "act"}
-    return answer(q, p_cal, request.dialect)
+            return _outcome(q, fields={"type": "act"})
+    return _outcome(q, p_cal)
 
 
-def finish(plan: RequestPlan, logits: Sequence[Sequence[np.ndarray]], calibration: Calibration,
-           latency_ms: float) -> dict[str, Any] | None:
-    """The response body from the letter logits of each unit's orders; None when another round follows.
+def finish(plan: RequestPlan, logits: Sequence[Sequence[np.ndarray]], calibration: Calibration) -> Outcome | None:
+    """The request's Outcome from the letter logits of each unit's orders; None when another round follows.
 
-    A refusal (act `max_error` without a defer action) is left in `plan.error` for the caller to answer.
-    """
+    A refusal (act `max_error` without a defer action) is left in `plan.error` and in `Outcome.refused`."""
     request = plan.request
     results = dict(plan.carried)
     for n, qp in enumerate(plan.questions):
@@ -237,6 +239,7 @@ def finish(plan: RequestPlan, logits: Sequence[Sequence[np.ndarray]], calibratio
     for q in request.questions:
         answers[q.qid] = _answer(q, results, calibration, plan, finals.get(q.qid))
         if q.evidence:
-            answers[q.qid]["evidence"] = plan.evidence.get(q.qid, [])
-    return {"model": request.model, "answers": answers,
-            "usage": usage(plan.input_tokens, request.questions, latency_ms, request.dialect)}
+            answers[q.qid].evidence = plan.evidence.get(q.qid, [])
+    refused = None if plan.error is None else (plan.error.qid, plan.error.message)
+    return Outcome(request.model, answers, plan.input_tokens, plan.packed_tokens, plan.planning_s * 1000.0,
+                   refused=refused)

@@ -31,8 +31,9 @@ class Engine(Protocol):
         ...
 
     def describe(self) -> list[dict[str, Any]]:
-        """One entry per replica: model, replica, device, alive, batches, waiting, queued_tokens, in_flight, and
-        for the stats `lanes` (label -> waiting, waiting_tokens, oldest_wait_ms) and `memory` (the device's)."""
+        """One entry per replica: model, replica, device, alive, batches, waiting, queued_tokens (what /health and
+        /api/stats show, with a process replica's in_flight and pid), and for the server's own use `requests` (held
+        and not answered), `lanes` (label -> waiting, waiting_tokens, oldest_wait_ms) and `memory` (the device's)."""
         ...
 
     def stop(self, timeout: float | None = 30.0) -> bool:

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,14 +26,14 @@ from litestar.exceptions import HTTPException
 
 from .. import __version__
 from ..api import parse_body, route, validate
+from ..api.answers import response_body
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error, refusal_error
-from ..engine.engine import JobResult, ModelEngine
-from ..engine.evidence import attach_evidence
-from ..engine.plan import RequestPlan, next_round
-from ..engine.scheduler import Cancelled, EngineStopped, Job
+from ..engine.plan import RequestPlan
+from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import AnswerRefused, ProtocolError
+from ..protocol.outcome import Outcome
 from .body import BodyError, ClientGone, read_body
-from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
+from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
 from .state import MAX_BODY_BYTES, AppState
 
@@ -117,24 +117,23 @@ def _release(call: _Call) -> None:
         call.admitted = False
 
 
-async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[ModelEngine, RequestPlan, Job]:
-    """Parse, take an in-flight slot, route, validate, plan and queue the job in ONE hop to a planner thread
-    (each hop costs the event loop a wake-up and the request a thread hand-off; the job reaches its lane
+async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[RequestPlan, Future[Outcome]]:
+    """Parse, take an in-flight slot, route, validate, plan and submit in ONE hop to a planner thread
+    (each hop costs the event loop a wake-up and the request a thread hand-off; the request reaches its lane
     straight from the planner); the checks keep their order (PROTOCOL.md §1.1: overload before the
     unknown-model error)."""
     dialect = call.dialect
 
-    def work() -> tuple[ModelEngine, RequestPlan, Job]:
+    def work() -> tuple[RequestPlan, Future[Outcome]]:
         body = parse_body(raw, dialect)
         _admit(call)
         call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "",
                                 call.state.aliases)
         engine = call.state.engines[call.model_name]
         planned = engine.plan(validate(body, dialect, call.model_name))
-        attach_evidence(planned, engine)
         planned.arrival = call.arrived
         call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
-        return engine, planned, engine.submit(planned, gone.is_set, call.request_id)
+        return planned, engine.submit(planned, gone.is_set, call.request_id)
 
     try:
         return await asyncio.get_running_loop().run_in_executor(call.pool(len(raw)), work)
@@ -144,47 +143,32 @@ async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tup
         raise
 
 
-async def _run_job(call: _Call, engine: ModelEngine, planned: RequestPlan, job: Job,
-                   gone: threading.Event) -> tuple[RequestPlan, JobResult]:
-    """Wait for the job's answer; a client that disconnects meanwhile (`gone`) is dropped unanswered.
-
-    A large choice takes a second round planned from the first one's answers: the request's queue and compute
-    times are the sums over its rounds."""
-    queue_ms = compute_ms = 0.0
-    while True:
-        result: JobResult = await asyncio.wrap_future(job.future)
-        queue_ms += result.queue_ms
-        compute_ms += result.compute_ms
-        follow = None
-        if planned.round == 1 and any(q.large for q in planned.request.questions):  # a second round
-            follow = await asyncio.get_running_loop().run_in_executor(call.state.planner, next_round, planned)
-        if follow is None:
-            break
-        planned = follow
-        job = engine.submit(planned, gone.is_set, call.request_id)
-    if planned.error is not None:
-        raise planned.error
-    result.queue_ms, result.compute_ms = queue_ms, compute_ms
-    return planned, result
+async def _outcome(future: Future[Outcome]) -> Outcome:
+    """Wait for the engine's Outcome (every round of the request inside; a client that disconnects meanwhile is
+    dropped unanswered); a refusal is raised for the dialect's 422."""
+    outcome = await asyncio.wrap_future(future)
+    if outcome.refused is not None:
+        raise AnswerRefused(*outcome.refused)
+    return outcome
 
 
-def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
-    result.body["usage"]["latency_ms"] = round((time.perf_counter() - call.arrived) * 1000.0, 2)
+def _answer(call: _Call, planned: RequestPlan, result: Outcome) -> Response:
+    body = response_body(result, call.dialect, (time.perf_counter() - call.arrived) * 1000.0)
     headers = {**call.id_headers, "x-basal-queue-ms": f"{result.queue_ms:.3f}",
                "x-basal-compute-ms": f"{result.compute_ms:.3f}",
                "x-basal-batch-requests": str(result.batch_requests)}
     telemetry = call.state.telemetry
     telemetry.record_request(id=call.request_id, model=call.model_name, dialect=call.dialect,
                              questions=len(planned.request.questions),
-                             planning_ms=round(planned.planning_s * 1000.0, 3), queue_ms=round(result.queue_ms, 3),
+                             planning_ms=round(result.planning_ms, 3), queue_ms=round(result.queue_ms, 3),
                              compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
                              batch_requests=result.batch_requests,
-                             input_tokens=planned.input_tokens, packed_tokens=planned.packed_tokens,
-                             total_ms=result.body["usage"]["latency_ms"], detail=request_detail(planned, result))
+                             input_tokens=result.input_tokens, packed_tokens=result.packed_tokens,
+                             total_ms=body["usage"]["latency_ms"], detail=request_detail(planned, body))
     call.status = 200
     call.timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
                    f"batch {result.batch_requests})")
-    return _json_response(200, result.body, headers)
+    return _json_response(200, body, headers)
 
 
 def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
@@ -223,8 +207,8 @@ async def _decide(request: Request, dialect: str) -> Response:
         gone = threading.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(call.request, gone))
         try:
-            engine, planned, job = await _parse_and_plan(call, raw, gone)
-            planned, result = await _run_job(call, engine, planned, job, gone)
+            planned, future = await _parse_and_plan(call, raw, gone)
+            result = await _outcome(future)
         finally:
             watcher.cancel()
         return _answer(call, planned, result)
@@ -277,16 +261,8 @@ async def models(request: Request) -> Response:
 
 def replicas(state: AppState) -> list[dict[str, Any]]:
     """Every engine replica with its device and work (one per model unless --devices/--replicas)."""
-    out = []
-    for engine in state.engines.values():
-        describe = getattr(engine, "describe", None)
-        if describe is not None:
-            out.extend(describe())
-        else:
-            out.append({"model": engine.model.name, "replica": 0, "device": engine.backend.device, "alive": True,
-                        "batches": engine.batches, "waiting": engine.waiting(),
-                        "queued_tokens": engine.queued_tokens()})
-    return out
+    return [{k: v for k, v in r.items() if k not in SERVER_ONLY} for e in state.engines.values()
+            for r in e.describe()]
 
 
 @get("/health")

@@ -14,9 +14,10 @@ from basal_local.backends.select import expand_devices, make_backend
 
 from ..engine.engine import ModelEngine, freeze_heap
 from ..engine.gate import DeviceGate
-from ..engine.processes import ProcessReplicaSet, WorkerSpec
-from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
+from ..replicas.front import ProcessReplicaSet
+from ..replicas.inprocess import ReplicaSet
+from ..replicas.worker import WorkerSpec
 from .aliases import resolve_aliases
 from .app import create_app
 from .body import BodyLimits
@@ -39,6 +40,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
             raise ValueError(f"--replicas must be at least 1 (got {settings.replicas})")
         # one gate per replica slot: models on the same device and slot take turns, replicas run side by side
         gates: dict[tuple[str, int], DeviceGate] = {}
+        state.engine_settings = settings.engine
         for i, path in enumerate(model_dirs, 1):
             log.info("loading model %d/%d from %s", i, len(model_dirs), path)
             model = load_model_dir(path)
@@ -97,11 +99,12 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
              for r, (device, _) in enumerate((d, s) for d in devices for s in range(settings.replicas))]
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
-    state.backend_name, state.device, state.dtype = info["backend"], info["device"], info["dtype"]
-    state.telemetry.memory_probe = engine.replicas[-1].backend.memory  # its last batch's figures
+    state.backend_name, state.device, state.dtype = info.backend, info.device, info.dtype
+    state.telemetry.memory_probe = engine.replicas[-1].memory  # its last batch's figures
     for r in engine.replicas:
-        log.info("loaded %s from %s: %d layers, %s on %s (replica %d, pid %d)", model.name, model.path,
-                 r.info["layers"], r.info["dtype"], r.info["device"], r.replica, r.info["pid"])
+        if r.info is not None:
+            log.info("loaded %s from %s: %d layers, %s on %s (replica %d, pid %d)", model.name, model.path,
+                     r.info.layers, r.info.dtype, r.info.device, r.replica, r.info.pid)
     return engine
 
 

@@ -47,11 +47,11 @@ def planned_event(request_id: str, model: str, planned: Any) -> dict[str, Any]:
             "planning_ms": round(planned.planning_s * 1000.0, 3)}
 
 
-def request_detail(planned: Any, result: Any) -> Lazy:
+def request_detail(planned: Any, body: dict[str, Any]) -> Lazy:
     """Questions (type, instructions, options) and answers of a request, for the detail view. No state text.
 
     Built when `/api/requests/{id}` reads it; until then it holds the parsed questions and the answers only."""
-    asked, answers = planned.request.questions, result.body.get("answers", {})
+    asked, answers = planned.request.questions, body.get("answers", {})
 
     def build() -> dict[str, Any]:
         questions = [{"id": q.qid, "type": q.qtype, "instructions": _cut(q.instructions_text),
@@ -61,19 +61,19 @@ def request_detail(planned: Any, result: Any) -> Lazy:
     return Lazy(build)
 
 
+# what an engine's `describe` gives the server itself, beyond what /health and /api/stats list per replica
+SERVER_ONLY = ("requests", "lanes", "memory")
+
+
 def _queues(state: AppState) -> dict[str, dict[str, Any]]:
-    now = time.perf_counter()
     running = state.telemetry.running
     out: dict[str, dict[str, Any]] = {}
     for name, engine in state.engines.items():
         lanes = {}
-        for lane in engine.lanes():
-            jobs = list(lane.queue)  # a copy; the lane replaces the list, it never blocks us
-            oldest = max((now - j.arrival for j in jobs), default=0.0)
+        for replica in engine.describe():
             # several replicas of a model (--devices/--replicas): one entry per replica's lane ("main-r1")
-            lanes[lane.label] = {"waiting": len(jobs), "waiting_tokens": sum(j.tokens for j in jobs),
-                                 "oldest_wait_ms": round(oldest * 1000.0, 1),
-                                 "running": dict(running.get(f"{name}/{lane.label}") or {})}
+            for label, lane in replica["lanes"].items():
+                lanes[label] = {**lane, "running": dict(running.get(f"{name}/{label}") or {})}
         out[name] = lanes
     return out
 
@@ -82,7 +82,7 @@ def _models(state: AppState) -> list[dict[str, Any]]:
     out = []
     for name, engine in state.engines.items():
         cfg = engine.model.config
-        s = engine.settings
+        s = state.engine_settings
         out.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
                     "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                     "max_positions": cfg.max_position_embeddings, "default": name == state.default_model,

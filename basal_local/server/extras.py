@@ -169,15 +169,15 @@ async def ps(request: Request) -> Response:
     state: AppState = request.app.state.basal
     loaded = []
     for name, engine in list(state.engines.items()):
-        try:
-            memory = engine.backend.memory()
-        except Exception:
-            memory = {}
+        described = engine.describe()
+        # the first live replica's device, as one engine would show it
+        first = next((r for r in described if r["alive"]), described[0]) if described else {}
+        memory = dict(first.get("memory") or {})
         loaded.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
                        "default": name == state.default_model, "backend": state.backend_name,
                        "device": state.device, "dtype": state.dtype,
                        "aliases": sorted(a for a, t in state.aliases.items() if t == name),
-                       "queue": engine.waiting(), **memory})
+                       "queue": sum(r["requests"] for r in described), **memory})
     return _json(200, {"version": __version__, "ready": state.ready, "error": state.load_error,
                        "pid": os.getpid(), "process_rss_bytes": _rss_bytes(), "inflight": state.inflight,
                        "models": loaded})

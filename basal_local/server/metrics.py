@@ -91,7 +91,7 @@ class MetricsRecorder:
 
     def render(self) -> bytes:
         for name, engine in list(self.state.engines.items()):
-            self.model_inflight.labels(name).set(engine.waiting())
+            self.model_inflight.labels(name).set(sum(r["requests"] for r in engine.describe()))
         return generate_latest(self.registry)
 
 

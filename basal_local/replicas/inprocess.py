@@ -1,7 +1,7 @@
-"""Several engine replicas of one model behind one name (DESIGN.md "More than one device").
+"""Several engine replicas of one model in this process, behind one name (DESIGN.md "More than one device").
 
-Each replica is a ModelEngine on its own device with its own gate and lanes. A request goes to the live
-replica with the least queued work, counted in packed tokens (a long document weighs what it costs, not one
+Each replica is a ModelEngine on its own device with its own gate and lanes. Each round of a request goes to the
+live replica with the least queued work, counted in packed tokens (a long document weighs what it costs, not one
 request). A replica whose batch fails is probed with a one-token forward: if the probe fails too, the device
 is gone, the replica leaves the rotation and its failed batch and queued requests run on the others; if the
 probe works, the failure was the batch's own and its requests get the error as on a single engine.
@@ -12,56 +12,33 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .engine import ModelEngine
-from .plan import RequestPlan
-from .scheduler import EngineStopped, Job
+from ..engine.engine import ModelEngine
+from ..engine.plan import RequestPlan
+from ..engine.requests import RoundResult, run_request
+from ..engine.scheduler import EngineStopped, Job
+from ..model.directory import ModelDir
+from ..protocol.outcome import Outcome
+from ..protocol.questions import DecisionRequest
 
 log = logging.getLogger(__name__)
 
 
 class ReplicaSet:
-    """The ModelEngine interface the server uses (plan, submit, waiting, stop), spread over replicas."""
+    """The Engine protocol over in-process replicas of one model."""
 
     def __init__(self, replicas: list[ModelEngine]) -> None:
         if not replicas:
             raise ValueError("a replica set needs at least one replica")
         self.replicas = replicas
+        self.model: ModelDir = replicas[0].model
         self.dead: set[int] = set()
         self._lock = threading.Lock()
+        self.helpers = ThreadPoolExecutor(2, f"{self.model.name}-set-helpers")
         for engine in replicas:
             engine.on_batch_failure = self._batch_failed
-
-    @property
-    def model(self):
-        return self.replicas[0].model
-
-    @property
-    def telemetry(self):
-        return self.replicas[0].telemetry
-
-    @property
-    def settings(self):
-        return self.replicas[0].settings
-
-    def _first_live(self) -> ModelEngine:
-        live = self.live()
-        return live[0] if live else self.replicas[0]
-
-    @property
-    def backend(self):
-        """The first live replica's backend (every replica runs the same kind on its own device)."""
-        return self._first_live().backend
-
-    @property
-    def gate(self):
-        """The first live replica's gate (the evidence forward runs under it, on that backend)."""
-        return self._first_live().gate
-
-    @property
-    def batches(self) -> int:
-        return sum(engine.batches for engine in self.replicas)
 
     def live(self) -> list[ModelEngine]:
         with self._lock:
@@ -72,9 +49,10 @@ class ReplicaSet:
             engine.start()
 
     def stop(self, timeout: float | None = 30.0) -> bool:
+        self.helpers.shutdown(wait=False)
         return all([engine.stop(timeout) for engine in self.replicas])
 
-    def plan(self, request: Any) -> RequestPlan:
+    def plan(self, request: DecisionRequest) -> RequestPlan:
         # the replicas share the model directory, so the plan (tokens, cached-prefix split) is the same on each
         return self.replicas[0].plan(request)
 
@@ -85,27 +63,25 @@ class ReplicaSet:
         return min(candidates, key=lambda e: (e.queued_tokens(), e.replica))
 
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
-               request_id: str = "") -> Job:
+               request_id: str = "") -> Future[Outcome]:
+        return run_request(plan, self._submit_round, is_cancelled, request_id, self.helpers, self._evidence)
+
+    def _evidence(self, plan: RequestPlan) -> None:
+        live = self.live()
+        (live[0] if live else self.replicas[0]).attach_evidence(plan)
+
+    def _submit_round(self, plan: RequestPlan, is_cancelled: Callable[[], bool], request_id: str) -> Future[RoundResult]:
         engine = self._pick()
         if engine is None:
-            job = Job(plan, plan.packed_tokens, plan.prompt_specs(), is_cancelled=is_cancelled,
-                      arrival=plan.arrival, request_id=request_id)
-            job.fail(EngineStopped())
-            return job
-        return engine.submit(plan, is_cancelled, request_id)
-
-    def waiting(self) -> int:
-        return sum(engine.waiting() for engine in self.replicas)
-
-    def lanes(self):
-        return [lane for engine in self.replicas for lane in engine.lanes()]
+            future: Future[RoundResult] = Future()
+            future.set_exception(EngineStopped())
+            return future
+        return engine.submit_round(plan, is_cancelled, request_id)
 
     def describe(self) -> list[dict[str, Any]]:
-        """Each replica's device, state and work, for /health and /api/stats."""
+        """Each replica's device, state and work."""
         dead = set(self.dead)
-        return [{"model": e.model.name, "replica": e.replica, "device": e.backend.device,
-                 "alive": e.replica not in dead, "batches": e.batches, "waiting": e.waiting(),
-                 "queued_tokens": e.queued_tokens()} for e in self.replicas]
+        return [e.describe_replica(alive=e.replica not in dead) for e in self.replicas]
 
     def _batch_failed(self, engine: ModelEngine, exc: Exception, jobs: list[Job]) -> bool:
         """Lane hook: True when the jobs were handed to other replicas (this one is dead)."""

@@ -1,0 +1,385 @@
+"""Engine replicas in worker processes behind one daemon (`serve --devices ... --replica-processes`).
+
+In-process replicas share one Python process, so their lane threads and all HTTP handling share one GIL; on two
+H200s that left each GPU ~20 % idle. Here the front (this module, in the daemon's process) keeps HTTP,
+validation, planning and routing, and each worker process (worker.py) owns one device and runs each request to
+its Outcome. One duplex pipe per worker, the messages of wire.py.
+
+A worker whose pipe ends (its process died) leaves the rotation; every request it had not answered is sent to the
+live worker with the least queued tokens (a decision is a pure function of its body, so a retry cannot double an
+effect).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.engine import EngineSettings
+from ..engine.plan import RequestPlan, finish, plan_request
+from ..engine.scheduler import EngineStopped
+from ..model.directory import ModelDir
+from ..protocol.errors import NoEvidenceHead
+from ..protocol.outcome import Outcome
+from ..protocol.questions import DecisionRequest
+from ..telemetry import BatchRecord, Telemetry
+from . import wire
+from .start import end_forkserver, start_context
+from .worker import WorkerSpec, worker_main
+
+log = logging.getLogger(__name__)
+
+CANCEL_SCAN_S = 0.1  # how often the front looks for requests whose client went away
+TREE_WAIT_S = 5.0  # a dashboard's batch tree asked of a worker: how long to wait before it reads as null
+
+# every replica set of this process: the forkserver is ended only when all of them have stopped (a worker's exit
+# status comes through the forkserver, so the others' workers would look dead without it)
+_SETS: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass
+class _Pending:
+    token: int
+    message: wire.Submit
+    future: Future
+    is_cancelled: Callable[[], bool]
+    tokens: int  # packed tokens: the routing cost
+    arrival: float
+    cancel_sent: bool = False
+
+    def gone(self) -> bool:
+        if self.future.done():
+            return True
+        try:
+            return bool(self.is_cancelled())
+        except Exception:  # a broken flag must not stop the scan; the request just runs
+            return False
+
+
+def _resolve(future: Future, outcome: Outcome) -> None:
+    try:
+        future.set_result(outcome)
+    except InvalidStateError:  # the waiter cancelled it
+        pass
+
+
+def _fail(future: Future, exc: BaseException) -> None:
+    try:
+        future.set_exception(exc)
+    except InvalidStateError:
+        pass
+
+
+class RemoteReplica:
+    """The front's handle on one worker process: its pipe, the requests it has not answered, its batch ids."""
+
+    def __init__(self, owner: ProcessReplicaSet, spec: WorkerSpec, context) -> None:
+        self.owner = owner
+        self.spec = spec
+        self.replica = spec.replica
+        self.device = spec.device
+        self.conn, child = context.Pipe(duplex=True)
+        self.process = context.Process(target=worker_main, args=(child, spec), name=f"basal-replica-{spec.replica}",
+                                       daemon=False)
+        self.process.start()
+        child.close()  # else the front would hold the worker's end open and never see it die
+        self.send_lock = threading.Lock()
+        self.pending: dict[int, _Pending] = {}
+        self.queued = 0  # packed tokens sent and not answered: the routing cost
+        self.alive = False
+        self.batches = 0
+        self.running_ids: set[str] = set()
+        self.batch_ids: OrderedDict[int, int] = OrderedDict()  # the worker's batch id -> the daemon's
+        self.last_memory: dict[str, int] = {}
+        self.info: wire.Ready | None = None
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.reader = threading.Thread(target=self._read, name=f"basal-replica-{spec.replica}-reader", daemon=True)
+        self.reader.start()
+
+    def memory(self) -> dict[str, int]:
+        """The worker's device memory as of its last batch."""
+        return {k: v for k, v in self.last_memory.items() if not k.startswith("host_")}
+
+    def send(self, message: Any) -> bool:
+        try:
+            data = wire.ENCODER.encode(message)
+            with self.send_lock:
+                self.conn.send_bytes(data)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def waiting(self) -> list[_Pending]:
+        """The requests sent and not in the worker's running batch."""
+        running = self.running_ids
+        return [p for p in list(self.pending.values()) if p.message.request_id not in running]
+
+    def _read(self) -> None:
+        try:
+            while True:
+                for message in wire.TO_FRONT.decode(self.conn.recv_bytes()):
+                    self.owner.handle(self, message)
+        except (EOFError, OSError):
+            pass
+        except Exception:  # a bug here must still take the worker out and requeue its work
+            log.exception("reading from replica %d failed", self.replica)
+        self.owner.lost(self)
+        self.ready.set()
+
+
+@dataclass(eq=False)
+class ProcessReplicaSet:
+    """The Engine protocol over worker processes, one model."""
+
+    model: ModelDir
+    specs: list[WorkerSpec]
+    telemetry: Telemetry
+    settings: EngineSettings
+    prefixes: dict[str, list[int]] = field(default_factory=dict)
+    dead: set[int] = field(default_factory=set)
+    stopping: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.specs:
+            raise ValueError("a replica set needs at least one replica")
+        if self.settings.prefix_cache:
+            for lang in ("pl", "en"):
+                self.prefixes[lang] = self.model.tokenizer.template_prefix(lang)
+        _SETS.add(self)
+        self._lock = threading.Lock()
+        self._tokens = 0
+        self._asks: dict[int, Future] = {}
+        self.replicas = [RemoteReplica(self, spec, start_context()) for spec in self.specs]
+        self._scanner = threading.Thread(target=self._scan, name=f"{self.model.name}-cancel-scan", daemon=True)
+
+    # ---- life ---------------------------------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> wire.Ready:
+        """Block until every worker loaded its engine; raise the first load error (and stop the others)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for r in self.replicas:
+            if not r.ready.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                self.stop(5.0)
+                raise TimeoutError(f"replica {r.replica} did not load within {timeout:.0f} s")
+        failed = [r for r in self.replicas if not r.alive]
+        if failed:
+            why = failed[0].load_error or f"replica {failed[0].replica}'s process exited while loading"
+            self.stop(5.0)
+            raise RuntimeError(why)
+        return self.replicas[0].info  # type: ignore[return-value]
+
+    def start(self) -> None:
+        self._scanner.start()
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        self.stopping = True
+        for r in self.replicas:
+            r.send(wire.Stop())
+        deadline = time.monotonic() + (30.0 if timeout is None else timeout)
+        for r in self.replicas:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+            if r.process.is_alive():
+                log.warning("replica %d did not stop in time; killing it", r.replica)
+                r.process.kill()
+                r.process.join(5.0)
+            r.reader.join(max(0.1, deadline - time.monotonic()))
+        self._fail_all(EngineStopped())
+        if all(other.stopping for other in list(_SETS)):  # the last set stopped: no worker needs the server
+            end_forkserver()
+        return not any(r.process.is_alive() for r in self.replicas)
+
+    # ---- the Engine protocol ------------------------------------------------------------------------------
+    def live(self) -> list[RemoteReplica]:
+        with self._lock:
+            return [r for r in self.replicas if r.alive and r.replica not in self.dead]
+
+    def plan(self, request: DecisionRequest) -> RequestPlan:
+        return plan_request(request, self.model.tokenizer, self.model.config.max_position_embeddings, self.prefixes)
+
+    def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
+               request_id: str = "") -> Future[Outcome]:
+        future: Future[Outcome] = Future()
+        wanted = [q for q in plan.request.questions if q.evidence]
+        if wanted and self.model.evidence_head is None:  # the worker would say so; say it before sending
+            future.set_exception(NoEvidenceHead(wanted[0].qid))
+            return future
+        if not plan.questions:  # every question fixed: nothing to compute
+            outcome = finish(plan, [], self.model.calibration)
+            if outcome is None:
+                raise RuntimeError("a plan without units asked for another round")
+            future.set_result(outcome)
+            return future
+        with self._lock:
+            self._tokens += 1
+            token = self._tokens
+        message = wire.Submit(token, request_id, wire.encode_plan(plan))
+        self._dispatch(_Pending(token, message, future, is_cancelled, plan.packed_tokens, plan.arrival))
+        return future
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.perf_counter()
+        out = []
+        for r in self.replicas:
+            waiting = r.waiting()
+            label = "main" + (f"-r{r.replica}" if r.replica else "")
+            lane = {"waiting": len(waiting), "waiting_tokens": sum(p.tokens for p in waiting),
+                    "oldest_wait_ms": round(max((now - p.arrival for p in waiting), default=0.0) * 1000.0, 1)}
+            out.append({"model": self.model.name, "replica": r.replica, "device": r.device,
+                        "alive": r.alive and r.replica not in self.dead, "batches": r.batches,
+                        "waiting": len(waiting), "in_flight": len(r.pending), "queued_tokens": r.queued,
+                        "pid": r.process.pid, "requests": len(r.pending), "lanes": {label: lane},
+                        "memory": r.memory()})
+        return out
+
+    # ---- routing ------------------------------------------------------------------------------------------
+    def _pick(self) -> RemoteReplica | None:
+        live = self.live()
+        return min(live, key=lambda r: (r.queued, r.replica)) if live else None
+
+    def _dispatch(self, pending: _Pending) -> None:
+        while True:
+            target = None if self.stopping else self._pick()
+            if target is None:
+                _fail(pending.future, EngineStopped())
+                return
+            with self._lock:
+                if not target.alive:
+                    continue
+                target.pending[pending.token] = pending
+                target.queued += pending.tokens
+            if target.send(pending.message):
+                return
+            # the pipe broke: its reader will take the worker out; this request goes elsewhere now
+            with self._lock:
+                if target.pending.pop(pending.token, None) is None:
+                    return  # the reader took it already and re-sent it
+                target.queued -= pending.tokens
+                target.alive = False
+
+    # ---- from the workers (reader threads) ---------------------------------------------------------------
+    def _take(self, r: RemoteReplica, token: int) -> _Pending | None:
+        with self._lock:
+            pending = r.pending.pop(token, None)
+            if pending is not None:
+                r.queued -= pending.tokens
+        return pending
+
+    def handle(self, r: RemoteReplica, message: Any) -> None:
+        if isinstance(message, wire.Answered):
+            pending = self._take(r, message.token)
+            if pending is not None:
+                outcome = message.outcome
+                outcome.batch_id = r.batch_ids.get(outcome.batch_id, 0)
+                _resolve(pending.future, outcome)
+        elif isinstance(message, wire.Failed):
+            pending = self._take(r, message.token)
+            if pending is not None:
+                _fail(pending.future, wire.decode_error(message.error))
+        elif isinstance(message, wire.Queued):
+            label = message.lane + (f"-r{r.replica}" if r.replica else "")
+            self.telemetry.emit("queued", id=message.request_id, model=self.model.name, lane=label)
+        elif isinstance(message, wire.BatchStarted):
+            batch_id = self.telemetry.next_batch_id()
+            r.batch_ids[message.batch_id] = batch_id
+            while len(r.batch_ids) > 4096:
+                r.batch_ids.popitem(last=False)
+            r.running_ids = set(message.request_ids)
+            self.telemetry.batch_started(batch_id, self.model.name, message.lane, message.request_ids,
+                                         message.tokens)
+        elif isinstance(message, wire.BatchDone):
+            fields = message.fields
+            local = fields["batch_id"]
+            fields["batch_id"] = r.batch_ids.get(local, 0)
+            fields["tree"] = self.telemetry.lazy_tree(lambda: self._ask_tree(r, local))
+            r.last_memory = fields.get("memory") or {}
+            r.batches += 1
+            r.running_ids = set()
+            self.telemetry.record_batch(BatchRecord(**fields))
+        elif isinstance(message, wire.BatchFailed):
+            r.running_ids = set()
+            self.telemetry.batch_failed(self.model.name, message.lane, RuntimeError(message.text))
+        elif isinstance(message, wire.Log):
+            logging.getLogger(message.name).log(message.level, "replica %d: %s", r.replica, message.text)
+        elif isinstance(message, wire.Count):
+            self.telemetry.count(message.name, message.n)
+        elif isinstance(message, wire.Tree):
+            ask = self._asks.pop(message.ask, None)
+            if ask is not None:
+                ask.set_result(message.tree)
+        elif isinstance(message, wire.Ready):
+            r.info, r.device = message, message.device
+            r.alive = True
+            r.ready.set()
+        elif isinstance(message, wire.LoadError):
+            r.load_error = message.text
+            r.ready.set()
+
+    def _ask_tree(self, r: RemoteReplica, local: int) -> Any:
+        if threading.current_thread() is r.reader or not r.alive:
+            return None  # the reader cannot wait for its own next message
+        ask: Future = Future()
+        with self._lock:
+            self._tokens += 1
+            number = self._tokens
+        self._asks[number] = ask
+        if not r.send(wire.AskTree(local, number)):
+            self._asks.pop(number, None)
+            return None
+        try:
+            return ask.result(TREE_WAIT_S)
+        except Exception:
+            self._asks.pop(number, None)
+            return None
+
+    def lost(self, r: RemoteReplica) -> None:
+        """A worker's pipe closed: out of rotation; what it had not answered runs on the others."""
+        with self._lock:
+            # announced once per replica that had joined the rotation (`ready`): a failed send to it may have marked
+            # it not alive already (`_dispatch`), before its reader saw the pipe close
+            announce = r.info is not None and r.replica not in self.dead
+            r.alive = False
+            self.dead.add(r.replica)
+            orphans = list(r.pending.values())
+            r.pending.clear()
+            r.queued = 0
+            r.running_ids = set()
+        for pending in orphans:  # first, so that no request waits for the process to be reaped
+            if pending.future.done():
+                continue
+            if self.stopping:
+                _fail(pending.future, EngineStopped())
+            else:
+                pending.cancel_sent = False
+                self._dispatch(pending)
+        # then reap it (a forkserver's child: its exit status arrives through the forkserver, a moment later)
+        r.process.join(timeout=5)
+        if announce and not self.stopping:
+            log.error("replica %d of %s on %s is out of rotation: its process ended (exit code %s); %d requests "
+                      "went to the others", r.replica, self.model.name, r.device, r.process.exitcode,
+                      len(orphans))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for r in self.replicas:
+            with self._lock:
+                orphans = list(r.pending.values())
+                r.pending.clear()
+                r.queued = 0
+            for pending in orphans:
+                _fail(pending.future, exc)
+
+    def _scan(self) -> None:
+        """Tell workers about requests whose client went away (the lane drops them before computing)."""
+        while not self.stopping:
+            time.sleep(CANCEL_SCAN_S)
+            for r in self.replicas:
+                for pending in list(r.pending.values()):
+                    if not pending.cancel_sent and pending.gone():
+                        pending.cancel_sent = True
+                        r.send(wire.Cancel(pending.token))
