@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .commands import UserError
+from .settings import Settings, add_flags, config_path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,28 +38,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from .engine.engine import EngineSettings
-
-    d = EngineSettings()
-    p.add_argument("--max-batch-tokens", type=int, dest="max_batch_tokens",
-                   help=f"tokens one batch may grow its prefix trees by (default {d.max_batch_tokens})")
-    p.add_argument("--schedule", choices=["hrrn", "fifo"], help=f"queue order (default {d.schedule})")
-    p.add_argument("--long-tokens", type=int, dest="long_tokens",
-                   help=f"requests of this many tokens go to the preemptible long lane; 0 disables "
-                        f"(default {d.long_tokens})")
-    p.add_argument("--long-slice-ms", type=float, dest="long_slice_ms",
-                   help=f"how long the long lane may hold the device while others wait (default {d.long_slice_ms:g})")
-    p.add_argument("--coalesce-ms", type=float, dest="coalesce_ms",
-                   help=f"after a batch of n requests, wait up to this long for n/2 to queue before a small batch "
-                        f"(default {d.coalesce_ms:g}; 0 disables)")
-    p.add_argument("--no-pipeline", action="store_false", dest="pipeline", default=None,
-                   help="answer each batch before forming the next (default: on CUDA, the next batch is packed and "
-                        "launched while the device computes the one before)")
-    p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None,
-                   help="do not keep the chat template's K/V per language (default: kept)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -94,7 +73,6 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from .server.settings import Settings
     from .server.tuimode import local_url
 
     url = args.url
@@ -145,9 +123,6 @@ def _lazy(module: str, func: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server.settings import Settings, config_path
-
-    defaults = Settings()
     parser = _Parser(prog="basal-local", description=__doc__.split(" (")[0] + ".",
                                      epilog="`basal-local COMMAND -h` explains each command.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (and show tracebacks)")
@@ -155,47 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the daemon")
-    p.add_argument("--model", action="append",
-                   help="model directory, or a downloaded name (mini, 4.5B, max, OWNER/NAME); repeatable")
     p.add_argument("--demo", action="store_true", help="serve the bundled demo model (random weights)")
-    p.add_argument("--host", help=f"address to listen on (default {defaults.host}: this machine only)")
-    p.add_argument("--port", type=_port, help=f"TCP port (default {defaults.port})")
-    p.add_argument("--backend", choices=["auto", "torch", "mlx"], help=f"(default {defaults.backend})")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"],
-                   help=f"(default {defaults.device}: cuda when available, else cpu)")
-    p.add_argument("--devices", help="one engine replica per device: cuda:0,cuda:1 or all (overrides --device)")
-    p.add_argument("--replicas", type=_positive, help="engine replicas per device (default 1)")
-    p.add_argument("--replica-processes", action=argparse.BooleanOptionalAction, default=None,
-                   dest="replica_processes",
-                   help="each engine replica in its own process, the HTTP front in this one (default: on when a "
-                        "model runs on more than one GPU; --no-replica-processes keeps them in one process)")
-    p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "fp8", "q8", "q4"],
-                   help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 with float8 "
-                        "GEMMs; q8/q4: MLX only, quantized once and cached in the user cache folder)")
-    p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
-                   help="GPU memory the models may use on each device: a size (24GB, 22.5GiB) or a share (0.8, "
-                        "80%%); the weights must fit, and a batch that needs more gets a 503 (default: all of it)")
-    p.add_argument("--default-model", dest="default_model",
-                   help="model for requests that name none (default: the first --model)")
-    p.add_argument("--max-inflight", type=_positive, dest="max_inflight",
-                   help=f"requests admitted at once; more get 529 + Retry-After (default {defaults.max_inflight})")
     p.add_argument("--config", help=f"config.toml to read (default {config_path()})")
-    p.add_argument("--access-log", action="store_true", dest="access_log", help="one log line per request")
-    p.add_argument("--metrics", action="store_true", default=None, help="Prometheus text at /metrics (default off)")
-    p.add_argument("--api-key", dest="api_key", help="require this key (Authorization: Bearer KEY or X-Api-Key); "
-                   "also BASAL_LOCAL_API_KEY")
-    p.add_argument("--insecure-public", action="store_true", dest="insecure_public",
-                   help="allow serving off loopback (e.g. --host 0.0.0.0) without an API key")
-    p.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="NAME",
-                   help="another Host name the daemon answers to (repeatable; '*' allows any)")
-    p.add_argument("--allowed-origin", action="append", dest="allowed_origins", metavar="ORIGIN",
-                   help="a web origin allowed to call the daemon, e.g. https://app.example (repeatable)")
-    p.add_argument("--log-bodies", action="store_true", dest="log_bodies", help="log request bodies (off: "
-                   "no request content is logged)")
-    p.add_argument("--body-timeout", type=float, dest="body_timeout_s", metavar="SECONDS",
-                   help="close a connection whose request body has not arrived in this time (default 10)")
-    p.add_argument("--drain", type=float, dest="drain_s", metavar="SECONDS",
-                   help="on SIGTERM, wait this long for requests in flight (default 10)")
+    add_flags(p)  # every setting with a flag (basal_local/settings.py)
     p.add_argument("--ray", action="store_true",
                    help="serve through Ray Serve: one engine replica per GPU (or CPU) actor of a Ray cluster, "
                         "behind Ray's HTTP proxy on --host/--port (needs the extra: pip install 'basal-local[ray]')")
@@ -212,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tui", action="store_true", help="show the live dashboard (basal-local top) in this terminal")
     p.add_argument("--demo-traffic", action="store_true", dest="demo_traffic",
                    help="send the bundled sample requests in a loop (to watch the dashboard move)")
-    _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("top", help="live dashboard of a running daemon")

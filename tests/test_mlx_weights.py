@@ -23,6 +23,7 @@ from .test_packer import random_specs  # noqa: E402
 def _decisions(backend, md, every: int = 1):
     """(decision, calibrated probabilities) for every `every`-th question of the sample set, via the real engine
     path."""
+    from basal_local.api.answers import response_body
     from basal_local.api.systemone import validate_systemone
     from basal_local.bench import single_question_requests
     from basal_local.engine.engine import EngineSettings, ModelEngine
@@ -38,7 +39,7 @@ def _decisions(backend, md, every: int = 1):
                 for body in single_question_requests(md.name)[::every]]
         out = []
         for job in jobs:
-            (ans,) = job.future.result(timeout=300).body["answers"].values()
+            (ans,) = response_body(job.result(timeout=300), "systemone", 0.0)["answers"].values()
             probs = ({"true": ans["noul"], "false": 1.0 - ans["noul"]} if ans["type"] == "noul"
                      else ans["probabilities"])
             out.append((max(probs, key=probs.get), probs))

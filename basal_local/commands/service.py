@@ -87,7 +87,7 @@ def service_command(args: argparse.Namespace) -> int:
         if not args.model:
             from .serving import load_settings
 
-            if not load_settings(argparse.Namespace(), keys=()).models:
+            if not load_settings(argparse.Namespace()).models:
                 raise UserError("no model for the service to serve",
                                 "give one: basal-local service install --model mini (or set models in config.toml)")
         text = render(kind, argv, log_file)

@@ -9,13 +9,9 @@ import sys
 from pathlib import Path
 
 from .. import __version__
+from ..paths import home_dirs
+from ..settings import Settings, config_path, flag_overrides
 from . import UserError, port_free
-
-SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas",
-              "replica_processes", "dtype", "gpu_memory", "default_model", "max_inflight",
-              "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "coalesce_ms", "pipeline", "prefix_cache",
-              "metrics", "api_key",
-              "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
 
 DEMO_BANNER = """\
 basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
@@ -44,23 +40,13 @@ basal-local: error: no model to serve.
   or point at a model directory:                      basal-local serve --model /path/to/basal-1.5-mini"""
 
 
-def load_settings(args: argparse.Namespace, keys=SERVE_KEYS):
+def load_settings(args: argparse.Namespace):
     """Settings from the flags present in `args`, the environment and config.toml; errors name the file."""
-    from ..server.settings import Settings
-
-    overrides = {k: getattr(args, k, None) for k in keys}
-    for flag in ("access_log", "insecure_public", "log_bodies"):  # store_true flags: only when given
-        if getattr(args, flag, False):
-            overrides[flag] = True
-    if getattr(args, "model", None):
-        overrides["models"] = args.model
     config = Path(args.config).expanduser() if getattr(args, "config", None) else None
     if config is not None and not config.is_file():
-        from ..server.settings import config_path
-
         raise UserError(f"--config {config}: no such file", f"drop --config to use {config_path()}, or fix the path")
     try:
-        return Settings.load(overrides, config)
+        return Settings.load(flag_overrides(args), config)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
 
@@ -71,7 +57,7 @@ def daemon_url(args: argparse.Namespace) -> str:
 
     if getattr(args, "url", None):
         return check_url(args.url)
-    settings = load_settings(argparse.Namespace(), keys=())
+    settings = load_settings(argparse.Namespace())
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     return f"http://{host}:{settings.port}"
 
@@ -110,8 +96,6 @@ def check_gpu_memory(value, device: str, source: str = "") -> None:
 
 def log_file_handler() -> Path | None:
     """Also log to basal-local.log in the platformdirs log folder; None when that folder cannot be written."""
-    from ..server.settings import home_dirs
-
     folder = home_dirs()["logs"]
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -132,7 +116,6 @@ def serve_command(args: argparse.Namespace) -> int:
     from ..model.registry import ModelNotFound, demo_model_dir, resolve_model
     from ..server.daemon import serve
     from ..server.security import public_bind_refusal
-    from ..server.settings import config_path
 
     settings = load_settings(args)
     if not settings.models and not args.demo:

@@ -29,6 +29,7 @@ from basal_local.backends.base import Backend, PackedBatch, Ready
 from ..model.directory import ModelDir
 from ..protocol.outcome import Outcome
 from ..protocol.questions import DecisionRequest
+from ..settings import EngineSettings
 from ..telemetry import BatchRecord, Telemetry
 from .evidence import attach_evidence
 from .gate import DeviceGate
@@ -54,25 +55,6 @@ def freeze_heap() -> None:
     of a batch. After the freeze, collections see only what serving allocates."""
     gc.collect()
     gc.freeze()
-
-
-@dataclass
-class EngineSettings:
-    max_batch_tokens: int = 8192
-    schedule: str = "hrrn"  # or "fifo"
-    long_tokens: int = 4096  # 0 disables the long lane
-    long_slice_ms: float = 100.0
-    max_row_tokens: int = 32768
-    max_forward_tokens: int = 8192
-    prefix_cache: bool = True
-    # after a batch of n requests, wait up to this long (and at most a quarter of that batch's time) for n/2 to
-    # queue before starting a small batch, so closed-loop clients do not alternate full and tiny batches.
-    # Off by default: 20 ms on the H200 (32 HTTP clients) gave p99 282 vs 314 ms and -1.5 % req/s, one trial
-    # each, within noise (docs/PERFORMANCE.md)
-    coalesce_ms: float = 0.0
-    # overlap a batch's host work (packing, inputs, answering) with the previous batch's device work where the
-    # backend can launch without waiting (module docstring)
-    pipeline: bool = True
 
 
 @dataclass

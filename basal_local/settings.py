@@ -1,0 +1,324 @@
+"""Every setting declared once (STYLE.md 16-17): its field, type, default, range, `config.toml` key, CLI flag and
+`--help` text, in one `setting(...)` call on a field of `EngineSettings` or `Settings`.
+
+From those declarations `add_flags` builds the `serve` flags (their help ends in the declared default),
+`Settings.load` reads `config.toml` (an unknown key is an error naming the file, the key and the nearest known
+one), the environment and the flags, and `check` validates every value by type and range wherever it came from.
+Order: CLI flags > environment > config.toml > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .paths import home_dirs
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a field's declaration says beyond its default."""
+
+    help: str
+    kind: type  # int, float, bool, str, list (of str), dict
+    flag: str | None = None  # None: config.toml only
+    dest: str | None = None  # the argparse dest when it is not the key
+    minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None  # an exclusive lower bound
+    choices: tuple[str, ...] | None = None
+    env: str | None = None  # also read from this environment variable
+    optional: bool = False  # None is allowed (unset)
+    action: str | None = None  # argparse: store_true, negate (--no-X stores False), boolean (--X/--no-X), append
+    metavar: str | None = None
+    show_default: bool = True
+    number_ok: bool = False  # a str setting that config.toml may also give as a number (gpu_memory = 0.8)
+
+
+def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
+    """A dataclass field declaring one setting (see Spec for the keywords)."""
+    kind = kind or type(default)
+    meta = {"setting": Spec(help, kind, **spec)}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _range_text(spec: Spec) -> str:
+    if spec.choices:
+        return "one of " + ", ".join(spec.choices)
+    noun = {int: "a whole number", float: "a number", bool: "true or false", str: "text",
+            list: "a list of names", dict: "a table"}[spec.kind]
+    if spec.above is not None:
+        return f"{noun} above {spec.above:g}"
+    if spec.minimum is not None and spec.maximum is not None:
+        return f"{noun} from {spec.minimum:g} to {spec.maximum:g}"
+    if spec.minimum is not None:
+        return f"{noun} of at least {spec.minimum:g}"
+    return noun
+
+
+def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
+    """The value as the field's type, or ValueError with a sentence saying what is allowed. `from_text`: the value
+    is a flag's or a variable's text (config.toml values keep their TOML type)."""
+    wanted = _range_text(spec)
+    if value is None and spec.optional:
+        return None
+    kind = spec.kind
+    try:
+        if kind is bool:
+            if from_text and isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+                value = value.lower() in ("1", "true", "yes")
+            if not isinstance(value, bool):
+                raise TypeError
+        elif kind is int:
+            if from_text and isinstance(value, str):
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError
+        elif kind is float:
+            if from_text and isinstance(value, str):
+                value = float(value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise TypeError
+            value = float(value)
+        elif kind is str:
+            if spec.number_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return value
+            if not isinstance(value, str):
+                raise TypeError
+        elif kind is list:
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise TypeError
+        elif kind is dict:
+            if not isinstance(value, dict):
+                raise TypeError
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} = {value!r}: must be {wanted}") from None
+    bad = (spec.choices is not None and value not in spec.choices
+           or spec.minimum is not None and value < spec.minimum
+           or spec.maximum is not None and value > spec.maximum
+           or spec.above is not None and value <= spec.above)
+    if bad:
+        raise ValueError(f"{key} = {value!r}: must be {wanted}")
+    return value
+
+
+def declared(cls: type) -> list[tuple[str, Spec, Any]]:
+    """(key, spec, default) of every setting a settings dataclass declares, in declaration order."""
+    out = []
+    for f in fields(cls):
+        spec = f.metadata.get("setting")
+        if spec is None:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        out.append((f.name, spec, default))
+    return out
+
+
+@dataclass
+class EngineSettings:
+    """The engine's knobs (DESIGN.md "Scheduling"), the same for every model."""
+
+    max_batch_tokens: int = setting(8192, "tokens one batch may grow its prefix trees by", flag="--max-batch-tokens",
+                                    minimum=1)
+    schedule: str = setting("hrrn", "queue order", flag="--schedule", choices=("hrrn", "fifo"))
+    long_tokens: int = setting(4096, "requests of this many tokens go to the preemptible long lane; 0 disables",
+                               flag="--long-tokens", minimum=0)
+    long_slice_ms: float = setting(100.0, "how long the long lane may hold the device while others wait",
+                                   flag="--long-slice-ms", above=0)
+    max_row_tokens: int = setting(32768, "tokens one row of a forward may hold", minimum=1)
+    max_forward_tokens: int = setting(8192, "tokens one forward may hold (CUDA graphs are captured up to it)",
+                                      minimum=1)
+    prefix_cache: bool = setting(True, "keep the chat template's K/V per language (--no-prefix-cache: do not)",
+                                 flag="--no-prefix-cache", action="negate", show_default=False)
+    # after a batch of n requests, wait up to this long (and at most a quarter of that batch's time) for n/2 to
+    # queue before starting a small batch, so closed-loop clients do not alternate full and tiny batches.
+    # Off by default: 20 ms on the H200 (32 HTTP clients) gave p99 282 vs 314 ms and -1.5 % req/s, one trial
+    # each, within noise (docs/PERFORMANCE.md)
+    coalesce_ms: float = setting(0.0, "after a batch of n requests, wait up to this long for n/2 to queue before "
+                                      "a small batch; 0 disables", flag="--coalesce-ms", minimum=0)
+    # overlap a batch's host work (packing, inputs, answering) with the previous batch's device work where the
+    # backend can launch without waiting (engine/engine.py)
+    pipeline: bool = setting(True, "answer each batch before forming the next (default: on CUDA, the next batch is "
+                                   "packed and launched while the device computes the one before)",
+                             flag="--no-pipeline", action="negate", show_default=False)
+
+
+@dataclass
+class Settings:
+    """The daemon's settings; `engine` holds the engine's."""
+
+    models: list[str] = setting([], "model directory, or a downloaded name (mini, 4.5B, max, OWNER/NAME); repeatable",
+                                flag="--model", dest="model", action="append", show_default=False)
+    host: str = setting("127.0.0.1", "address to listen on; 127.0.0.1 is this machine only", flag="--host",
+                        env="BASAL_LOCAL_HOST")
+    port: int = setting(8000, "TCP port", flag="--port", minimum=1, maximum=65535, env="BASAL_LOCAL_PORT")
+    backend: str = setting("auto", "compute backend", flag="--backend", choices=("auto", "torch", "mlx"),
+                           env="BASAL_LOCAL_BACKEND")
+    device: str = setting("auto", "device (auto: cuda when available, else cpu)", flag="--device",
+                          choices=("auto", "cpu", "cuda", "mps"), env="BASAL_LOCAL_DEVICE")
+    devices: str | None = setting(None, "one engine replica per device: cuda:0,cuda:1 or all (overrides --device)",
+                                  kind=str, flag="--devices", optional=True, show_default=False)
+    replicas: int = setting(1, "engine replicas per device", flag="--replicas", minimum=1)
+    # each replica in its own worker process (replicas/front.py); None: when a model is on more than one GPU
+    replica_processes: bool | None = setting(
+        None, "each engine replica in its own process, the HTTP front in this one (default: on when a model runs on "
+              "more than one GPU; --no-replica-processes keeps them in one process)", kind=bool,
+        flag="--replica-processes", action="boolean", optional=True, show_default=False)
+    placement: dict[str, list[str]] = setting({}, "config.toml [placement]: model name -> its devices")
+    dtype: str = setting("auto", "weights and activations (auto: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 "
+                                 "with float8 GEMMs; q8/q4: MLX only, quantized once and cached)", flag="--dtype",
+                         choices=("auto", "f16", "bf16", "f32", "fp8", "q8", "q4"), env="BASAL_LOCAL_DTYPE")
+    # a size (24GB) or a share (0.8) of each GPU's memory the models may use (backends/memory.py checks the form)
+    gpu_memory: str | float | None = setting(
+        None, "GPU memory the models may use on each device: a size (24GB, 22.5GiB) or a share (0.8, 80%%); the "
+              "weights must fit, and a batch that needs more gets a 503 (default: all of it)", kind=str,
+        flag="--gpu-memory", metavar="SIZE", optional=True, number_ok=True, env="BASAL_LOCAL_GPU_MEMORY", show_default=False)
+    default_model: str | None = setting(None, "model for requests that name none (default: the first --model)",
+                                        kind=str, flag="--default-model", optional=True, show_default=False)
+    max_inflight: int = setting(1024, "requests admitted at once; more get 529 + Retry-After", flag="--max-inflight",
+                                minimum=1)
+    release_date: str = setting("2026-10-05", "the release date /v1/models shows")
+    access_log: bool = setting(False, "one log line per request", flag="--access-log", action="store_true",
+                               show_default=False)
+    # who may call (server/security.py)
+    api_key: str | None = setting(None, "require this key (Authorization: Bearer KEY or X-Api-Key)", kind=str,
+                                  flag="--api-key", optional=True, env="BASAL_LOCAL_API_KEY", show_default=False)
+    insecure_public: bool = setting(False, "allow serving off loopback (e.g. --host 0.0.0.0) without an API key",
+                                    flag="--insecure-public", action="store_true", show_default=False)
+    allowed_hosts: list[str] = setting([], "another Host name the daemon answers to (repeatable; '*' allows any)",
+                                       flag="--allowed-host", action="append", metavar="NAME", show_default=False)
+    allowed_origins: list[str] = setting([], "a web origin allowed to call the daemon, e.g. https://app.example "
+                                             "(repeatable)", flag="--allowed-origin", action="append",
+                                         metavar="ORIGIN", show_default=False)
+    log_bodies: bool = setting(False, "log request bodies (off: no request content is logged)", flag="--log-bodies",
+                               action="store_true", show_default=False)
+    # limits (server/body.py); drain_s: how long SIGTERM waits for requests in flight
+    max_body_mb: int = setting(32, "largest request body, in MiB", minimum=1)
+    body_timeout_s: float = setting(10.0, "close a connection whose request body has not arrived in this time",
+                                    flag="--body-timeout", metavar="SECONDS", above=0)
+    drain_s: float = setting(10.0, "on SIGTERM, wait this long for requests in flight", flag="--drain",
+                             metavar="SECONDS", minimum=0)
+    metrics: bool = setting(False, "Prometheus text at /metrics", flag="--metrics", action="store_true")
+    # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
+    aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+    @classmethod
+    def load(cls, overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
+        """Defaults, then config.toml, then BASAL_LOCAL_* variables, then the given (CLI) overrides, each value
+        checked against its declaration; errors are sentences naming where the value came from."""
+        return load(overrides, config_file)
+
+
+def all_settings() -> list[tuple[str, Spec, Any, bool]]:
+    """(key, spec, default, is_engine) of every declared setting."""
+    return [(k, s, d, False) for k, s, d in declared(Settings)] + [(k, s, d, True) for k, s, d in declared(EngineSettings)]
+
+
+def _unknown(path: Path, key: str, known: list[str]) -> ValueError:
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ValueError(f"{path}: unknown setting {key!r}{hint}; the settings are: {', '.join(known)}")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc}); fix or remove the file") from None
+
+
+def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
+    path = config_file or config_path()
+    specs = {key: (spec, engine) for key, spec, _, engine in all_settings()}
+    settings = Settings()
+
+    def put(key: str, value: Any, source: str, from_text: bool) -> None:
+        spec, engine = specs[key]
+        try:
+            value = check(key, spec, value, from_text)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+        setattr(settings.engine if engine else settings, key, value)
+
+    for key, value in _read_config(path).items():
+        if key not in specs:
+            raise _unknown(path, key, list(specs))
+        put(key, value, str(path), from_text=False)
+    if not all(isinstance(v, str) for v in settings.aliases.values()):
+        raise ValueError(f'{path}: [aliases] must map names to served model names (jev-latest = "mini")')
+    if not all(isinstance(v, list) and all(isinstance(d, str) for d in v) for v in settings.placement.values()):
+        raise ValueError(f'{path}: [placement] must map model names to lists of devices (mini = ["cuda:0"])')
+    for key, (spec, _) in specs.items():
+        if spec.env and spec.env in os.environ:
+            put(key, os.environ[spec.env], spec.env, from_text=True)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key not in specs:
+            raise ValueError(f"unknown setting {key!r}")
+        spec, _ = specs[key]
+        put(key, value, spec.flag or key, from_text=True)
+    return settings
+
+
+def config_path() -> Path:
+    """Where `config.toml` is read from when --config is not given."""
+    return home_dirs()["config"] / "config.toml"
+
+
+def _flag_type(key: str, spec: Spec):
+    def parse(text: str) -> Any:
+        try:
+            return check(spec.flag or key, spec, text, from_text=True)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} must be {_range_text(spec)}") from None
+
+    parse.__name__ = spec.kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Every declared setting that has a flag, with its declared help and default."""
+    for key, spec, default, _ in all_settings():
+        if spec.flag is None:
+            continue
+        shown = ("on" if default else "off") if isinstance(default, bool) else \
+            f"{default:g}" if isinstance(default, float) else default
+        text = spec.help + (f" (default {shown})" if spec.show_default else "") + \
+            (f"; also {spec.env}" if spec.env else "")
+        dest = spec.dest or key
+        if spec.action == "store_true":
+            parser.add_argument(spec.flag, action="store_true", dest=dest, default=None, help=text)
+        elif spec.action == "negate":
+            parser.add_argument(spec.flag, action="store_false", dest=dest, default=None, help=text)
+        elif spec.action == "boolean":
+            parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=None, help=text)
+        elif spec.action == "append":
+            parser.add_argument(spec.flag, action="append", dest=dest, metavar=spec.metavar, help=text)
+        elif spec.choices:
+            parser.add_argument(spec.flag, dest=dest, choices=spec.choices, metavar=spec.metavar, help=text)
+        else:
+            parser.add_argument(spec.flag, dest=dest, type=_flag_type(key, spec), metavar=spec.metavar, help=text)
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags in `args` (absent or unset flags left out)."""
+    out = {}
+    for key, spec, _, _ in all_settings():
+        if spec.flag is not None:
+            value = getattr(args, spec.dest or key, None)
+            if value is not None:
+                out[key] = value
+    return out
