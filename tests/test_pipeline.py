@@ -11,8 +11,9 @@ import pytest
 
 from basal_local.api.answers import response_body
 from basal_local.api.systemone import validate_systemone
-from basal_local.engine.engine import PIPELINE_MIN_S, EngineSettings, ModelEngine, _size_class
+from basal_local.engine.engine import EngineSettings, ModelEngine
 from basal_local.engine.gate import DeviceGate
+from basal_local.engine.lane import PIPELINE_MIN_S, _size_class
 from basal_local.model import load_model_dir
 from basal_local.telemetry import Telemetry
 

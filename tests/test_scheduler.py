@@ -12,8 +12,9 @@ import pytest
 
 from basal_local.api.answers import response_body
 from basal_local.api.systemone import validate_systemone
-from basal_local.engine.engine import EngineSettings, Lane, ModelEngine
+from basal_local.engine.engine import EngineSettings, ModelEngine
 from basal_local.engine.gate import DeviceGate
+from basal_local.engine.lane import Lane
 from basal_local.engine.scheduler import Cancelled
 from basal_local.model import load_model_dir
 from basal_local.telemetry import Telemetry
