@@ -1,6 +1,7 @@
 """Evidence forwards (PROTOCOL.md §6.8): one plain causal forward per question that asked for spans.
 
-They run on arrival, after planning and before the request is queued: the spans do not depend on the
+They run after planning and before the request's first round is queued (`requests.run_request`, on the
+engine's helper threads): the spans do not depend on the
 letter logits, so `finish` only appends them. The forward takes the device gate like a main-lane batch.
 Its tokens are not part of `usage.input_tokens`.
 """

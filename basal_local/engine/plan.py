@@ -2,9 +2,9 @@
 
 A plan is a list of readout units (QuestionPlan): one per ordinary question, one per `multi` label
 (branch), one per group of a large choice (round 1) or its finalists (round 2). The engine only sees
-units and their prompts; `finish` folds the units back into one answer per question. A request with a
-large choice takes two rounds: `finish` of round 1 returns None and `next_round` plans round 2 from the
-round-1 answers (the caller submits it like any plan).
+units and their prompts; `finish` folds the units back into one Outcome per request (no dialect). A request
+with a large choice takes two rounds: `finish` of round 1 returns None and `next_round` plans round 2 from the
+round-1 answers (`requests.run_request` queues it like any plan).
 """
 
 from __future__ import annotations
