@@ -84,7 +84,7 @@ MUTATIONS = [
       "tests/test_decision.py"),
     # scheduling (ENGINE.md §3, DESIGN.md "Scheduling")
     m("long-lane-batches", "the long lane runs one request at a time",
-      "basal_local/engine/engine.py", "budget = settings.max_batch_tokens if self.urgent else 0",
+      "basal_local/engine/lane.py", "budget = settings.max_batch_tokens if self.urgent else 0",
       "budget = settings.max_batch_tokens", "tests/test_scheduler.py::test_long_lane_runs_one_request_at_a_time"),
     m("growth-not-shared", "batch forming counts shared prefixes once against max_batch_tokens",
       "basal_local/engine/scheduler.py", "        if trial.tokens <= max_batch_tokens:",
@@ -96,7 +96,7 @@ MUTATIONS = [
       "basal_local/engine/scheduler.py", "return overhead_s + max(tokens, 1) / rate", "return max(tokens, 1) / rate",
       "tests/test_queue_order.py"),
     m("cancelled-computed", "a cancelled request costs no forward",
-      "basal_local/engine/engine.py", "                if job.gone():", "                if False:",
+      "basal_local/engine/lane.py", "                if job.gone():", "                if False:",
       "tests/test_scheduler.py::test_cancelled_requests_cost_no_forward"),
     # engine lifecycle: no job can hurt another job or a lane
     m("cancelled-future-set", "a future the waiter cancelled is left alone (its batch-mates are answered)",
@@ -104,11 +104,11 @@ MUTATIONS = [
       "        except InvalidStateError:\n            raise\n\n    def fail",
       "tests/test_engine_lifecycle.py::test_a_job_cancelled_during_compute_does_not_fail_its_batch_mates"),
     m("stop-leaves-queue", "stop() fails the queued jobs at once",
-      "basal_local/engine/engine.py", "        for job in queued:\n            job.fail(EngineStopped())",
+      "basal_local/engine/lane.py", "        for job in queued:\n            job.fail(EngineStopped())",
       "        for job in queued:\n            pass",
       "tests/test_engine_lifecycle.py::test_stop_fails_queued_jobs_finishes_the_running_batch_and_joins_the_threads"),
     m("dead-replica-kept", "a replica whose device died leaves the rotation and its requests run elsewhere",
-      "basal_local/engine/replicas.py", "            self.dead.add(engine.replica)", "            pass",
+      "basal_local/replicas/inprocess.py", "            self.dead.add(engine.replica)", "            pass",
       "tests/test_replicas.py::test_a_dead_replica_leaves_the_rotation_and_nothing_is_lost"),
     # attention kernel vs twin
     m("flex-silent-fallback", "a failing FlexAttention kernel is an error or a counted fallback, never silent",
