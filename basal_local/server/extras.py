@@ -156,7 +156,7 @@ def _rss_bytes() -> int | None:
     except (OSError, ValueError, AttributeError):
         pass
     try:
-        import resource
+        import resource  # Unix only
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024

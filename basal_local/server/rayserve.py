@@ -21,6 +21,7 @@ Ray is imported only inside functions: it is an optional extra (`pip install "ba
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..api.errors import dialect_of, http_error
 from ..model.registry import demo_model_dir, resolve_model
 from .app import create_app
 from .body import BodyLimits
@@ -305,10 +307,6 @@ async def _read_body(receive, limit: int, timeout_s: float) -> tuple[bytes, bool
 
 
 async def _send_unavailable(send, path: str) -> None:
-    import json
-
-    from ..api.errors import dialect_of, http_error
-
     err = http_error(503, "UNAVAILABLE", f"no engine replica could answer ({RETRIES + 1} tries); retry shortly",
                      dialect_of(path), {"retry-after": "1"})
     body = json.dumps(err.body).encode()

@@ -24,7 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from ..samples import sample_requests
-from .daemon import build, shutdown, start_loading
+from .daemon import build, serve, shutdown, start_loading
 from .events import BusLogHandler
 from .settings import Settings
 from .state import AppState
@@ -100,7 +100,6 @@ def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, 
     """`serve --tui` and/or `--demo-traffic`; without --tui the daemon runs as usual with traffic beside it."""
     if tui:
         return serve_with_dashboard(settings, model_dirs, traffic)
-    from .daemon import serve
 
     stop = threading.Event()
     demo_traffic(local_url(settings.host, settings.port), stop)
@@ -132,7 +131,7 @@ def serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: bo
 
 
 def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: bool) -> int:
-    from basal_local.tui.run import run_top
+    from basal_local.tui.run import run_top  # textual: heavy, imported only when the dashboard runs
 
     # the same guarded app, limits and server options as `serve`; the log goes to the dashboard's log pane
     state, config = build(settings, model_dirs, quiet=True)
