@@ -8,7 +8,7 @@ from typing import Any
 from ..protocol.act import ActError, ActSpec, act_base, check_max_error, parse_costs
 from ..protocol.constants import MAX_OPTIONS
 from ..protocol.facts import inject as inject_facts
-from ..protocol.multi import MultiSpec, labels_of, truncate_count
+from ..protocol.multi import MultiSpec, labels_of, selection_options, truncate_count
 from ..protocol.questions import DecisionRequest, Question
 from ..protocol.render import named_option_texts
 from ..protocol.textrule import to_text
@@ -56,8 +56,12 @@ def _multi(qid: str, q: dict, instructions: str) -> Question:
         raise ValueError(f"question '{qid}': multi needs at least one label in criteria")
     keys, labels = found
     threshold = _number(qid, q, "threshold")
+    try:
+        options = selection_options(q, keys)
+    except ValueError as exc:
+        raise ValueError(f"question '{qid}': {exc}") from None
     spec = MultiSpec(0.5 if threshold is None else float(threshold), truncate_count(_number(qid, q, "max")),
-                     truncate_count(_number(qid, q, "min")))
+                     truncate_count(_number(qid, q, "min")), **options)
     return Question(qid, "multi", instructions, tuple(keys), tuple(labels), "noul", spec=spec)
 
 
