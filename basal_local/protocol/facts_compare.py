@@ -10,7 +10,9 @@ entries are compared among themselves first, then with the rest, then the rest p
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -57,18 +59,23 @@ def _symbol(a: Decimal, b: Decimal) -> str:
     return ">" if qa > qb else "<" if qa < qb else "="
 
 
+def _pairs(entries: list[Entry]) -> Iterator[tuple[Decimal, Decimal]]:
+    """Labelled entries among themselves, then labelled × plain, then plain pairwise (lazily: the pool may be
+    long and only 6 lines are kept)."""
+    labelled = [(i, v) for i, e in enumerate(entries) if e.labelled for v in e.values]
+    plain = [v for e in entries if not e.labelled for v in e.values]
+    for k, (i, a) in enumerate(labelled):
+        for j, b in labelled[k + 1:]:
+            if i != j:
+                yield a, b
+    for _, a in labelled:
+        for b in plain:
+            yield a, b
+    for k, a in enumerate(plain):
+        for b in plain[k + 1:]:
+            yield a, b
+
+
 def compare_lines(entries: list[Entry]) -> list[str]:
-    labelled = [e for e in entries if e.labelled]
-    plain = [e for e in entries if not e.labelled]
-    pairs: list[tuple[Decimal, Decimal]] = []
-    flat = [(i, v) for i, e in enumerate(labelled) for v in e.values]
-    pairs += [(a, b) for k, (i, a) in enumerate(flat) for j, b in flat[k + 1:] if i != j]
-    pairs += [(a, b) for _, a in flat for e in plain for b in e.values]
-    rest = [v for e in plain for v in e.values]
-    pairs += [(a, b) for k, a in enumerate(rest) for b in rest[k + 1:]]
-    lines = []
-    for a, b in pairs:
-        if len(lines) == MAX_COMPARE:
-            break
-        lines.append(f"{format_amount(a)} {_symbol(a, b)} {format_amount(b)}")
-    return lines
+    return [f"{format_amount(a)} {_symbol(a, b)} {format_amount(b)}"
+            for a, b in itertools.islice(_pairs(entries), MAX_COMPARE)]

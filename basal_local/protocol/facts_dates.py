@@ -11,7 +11,7 @@ import bisect
 import datetime as dt
 import re
 
-MAX_DATES, MAX_DURATIONS, DURATION_DATES = 6, 3, 3
+MAX_DATES, MAX_DURATIONS, DURATION_DATES, MAX_AGO = 6, 3, 3, 6
 TODAY_WINDOW = 40
 
 MONTHS = ("stycznia", "lutego", "marca", "kwietnia", "maja", "czerwca", "lipca", "sierpnia", "września",
@@ -166,8 +166,11 @@ def date_lines(text: str) -> list[str]:
     lines += [_gap_line(a, b) for a, b in zip(dates, dates[1:])]
     today = _today(text, positions)
     if today is not None:
+        counts: list[int] = []
         for m in _AGO.finditer(text):
-            count = int(m.group(1))
+            if int(m.group(1)) not in counts:
+                counts.append(int(m.group(1)))
+        for count in counts[:MAX_AGO]:  # no golden case has more than two; a bound keeps the block short
             lines.append(f"{count} dni przed {format_date(today)} to {format_date(today - dt.timedelta(days=count))}")
     spans = durations(text)
     for day in dates[:DURATION_DATES]:

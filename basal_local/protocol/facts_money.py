@@ -8,6 +8,7 @@ huge amount leaves the state unchanged as the reference does.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Context, Decimal
@@ -29,8 +30,9 @@ _PLN_MENTION = re.compile(NUM + r"[ \u00a0]?" + _PLN)
 _EUR_MENTION = re.compile(NUM + r"[ \u00a0]?" + _EUR)
 # the VAT lines read only amounts written `1 234,56 zł` (one plain space before zł; not PLN, not a no-break space)
 _VAT_AMOUNT = re.compile(NUM + r" zł(?!\w)")
+_KURS = re.compile(r"kurs\w*", re.IGNORECASE)
+_CLAUSE_STOP = re.compile(r"[.!?\n]")
 _RATE_FORMS = (
-    re.compile(r"kurs\w*[^.!?\n]*?" + NUM + r"[ \u00a0]?" + _PLN, re.IGNORECASE),  # kurs ... 4,30 zł
     re.compile(r"(?<!\d)1[ \u00a0]?" + _EUR + r"[ \u00a0]?=[ \u00a0]?" + NUM + r"[ \u00a0]?" + _PLN),  # 1 EUR = 4,30 zł
     re.compile(NUM + r"[ \u00a0]?" + _PLN + r"[ \u00a0]?(?:/[ \u00a0]?|za[ \u00a0]+(?:1[ \u00a0]+)?)" + _EUR),
 )
@@ -134,8 +136,30 @@ def _plausible(value: Decimal) -> bool:
 
 
 def _in_parentheses(text: str, pos: int) -> bool:
-    line_start = text.rfind("\n", 0, pos) + 1
-    return text.rfind("(", line_start, pos) > text.rfind(")", line_start, pos)
+    window = max(text.rfind("\n", max(0, pos - 200), pos) + 1, pos - 200)  # an aside is short
+    return text.rfind("(", window, pos) > text.rfind(")", window, pos)
+
+
+def _kurs_rates(text: str) -> list[tuple[int, int, Decimal]]:
+    """`kurs … 4,30 zł`: the first złoty number after a `kurs` word in the same sentence (no . ! ? or line break
+    between); a later `kurs` word before that number adds nothing. Linear in the text."""
+    mentions = pln_mentions(text)
+    starts = [m.num for m in mentions]
+    stops = [m.start() for m in _CLAUSE_STOP.finditer(text)]
+    out: list[tuple[int, int, Decimal]] = []
+    consumed = -1
+    for k in _KURS.finditer(text):
+        if k.start() < consumed:
+            continue
+        i = bisect.bisect_left(starts, k.end())
+        if i == len(starts):
+            break
+        j = bisect.bisect_left(stops, k.end())
+        if j < len(stops) and stops[j] < starts[i]:
+            continue
+        out.append((k.start(), mentions[i].num, mentions[i].value))
+        consumed = mentions[i].end
+    return out
 
 
 def stated_rates(text: str) -> list[Rate]:
@@ -144,11 +168,12 @@ def stated_rates(text: str) -> list[Rate]:
         value = number(m.group(3), m.group(4))
         if _plausible(value):
             found[m.start(3)] = Rate(m.start(3), m.start(3), value, m.start(1))
-    for pattern in _RATE_FORMS:
-        for m in pattern.finditer(text):
-            value = number(m.group(1), m.group(2))
-            if _plausible(value) and m.start(1) not in found:
-                found[m.start(1)] = Rate(m.start(), m.start(1), value, aside=_in_parentheses(text, m.start(1)))
+    candidates = [(m.start(), m.start(1), number(m.group(1), m.group(2)))
+                  for pattern in _RATE_FORMS for m in pattern.finditer(text)]
+    candidates += _kurs_rates(text)
+    for start, num, value in candidates:
+        if _plausible(value) and num not in found:
+            found[num] = Rate(start, num, value, aside=_in_parentheses(text, num))
     return sorted(found.values(), key=lambda r: r.num)
 
 
@@ -218,8 +243,6 @@ def euro_conversions(text: str, rates: list[Rate]) -> list[tuple[Decimal, Decima
 
 
 def _index(bounds: list[int], pos: int) -> int:
-    import bisect
-
     return bisect.bisect_right(bounds, pos) - 1
 
 
@@ -228,22 +251,24 @@ def euro_lines(conversions: list[tuple[Decimal, Decimal, Decimal]]) -> list[str]
 
 
 # ---- (6b) budget − spending ---------------------------------------------------------------------------------
-def _first_after(mentions: list[Mention], pos: int) -> Mention | None:
-    return next((m for m in mentions if pos <= m.start <= pos + _LABEL_REACH), None)
+def _first_after(mentions: list[Mention], starts: list[int], pos: int) -> Mention | None:
+    i = bisect.bisect_left(starts, pos)
+    return mentions[i] if i < len(mentions) and mentions[i].start <= pos + _LABEL_REACH else None
 
 
 def budget(text: str, mentions: list[Mention]) -> tuple[Mention, list[tuple[str, Mention]]] | None:
     """The first amount after a budget word and each amount after a (lowercase) spending verb."""
     base = None
+    starts = [m.start for m in mentions]
     for m in _BUDGET.finditer(text):
-        base = _first_after(mentions, m.end())
+        base = _first_after(mentions, starts, m.end())
         if base is not None:
             break
     if base is None:
         return None
     spent = []
     for m in _SPENT.finditer(text):
-        amount = _first_after(mentions, m.end())
+        amount = _first_after(mentions, starts, m.end())
         if amount is not None and amount is not base:
             spent.append((m.group(1), amount))
     return (base, spent) if spent else None
