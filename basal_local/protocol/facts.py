@@ -62,8 +62,8 @@ def money_lines(text: str) -> list[str]:
     net_gross: list[str] = []
     entries: list[C.Entry] = []
     item_values = [whole] if whole is not None else [i.value for i in items]
-    if whole is not None and item_label and rate and whole not in shown_by_vat:
-        net_gross.append(C.net_gross_line(whole, item_label, rate))
+    if item_label and rate:  # a total or a product converts; its unit prices do not
+        net_gross += [C.net_gross_line(v, item_label, rate) for v in item_values if v not in shown_by_vat]
     entries += [C.entry(v, item_label, rate) for v in item_values]
 
     operands = set(taken)
