@@ -6,18 +6,15 @@ from __future__ import annotations
 import datetime as dt
 import json
 from decimal import Decimal, InvalidOperation
-from pathlib import Path
 
 import pytest
 
 from basal_local.protocol import facts as F
 from basal_local.protocol import facts_money as FM
 
+from .test_facts_golden import GOLDEN
+
 HEADER = "Fakty pomocnicze (wyliczone automatycznie, bez oceny prawnej):"
-GOLDEN = Path("/work/shared/data/facts-golden.jsonl")
-for _candidate in (Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "facts-golden.jsonl",):
-    if _candidate.exists():
-        GOLDEN = _candidate
 
 
 def golden(i: int) -> dict:
