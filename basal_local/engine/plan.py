@@ -64,6 +64,7 @@ class RequestPlan:
     evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     error: AnswerRefused | None = None  # set by finish when an answer refuses (act max_error without defer)
     context: tuple[BasalTokenizer, int, dict[str, Sequence[int]]] | None = None
+    background: bool = False  # batch work: computed only when no interactive request waits (scheduler)
 
     def prompt_specs(self) -> list[PromptSpec]:
         return [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
@@ -189,7 +190,8 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
         units.append((q, lang, perms, prompts, "final", 0, chosen))
     plans, tokens = _tokenize_units(request, units, tokenizer, max_positions)
     follow = RequestPlan(request, plans, plan.input_tokens + tokens, 0, arrival=plan.arrival, round=2,
-                         carried=dict(plan.carried), evidence=plan.evidence, context=plan.context)
+                         carried=dict(plan.carried), evidence=plan.evidence, context=plan.context,
+                         background=plan.background)
     follow.packed_tokens = packed_size(follow.prompt_specs(), prefixes)
     follow.planning_s = plan.planning_s + time.perf_counter() - started
     return follow

@@ -33,6 +33,7 @@ from ..engine.plan import RequestPlan, next_round
 from ..engine.scheduler import Cancelled, EngineStopped, Job
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..telemetry import Telemetry
+from .batch_routes import BATCH_ROUTES, start_batches, stop_batches
 from .body import BodyError, BodyLimits, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
 
@@ -160,6 +161,7 @@ async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tup
         planned = engine.plan(validate(body, dialect, call.model_name))
         attach_evidence(planned, engine)
         planned.arrival = call.arrived
+        planned.background = call.request.headers.get("x-basal-priority") == "batch"  # the Batch API's lines
         call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
         return engine, planned, engine.submit(planned, gone.is_set, call.request_id)
 
@@ -357,8 +359,10 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 def create_app(state: AppState) -> Litestar:
     from .extras import extra_handlers, stamp_request_id, wrap_asgi
 
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state)],
+    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state),
+                                   *BATCH_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
-                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id])
+                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
+                   on_startup=[start_batches], on_shutdown=[stop_batches])
     app.state.basal = state
     return app

@@ -122,7 +122,8 @@ class AccessPolicy:
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             json_like = ctype in ("", "application/json") or (ctype.startswith("application/")
                                                                and ctype.endswith("+json"))
-            if not json_like and not (ctype == CURL_DEFAULT_TYPE and origin is None):
+            upload = ctype == "multipart/form-data" and method == "POST" and path.rstrip("/") == "/v1/files"
+            if not json_like and not upload and not (ctype == CURL_DEFAULT_TYPE and origin is None):
                 return http_error(415, "UNSUPPORTED_MEDIA_TYPE", f"Content-Type {ctype!r} is not accepted: "
                                   "send the body as application/json", dialect)
         return None
