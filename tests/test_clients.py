@@ -154,9 +154,10 @@ def test_request_ids_on_every_response(served):
 
 
 def test_unknown_model_names_the_served_ones(served):
-    status, _, body = http("POST", served.url + "/v1/systemone", {"model": "nope-1", "state": "s", "questions": {
+    status, headers, body = http("POST", served.url + "/v1/systemone", {"model": "nope-1", "state": "s", "questions": {
         "q": {"type": "noul", "instructions": "ok?"}}})
-    assert status == 400 and body["detail"]["message"] == f"Unknown model: nope-1 (served: {served.model})"
+    assert status == 400 and body["detail"]["message"] == "Unknown model: nope-1"  # TypeSafe's exact text
+    assert {k.lower(): v for k, v in headers.items()}["x-basal-served-models"] == served.model
 
 
 def test_openapi_describes_both_dialects(served):

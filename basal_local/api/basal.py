@@ -12,7 +12,18 @@ from ..protocol.multi import MultiSpec, labels_of, truncate_count
 from ..protocol.questions import DecisionRequest, Question
 from ..protocol.render import named_option_texts
 from ..protocol.textrule import to_text
-from .errors import basal_error
+from .errors import basal_error, unknown_model, unsupported
+from .refusals import (
+    MAX_PROMPTS,
+    MAX_QUESTIONS,
+    SUPPORTED_TYPES,
+    count_prompts,
+    field_refusal,
+    top_level_refusal,
+    type_refusal,
+)
+
+KNOWN_TYPES = ("choice", "noul", "score", "multi", "act")
 
 
 def _options(qid: str, q: dict, qtype: str) -> tuple[list[str], list[str], str]:
@@ -111,6 +122,9 @@ def _typed_question(qid: str, q: Any) -> Question:
         return _noul(qid, q.get("criteria") if isinstance(q.get("criteria"), dict) else {}, instructions)
     keys, shown, _ = _options(qid, q, qtype)
     if not 2 <= len(keys) <= MAX_OPTIONS:
+        if raw_type is not None and raw_type not in KNOWN_TYPES:  # read as choice (§8), but say what it was
+            raise ValueError(f"question '{qid}': unknown type {to_text(raw_type)!r} read as a choice: {len(keys)} "
+                             f"options (supported: 2..{MAX_OPTIONS}; types: {SUPPORTED_TYPES})")
         raise ValueError(f"question '{qid}': {len(keys)} options (supported: 2..{MAX_OPTIONS})")
     legend = dict(zip(keys, shown)) if qtype == "score" else None
     return Question(qid, qtype, instructions, tuple(keys), tuple(shown), calibration_key, legend=legend)
@@ -125,9 +139,16 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
     questions = body.get("questions")
     if not isinstance(questions, dict):
         raise basal_error("'questions' must be a JSON object")
+    _check_counts(questions)
     messages: list[str] = []
     parsed: list[Question] = []
+    refused = [top_level_refusal(body)]
     for qid, q in questions.items():
+        if isinstance(q, dict):
+            refusal = type_refusal(qid, q.get("type")) or field_refusal(qid, q.get("type"), q)
+            if refusal is not None:
+                refused.append(refusal)
+                continue
         try:
             parsed.append(_question(qid, q))
         except ValueError as exc:
@@ -135,6 +156,9 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
     facts = body.get("facts")  # lenient: anything but "auto" means no facts
     if messages:
         raise basal_error("; ".join(messages))
+    first = next((r for r in refused if r is not None), None)
+    if first is not None:
+        raise unsupported(*first)
     state_text = to_text(body["state"])
     limit = None
     if facts == "auto":
@@ -145,9 +169,18 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
     return DecisionRequest("basal", model_name, state_text, parsed, limit)
 
 
+def _check_counts(questions: dict) -> None:
+    """The per-request limits (api/refusals.py), before any question is looked at."""
+    if len(questions) > MAX_QUESTIONS:
+        raise basal_error(f"too many questions: {len(questions)} (at most {MAX_QUESTIONS} per request)")
+    prompts = count_prompts(questions)
+    if prompts > MAX_PROMPTS:
+        raise basal_error(f"too many prompts: these questions need {prompts} (at most {MAX_PROMPTS} per request)")
+
+
 def route_basal(body: Any, served: dict[str, Any], default: str) -> str:
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         if body["model"] not in served:
-            raise basal_error(f"Unknown model: {body['model']} (served: {', '.join(served)})")
+            raise unknown_model(basal_error(f"Unknown model: {body['model']}"), served)
         return body["model"]
     return default

@@ -55,6 +55,16 @@ def unsupported(kind: str, loc: list[Any], msg: str) -> ApiError:
     return ApiError(422, {"error": "unsupported", "detail": [{"type": kind, "loc": loc, "msg": msg}]})
 
 
+SERVED_MODELS_HEADER = "x-basal-served-models"
+
+
+def unknown_model(err: ApiError, served: Any) -> ApiError:
+    """The dialect's exact unknown-model error (PROTOCOL.md §1.1); the served names ride in a header."""
+    names = ", ".join(served).encode("ascii", "backslashreplace").decode("ascii")
+    err.headers = {**(err.headers or {}), SERVED_MODELS_HEADER: names}
+    return err
+
+
 def json_invalid(msg: str, pos: int) -> ApiError:
     ctx_msg = msg[:1].upper() + msg[1:]
     return ApiError(422, {"detail": [field_error("json_invalid", ["body", pos], "JSON decode error", {},
