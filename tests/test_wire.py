@@ -140,3 +140,23 @@ def test_prompts_are_counted_like_the_planner_builds_them():
     assert prompts_of("multi", {"criteria": ["a", "b", "c"]}) == 6
     assert prompts_of("choice", {"criteria": [str(i) for i in range(11)]}) == 6  # PROTOCOL.md §6.7: 4 + 2
     assert prompts_of("score", {"levels": ["a", "b"]}) == 2
+
+
+def test_health_without_the_key_says_only_the_status():
+    """With --api-key: a probe without credentials learns ok/loading and nothing else (security.py)."""
+    from litestar.testing import TestClient
+
+    from basal_local.server.app import AppState, create_app
+    from basal_local.server.security import AccessPolicy, Guard
+
+    state = AppState()
+    app = create_app(state)
+    with TestClient(Guard(app, AccessPolicy.build("127.0.0.1", "k3y", hosts=["testserver.local"]))) as client:
+        r = client.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "loading"})
+        state.ready = True
+        assert (client.get("/health").status_code, client.get("/health").json()) == (200, {"status": "ok"})
+        r = client.get("/health", headers={"authorization": "Bearer k3y"})
+        assert r.status_code == 200 and set(r.json()) > {"status", "version", "models"}
+        assert client.get("/api/stats").status_code == 401  # only /health is open
+        assert client.post("/health").status_code == 401

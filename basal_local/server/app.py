@@ -35,6 +35,7 @@ from ..protocol.errors import AnswerRefused, ProtocolError
 from ..telemetry import Telemetry
 from .body import BodyError, BodyLimits, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
+from .security import UNAUTHENTICATED
 
 log = logging.getLogger("basal_local.server")
 DESCRIPTION = "basal typed-decision model (choice / noul / score / act / multi), Polish and English"
@@ -319,6 +320,9 @@ def replicas(state: AppState) -> list[dict[str, Any]]:
 @get("/health")
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
+    if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
+        word = "ok" if state.ready else ("error" if state.load_error else "loading")
+        return _json_response(200 if state.ready else 503, {"status": word})
     if not state.ready:
         body: dict[str, Any] = {"status": "loading", "version": __version__}
         if state.load_error:
