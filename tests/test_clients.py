@@ -207,20 +207,8 @@ def test_529_headers(tiny_model):
             assert r.status_code == 529 and r.headers["x-typesafe-request-id"]
             assert re.fullmatch(r"[1-9][0-9]*", r.headers["retry-after"])  # integer seconds, never a date
             ms = int(r.headers["retry-after-ms"])
-            assert ms >= 1 and int(r.headers["retry-after"]) == -(-ms // 1000)
-    # how the slots are spaced is test_retry_slots_do_not_collide's job (here the calls' timing is the machine's)
-
-
-def test_retry_slots_do_not_collide():
-    from basal_local.server.extras import RetrySpreader
-
-    spreader = RetrySpreader(max_inflight=2, service_s=0.08)
-    spacing = 0.08 * RetrySpreader.MARGIN / 2
-    assert RetrySpreader.MARGIN - RetrySpreader.JITTER >= 1.25  # a late retry is done before the next slot
-    slots = sorted(time.monotonic() + spreader.delay_ms() / 1000.0 for _ in range(20))
-    gaps = [b - a for a, b in zip(slots, slots[1:])]
-    assert min(gaps) >= spacing * (1 - RetrySpreader.JITTER) - 0.002  # jitter is a small part of a slot
-    assert slots[-1] - slots[0] >= 18 * spacing  # 20 retries spread over 20 slots, not one instant
+            assert ms >= 1 and int(r.headers["retry-after"]) >= ms / 1000  # the integer is never earlier
+    # how the slots are spaced and kept is tests/test_admission.py's job (here the timing is the machine's)
 
 
 # Slow (out of the default run): a measurement of the machine as much as of the daemon. Passed in a quiet serial

@@ -71,13 +71,14 @@ def json_invalid(msg: str, pos: int) -> ApiError:
                                                  {"error": ctx_msg})]})
 
 
-def overloaded(dialect: str) -> ApiError:
+def overloaded(dialect: str, headers: dict[str, str] | None = None) -> ApiError:
+    """529 with the retry slot's headers (engine/gate.py `Admission`; §1.2's `Retry-After: 1` by default)."""
     if dialect == "systemone":
         body: Any = {"detail": {"error_type": "overloaded_error",
                                 "message": "Too many requests in flight. Retry after a short delay."}}
     else:
         body = {"error": "overloaded: too many requests in flight"}
-    return ApiError(529, body, {"retry-after": "1", "retry-after-ms": "1000"})
+    return ApiError(529, body, headers or {"retry-after": "1", "retry-after-ms": "1000"})
 
 
 def basal_error(message: str) -> ApiError:
