@@ -160,3 +160,35 @@ def test_health_without_the_key_says_only_the_status():
         assert r.status_code == 200 and set(r.json()) > {"status", "version", "models"}
         assert client.get("/api/stats").status_code == 401  # only /health is open
         assert client.post("/health").status_code == 401
+
+
+def test_a_small_request_is_answered_while_a_huge_legal_one_is_planned(daemon):
+    """30.8: the largest legal request (1,024 questions, 2,048 distinct prompts, ~0.5 MB) is planned in its own pool
+    and run in the long lane; a small request sent meanwhile is answered before it."""
+    import threading
+
+    from .conftest import http
+
+    _, _, health = http("GET", daemon.url + "/health")
+    model = health["models"][0]
+    filler = "the parcel came late and the box was wet " * 10
+    huge = {"model": model, "state": "Order 77 arrived late.", "questions": {
+        f"q{i}": {"type": "noul", "instructions": f"Question {i}: {filler}?"} for i in range(MAX_QUESTIONS)}}
+    small = {"model": model, "state": "Order 78.", "questions": {"q": NOUL}}
+    done: list[str] = []
+    statuses: dict[str, int] = {}
+
+    def send(name, body):
+        statuses[name] = http("POST", daemon.url + "/v1/systemone", body, timeout=300)[0]
+        done.append(name)
+
+    big = threading.Thread(target=send, args=("huge", huge))
+    big.start()
+    while not done:  # wait until the huge one is admitted (parsed; now planning or queued), not a fixed sleep
+        _, _, stats = http("GET", daemon.url + "/api/stats")
+        if stats["admission"]["inflight"] >= 1:
+            break
+    send("small", small)
+    big.join(300)
+    assert statuses == {"huge": 200, "small": 200}
+    assert done == ["small", "huge"]

@@ -71,6 +71,9 @@ class DeviceGate:
 
 MAX_DELAY_S = 30.0  # the longest hint: clients cap Retry-After at 30 s (CLIENTS.md A.6)
 MAX_RESERVATIONS = 256  # slots kept at once: what a burst needs, and a bound on the work of each 529
+CLAIM_WAIT_S = 1.0  # the longest wait of a retry that came in its slot...
+CLAIM_WAIT_MIN_S = 0.25  # ...and at least this, to ride out one slow request
+SPACING_MARGIN = 1.25  # slots a little wider than the mean service time: a slow request does not push all later
 SHARE_ALPHA = 0.1  # how fast the shares of clients that honour each header follow what they do
 
 
@@ -117,6 +120,7 @@ class Admission:
     def __init__(self, wait_s: float = 0.1, service_s: float = 0.05, clock: Callable[[], float] = time.monotonic):
         self.wait_cap_s = wait_s
         self.service_s = service_s
+        self.service_var = 0.0
         self.clock = clock
         self.inflight = 0
         self.waiters: list[Entry] = []  # claimed retries first, then in arrival order
@@ -128,7 +132,9 @@ class Admission:
 
     # the clock-derived sizes
     def spacing(self, limit: int) -> float:
-        return max(self.service_s / max(limit, 1), 1e-4)
+        """How often a place is expected free: the service time (plus one deviation: on a busy machine a few
+        requests take many times the mean) over the places, with a margin."""
+        return max(SPACING_MARGIN * (self.service_s + math.sqrt(self.service_var)) / max(limit, 1), 1e-4)
 
     def wait_s(self, limit: int) -> float:
         """The bounded wait before a 529: a couple of places' turnover, never more than the cap."""
@@ -152,8 +158,11 @@ class Admission:
                 self._claim(slot, now, limit)
                 return Entry("admitted", since=now, claimed=claimed)
             wait = self.wait_s(limit)
+            if claimed and wait > 0:  # it came when told to: it may wait out the service time's variance
+                wait = min(CLAIM_WAIT_S, max(wait, 4.0 * self.spacing(limit), CLAIM_WAIT_MIN_S))
             # wait only where a place can come within the wait (a longer queue would only time out)
-            if wait > 0 and limit > 0 and len(self.waiters) < math.floor(wait / self.spacing(limit)):
+            room = math.floor(wait / self.spacing(limit))
+            if wait > 0 and limit > 0 and sum(1 for w in self.waiters if w.claimed or not claimed) < room:
                 entry = Entry("waiting", since=now, wait_s=wait, future=Future(), claimed=claimed)
                 at = sum(1 for w in self.waiters if w.claimed) if claimed else len(self.waiters)
                 self.waiters.insert(at, entry)
@@ -180,7 +189,9 @@ class Admission:
         """An admitted request is done: its place goes to the first waiter, else back to the pool."""
         now = self.clock()
         with self._lock:
-            self.service_s = 0.8 * self.service_s + 0.2 * min(now - entry.since, MAX_DELAY_S)
+            held = min(now - entry.since, MAX_DELAY_S)
+            self.service_var = 0.8 * self.service_var + 0.2 * (held - self.service_s) ** 2
+            self.service_s = 0.8 * self.service_s + 0.2 * held
             while self.waiters:
                 waiter = self.waiters.pop(0)
                 waiter.granted, waiter.since = True, now

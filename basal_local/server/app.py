@@ -371,6 +371,7 @@ async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = stats_snapshot(state)
     snap["replicas"] = replicas(state)
+    snap["admission"] = state.admission.snapshot()
     return _json_response(200, snap)
 
 
