@@ -117,7 +117,7 @@ def main() -> int:
                 results: list[bool] = []
                 barrier = threading.Barrier(args.clients)
 
-                def one():
+                def one(barrier=barrier, results=results):
                     barrier.wait()
                     if args.client == "sdk":
                         results.append(sdk_client(daemon.port, name, latency))
