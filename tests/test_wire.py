@@ -29,18 +29,24 @@ REFUSED_TOP = [
     ("lang", "en", "lang is not supported: the prompt language follows the state and instructions (Polish iff "
                    "they contain a Polish letter)"),
 ]
+SYSTEMONE_ONLY = "/v1/systemone"  # /v1/basal answers these (protocol/multi_objective.py, protocol/tools.py)
 REFUSED_FIELDS = [
-    (MULTI, "exclusive", ["late"], "multi exclusive labels are not supported: labels are decided independently"),
-    (MULTI, "fallback", "late", "multi fallback is not supported: an empty selection stays empty"),
-    (MULTI, "fallback_threshold", 0.3, "multi fallback_threshold is not supported: an empty selection stays empty"),
-    (MULTI, "objective", "expected_f1",
-     "multi objective is not supported: labels are selected by threshold (threshold, max, min)"),
+    (MULTI, "exclusive", ["late"], "multi exclusive labels are not supported on /v1/systemone (/v1/basal answers them)",
+     SYSTEMONE_ONLY),
+    (MULTI, "fallback", "late", "multi fallback is not supported on /v1/systemone (/v1/basal answers it)",
+     SYSTEMONE_ONLY),
+    (MULTI, "fallback_threshold", 0.3, "multi fallback_threshold is not supported on /v1/systemone (/v1/basal "
+     "answers it)", SYSTEMONE_ONLY),
+    (MULTI, "objective", "f1", "multi objective is not supported on /v1/systemone (/v1/basal answers it)",
+     SYSTEMONE_ONLY),
     (NOUL, "labels", {"true": "late", "false": "on time"},
-     'noul labels are not supported: describe the outcomes in criteria {"true", "false"}'),
+     'noul labels are not supported: describe the outcomes in criteria {"true", "false"}', None),
 ]
-REFUSED_TYPES = [("tool", "tool calls"), ("classify", "the 2.1 classify task"), ("verify", "the 2.1 verify task"),
-                 ("compress", "the 2.1 compress task"), ("extract", "the 2.1 extract task"),
-                 ("box", f"box questions ({TEXT_ONLY})")]
+REFUSED_TYPES = [("tool", "tool calls: /v1/basal answers them", SYSTEMONE_ONLY),
+                 ("classify", "the 2.1 classify task", None), ("verify", "the 2.1 verify task", None),
+                 ("compress", "the 2.1 compress task", None), ("extract", "the 2.1 extract task", None),
+                 ("box", f"box questions ({TEXT_ONLY})", None)]
+SUPPORTED = {"/v1/systemone": "choice, noul, score, multi, act", "/v1/basal": "choice, noul, score, multi, act, tool"}
 PATHS = ["/v1/systemone", "/v1/basal"]
 
 
@@ -54,24 +60,27 @@ def test_top_level_fields_that_change_the_answer_are_refused(app_client, path, f
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("question, field, value, msg", REFUSED_FIELDS)
-def test_question_fields_that_change_the_answer_are_refused(app_client, path, question, field, value, msg):
+@pytest.mark.parametrize("question, field, value, msg, only", REFUSED_FIELDS)
+def test_question_fields_that_change_the_answer_are_refused(app_client, path, question, field, value, msg, only):
     body = {"model": M, "state": "The parcel is late.", "questions": {"ok": NOUL, "q": {**question, field: value}}}
-    assert post(app_client, body, path) == (422, unsupported(["body", "questions", "q", field], msg))
+    if only in (None, path):
+        assert post(app_client, body, path) == (422, unsupported(["body", "questions", "q", field], msg))
+    else:  # answered there, never ignored: the answer says which objective it used
+        status, out = post(app_client, body, path)
+        assert status in (200, 422) and out.get("error") != "unsupported", out
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("qtype, what", REFUSED_TYPES)
+@pytest.mark.parametrize("path, qtype, what", [(path, qtype, what) for path in PATHS
+                                                for qtype, what, only in REFUSED_TYPES if only in (None, path)])
 def test_question_types_the_engine_lacks_are_refused_by_name(app_client, path, qtype, what):
     body = {"model": M, "state": "s", "questions": {"t": {"type": qtype, "instructions": "i",
                                                           "criteria": {"a": "x", "b": "y"}}}}
-    msg = (f"question type '{qtype}' ({what}) is not supported by this runtime "
-           "(supported: choice, noul, score, multi, act)")
+    msg = f"question type '{qtype}' ({what}) is not supported by this runtime (supported: {SUPPORTED[path]})"
     assert post(app_client, body, path) == (422, unsupported(["body", "questions", "t"], msg))
 
 
 def test_schema_and_usage_errors_still_come_first_on_systemone(app_client):
-    body = {"model": M, "state": "s", "lang": "pl", "questions": {"a": {"type": "tool"}, "b": {"type": "choice"}}}
+    body = {"model": M, "state": "s", "lang": "pl", "questions": {"a": {"type": "extract"}, "b": {"type": "choice"}}}
     status, out = post(app_client, body, "/v1/systemone")
     assert status == 422 and out["detail"][0]["type"] == "missing"
     body["questions"]["b"] = {"type": "rank"}
@@ -86,7 +95,7 @@ def test_basal_unknown_type_says_so_by_name(app_client):
     body = {"state": "s", "questions": {"t": {"type": "rank", "instructions": "i"}}}
     assert post(app_client, body, "/v1/basal") == (422, {"error": "question 't': unknown type 'rank' read as a "
                                                          "choice: 0 options (supported: 2..10; types: choice, noul, "
-                                                         "score, multi, act)"})
+                                                         "score, multi, act, tool)"})
 
 
 def test_fields_that_cannot_change_an_answer_are_still_ignored(app_client):

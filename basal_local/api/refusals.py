@@ -24,19 +24,21 @@ TOP_LEVEL = {
 # question fields per question type
 QUESTION_FIELDS = {
     "multi": {
-        "exclusive": "multi exclusive labels are not supported: labels are decided independently",
-        "fallback": "multi fallback is not supported: an empty selection stays empty",
-        "fallback_threshold": "multi fallback_threshold is not supported: an empty selection stays empty",
-        "objective": "multi objective is not supported: labels are selected by threshold (threshold, max, min)",
+        "exclusive": "multi exclusive labels are not supported on /v1/systemone (/v1/basal answers them)",
+        "fallback": "multi fallback is not supported on /v1/systemone (/v1/basal answers it)",
+        "fallback_threshold": "multi fallback_threshold is not supported on /v1/systemone (/v1/basal answers it)",
+        "objective": "multi objective is not supported on /v1/systemone (/v1/basal answers it)",
     },
     "noul": {"labels": 'noul labels are not supported: describe the outcomes in criteria {"true", "false"}'},
 }
 # types other Basal runtimes or TypeSafe know, which this engine does not have
 UNSUPPORTED_TYPES = {
-    "tool": "tool calls", "classify": "the 2.1 classify task", "verify": "the 2.1 verify task",
+    "tool": "tool calls: /v1/basal answers them", "classify": "the 2.1 classify task", "verify": "the 2.1 verify task",
     "compress": "the 2.1 compress task", "extract": "the 2.1 extract task", "box": f"box questions ({TEXT_ONLY})",
 }
-SUPPORTED_TYPES = "choice, noul, score, multi, act"
+SUPPORTED_TYPES = {"systemone": "choice, noul, score, multi, act", "basal": "choice, noul, score, multi, act, tool"}
+# what `/v1/basal` answers (protocol/tools.py, protocol/multi_objective.py); `/v1/systemone` refuses them
+ANSWERED_ON_BASAL = {"tool", "multi"}
 
 # Per request (30.8): far above real use (TypeSafe's own 64k-token budget fits ~250 small questions), far below
 # what stalls the daemon (250,000 questions took 29.5 s and 3.5 GB to plan).
@@ -55,15 +57,19 @@ def top_level_refusal(body: dict) -> tuple[str, list[Any], str] | None:
     return None
 
 
-def type_refusal(qid: str, qtype: Any) -> tuple[str, list[Any], str] | None:
-    if isinstance(qtype, str) and qtype in UNSUPPORTED_TYPES:
-        return ("unsupported_feature", ["body", "questions", qid],
-                f"question type '{qtype}' ({UNSUPPORTED_TYPES[qtype]}) is not supported by this runtime "
-                f"(supported: {SUPPORTED_TYPES})")
-    return None
+def type_refusal(qid: str, qtype: Any, dialect: str) -> tuple[str, list[Any], str] | None:
+    if not isinstance(qtype, str) or qtype not in UNSUPPORTED_TYPES:
+        return None
+    if dialect == "basal" and qtype in ANSWERED_ON_BASAL:
+        return None
+    return ("unsupported_feature", ["body", "questions", qid],
+            f"question type '{qtype}' ({UNSUPPORTED_TYPES[qtype]}) is not supported by this runtime "
+            f"(supported: {SUPPORTED_TYPES[dialect]})")
 
 
-def field_refusal(qid: str, qtype: Any, q: dict) -> tuple[str, list[Any], str] | None:
+def field_refusal(qid: str, qtype: Any, q: dict, dialect: str) -> tuple[str, list[Any], str] | None:
+    if dialect == "basal" and qtype in ANSWERED_ON_BASAL:
+        return None
     for name, why in QUESTION_FIELDS.get(qtype, {}).items():
         if _given(q.get(name)):
             return "unsupported_feature", ["body", "questions", qid, name], why
@@ -75,6 +81,12 @@ def prompts_of(qtype: Any, q: dict) -> int:
     criteria = q.get("criteria")
     if criteria is None and qtype == "score":
         criteria = q.get("levels")
+    if qtype == "tool":  # one option per tool and extra (protocol/tools.py); a multi selection is one branch each
+        extra = q.get("extra")
+        criteria = [*(q.get("tools") or [] if isinstance(q.get("tools"), (list, dict)) else []),
+                    *(extra if isinstance(extra, list) else [])]
+        if q.get("multi"):
+            return 2 * len(criteria)
     n = len(criteria) if isinstance(criteria, (dict, list)) else 2
     if qtype == "multi":
         return 2 * n

@@ -267,7 +267,7 @@ def _question(qid: str, q: Any, out: _Collector) -> Question | None:
     if not isinstance(qtype, str):
         out.usage.append(f"Invalid request. Question type {to_text(qtype)} is not a string: {qid}")
         return None
-    refused = type_refusal(qid, qtype) or field_refusal(qid, qtype, q)
+    refused = type_refusal(qid, qtype, "systemone") or field_refusal(qid, qtype, q, "systemone")
     if refused is not None:
         out.unsupported.append(refused)
         return None

@@ -26,6 +26,7 @@ from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
 from ..protocol.questions import DecisionRequest, Question, detect_language
 from ..protocol.render import orders, render_prompt, render_question
+from ..protocol.tools import tool_answer
 from .packer import PromptSpec, TrieSizer
 
 UnitKey = tuple[str, str, int]  # (question id, role, index)
@@ -196,6 +197,12 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
 
 def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
             unit: QuestionPlan | None) -> dict[str, Any]:
+    base = _typed_answer(q, results, calibration, plan, unit)
+    return base if q.tool is None else tool_answer(q.tool, base, calibration.thresholds)
+
+
+def _typed_answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
+                  unit: QuestionPlan | None) -> dict[str, Any]:
     request = plan.request
     temperature = calibration.temperature(q.calibration_key)
     if q.fixed:
