@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model for requests that name none (default: the first --model)")
     p.add_argument("--max-inflight", type=_positive, dest="max_inflight",
                    help=f"requests admitted at once; more get 529 + Retry-After (default {defaults.max_inflight})")
+    p.add_argument("--admission-wait-ms", type=float, dest="admission_wait_ms", metavar="MS",
+                   help="longest wait for a place before a 529, at most two places' turnover; 0: none "
+                        f"(default {defaults.admission_wait_ms:g})")
     p.add_argument("--config", help=f"config.toml to read (default {config_path()})")
     p.add_argument("--access-log", action="store_true", dest="access_log", help="one log line per request")
     p.add_argument("--metrics", action="store_true", default=None, help="Prometheus text at /metrics (default off)")

@@ -13,7 +13,18 @@ from ..protocol.questions import DecisionRequest, Question, detect_language
 from ..protocol.render import named_option_texts
 from ..protocol.textrule import to_text
 from ..protocol.tools import tool_options
-from .errors import basal_error
+from .errors import basal_error, unknown_model, unsupported
+from .refusals import (
+    MAX_PROMPTS,
+    MAX_QUESTIONS,
+    SUPPORTED_TYPES,
+    count_prompts,
+    field_refusal,
+    top_level_refusal,
+    type_refusal,
+)
+
+KNOWN_TYPES = ("choice", "noul", "score", "multi", "act", "tool")
 
 
 def _options(qid: str, q: dict, qtype: str) -> tuple[list[str], list[str], str]:
@@ -136,6 +147,9 @@ def _typed_question(qid: str, q: Any, state_text: str) -> Question:
         return _noul(qid, q.get("criteria") if isinstance(q.get("criteria"), dict) else {}, instructions)
     keys, shown, _ = _options(qid, q, qtype)
     if not 2 <= len(keys) <= MAX_OPTIONS:
+        if raw_type is not None and raw_type not in KNOWN_TYPES:  # read as choice (§8), but say what it was
+            raise ValueError(f"question '{qid}': unknown type {to_text(raw_type)!r} read as a choice: {len(keys)} "
+                             f"options (supported: 2..{MAX_OPTIONS}; types: {SUPPORTED_TYPES['basal']})")
         raise ValueError(f"question '{qid}': {len(keys)} options (supported: 2..{MAX_OPTIONS})")
     legend = dict(zip(keys, shown)) if qtype == "score" else None
     return Question(qid, qtype, instructions, tuple(keys), tuple(shown), calibration_key, legend=legend)
@@ -150,6 +164,7 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
     questions = body.get("questions")
     if not isinstance(questions, dict):
         raise basal_error("'questions' must be a JSON object")
+    _check_counts(questions)
     state_text = to_text(body["state"])
     limit, facts_error = None, None
     if body.get("facts") == "auto":  # lenient: anything but "auto" means no facts
@@ -159,7 +174,13 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
             facts_error = str(exc)
     messages: list[str] = []
     parsed: list[Question] = []
+    refused = [top_level_refusal(body)]
     for qid, q in questions.items():
+        if isinstance(q, dict):
+            refusal = type_refusal(qid, q.get("type"), "basal") or field_refusal(qid, q.get("type"), q, "basal")
+            if refusal is not None:
+                refused.append(refusal)
+                continue
         try:
             parsed.append(_question(qid, q, state_text))  # the state decides the language of tool extras
         except ValueError as exc:
@@ -168,12 +189,24 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
         raise basal_error("; ".join(messages))
     if facts_error is not None:
         raise basal_error(facts_error)
+    first = next((r for r in refused if r is not None), None)
+    if first is not None:
+        raise unsupported(*first)
     return DecisionRequest("basal", model_name, state_text, parsed, limit)
+
+
+def _check_counts(questions: dict) -> None:
+    """The per-request limits (api/refusals.py), before any question is looked at."""
+    if len(questions) > MAX_QUESTIONS:
+        raise basal_error(f"too many questions: {len(questions)} (at most {MAX_QUESTIONS} per request)")
+    prompts = count_prompts(questions)
+    if prompts > MAX_PROMPTS:
+        raise basal_error(f"too many prompts: these questions need {prompts} (at most {MAX_PROMPTS} per request)")
 
 
 def route_basal(body: Any, served: dict[str, Any], default: str) -> str:
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         if body["model"] not in served:
-            raise basal_error(f"Unknown model: {body['model']} (served: {', '.join(served)})")
+            raise unknown_model(basal_error(f"Unknown model: {body['model']}"), served)
         return body["model"]
     return default

@@ -12,7 +12,7 @@ from .. import __version__
 from . import UserError, port_free
 
 SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas",
-              "replica_processes", "dtype", "gpu_memory", "default_model", "max_inflight",
+              "replica_processes", "dtype", "gpu_memory", "default_model", "max_inflight", "admission_wait_ms",
               "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "coalesce_ms", "pipeline", "prefix_cache",
               "metrics", "api_key",
               "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
