@@ -185,6 +185,9 @@ class Settings:
                                         kind=str, flag="--default-model", optional=True, show_default=False)
     max_inflight: int = setting(1024, "requests admitted at once; more get 529 + Retry-After", flag="--max-inflight",
                                 minimum=1)
+    # the longest wait for a place before a 529 (engine/gate.py Admission)
+    admission_wait_ms: float = setting(100.0, "longest wait for a place before a 529, at most two places' turnover; "
+                                              "0: none", flag="--admission-wait-ms", metavar="MS", minimum=0)
     release_date: str = setting("2026-10-05", "the release date /v1/models shows")
     access_log: bool = setting(False, "one log line per request", flag="--access-log", action="store_true",
                                show_default=False)

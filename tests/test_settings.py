@@ -39,7 +39,7 @@ def test_a_flag_and_the_same_key_in_config_toml_give_the_same_settings(tmp_path)
     """For every flagged setting: a value given as the flag equals the value given as its config.toml key."""
     values = {"host": "127.0.0.2", "port": 8123, "backend": "torch", "device": "cpu", "devices": "cpu,cpu",
               "replicas": 2, "replica_processes": True, "dtype": "f32", "gpu_memory": "0.5",
-              "default_model": "mini", "max_inflight": 7, "access_log": True, "api_key": "k",
+              "default_model": "mini", "max_inflight": 7, "admission_wait_ms": 50.0, "access_log": True, "api_key": "k",
               "insecure_public": True, "allowed_hosts": ["a.example"], "allowed_origins": ["https://b.example"],
               "log_bodies": True, "body_timeout_s": 2.5, "drain_s": 3.0, "metrics": True, "models": ["mini"],
               "max_batch_tokens": 512, "schedule": "fifo", "long_tokens": 0, "long_slice_ms": 20.0,

@@ -55,19 +55,30 @@ def unsupported(kind: str, loc: list[Any], msg: str) -> ApiError:
     return ApiError(422, {"error": "unsupported", "detail": [{"type": kind, "loc": loc, "msg": msg}]})
 
 
+SERVED_MODELS_HEADER = "x-basal-served-models"
+
+
+def unknown_model(err: ApiError, served: Any) -> ApiError:
+    """The dialect's exact unknown-model error (PROTOCOL.md §1.1); the served names ride in a header."""
+    names = ", ".join(served).encode("ascii", "backslashreplace").decode("ascii")
+    err.headers = {**(err.headers or {}), SERVED_MODELS_HEADER: names}
+    return err
+
+
 def json_invalid(msg: str, pos: int) -> ApiError:
     ctx_msg = msg[:1].upper() + msg[1:]
     return ApiError(422, {"detail": [field_error("json_invalid", ["body", pos], "JSON decode error", {},
                                                  {"error": ctx_msg})]})
 
 
-def overloaded(dialect: str) -> ApiError:
+def overloaded(dialect: str, headers: dict[str, str] | None = None) -> ApiError:
+    """529 with the retry slot's headers (engine/gate.py `Admission`; §1.2's `Retry-After: 1` by default)."""
     if dialect == "systemone":
         body: Any = {"detail": {"error_type": "overloaded_error",
                                 "message": "Too many requests in flight. Retry after a short delay."}}
     else:
         body = {"error": "overloaded: too many requests in flight"}
-    return ApiError(529, body, {"retry-after": "1", "retry-after-ms": "1000"})
+    return ApiError(529, body, headers or {"retry-after": "1", "retry-after-ms": "1000"})
 
 
 def basal_error(message: str) -> ApiError:

@@ -132,7 +132,7 @@ class ModelEngine:
                      request_id: str = "") -> Future[RoundResult]:
         """Queue one round of a request; its future is the lane's answer."""
         job = Job(plan, plan.packed_tokens, plan.prompt_specs(), is_cancelled=is_cancelled, arrival=plan.arrival,
-                  request_id=request_id)
+                  request_id=request_id, background=plan.background)
         if not plan.questions:  # every question fixed: nothing to compute
             job.resolve(RoundResult(finish(plan, [], self.model.calibration), 0.0, 0.0, 1, 0))
             return job.future

@@ -19,13 +19,14 @@ import numpy as np
 from ..model.directory import Calibration
 from ..model.tokenizer import BasalTokenizer
 from ..protocol.act import ActError, act_answer
-from ..protocol.decision import average_orders, calibrate
+from ..protocol.decision import argmax_first, average_orders, calibrate
 from ..protocol.errors import AnswerRefused, ContextTooLong
 from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
 from ..protocol.outcome import Outcome, QuestionOutcome
 from ..protocol.questions import DecisionRequest, Question, detect_language
 from ..protocol.render import orders, render_prompt, render_question
+from ..protocol.tools import tool_answer
 from .packer import PromptSpec, TrieSizer
 
 UnitKey = tuple[str, str, int]  # (question id, role, index)
@@ -63,6 +64,7 @@ class RequestPlan:
     evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     error: AnswerRefused | None = None  # set by finish when an answer refuses (act max_error without defer)
     context: tuple[BasalTokenizer, int, dict[str, Sequence[int]]] | None = None
+    background: bool = False  # batch work: computed only when no interactive request waits (scheduler)
 
     def prompt_specs(self) -> list[PromptSpec]:
         return [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
@@ -188,7 +190,8 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
         units.append((q, lang, perms, prompts, "final", 0, chosen))
     plans, tokens = _tokenize_units(request, units, tokenizer, max_positions)
     follow = RequestPlan(request, plans, plan.input_tokens + tokens, 0, arrival=plan.arrival, round=2,
-                         carried=dict(plan.carried), evidence=plan.evidence, context=plan.context)
+                         carried=dict(plan.carried), evidence=plan.evidence, context=plan.context,
+                         background=plan.background)
     follow.packed_tokens = packed_size(follow.prompt_specs(), prefixes)
     follow.planning_s = plan.planning_s + time.perf_counter() - started
     return follow
@@ -200,6 +203,19 @@ def _outcome(q: Question, p_cal: list[float] | None = None, fields: dict[str, An
 
 def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
             unit: QuestionPlan | None) -> QuestionOutcome:
+    out = _typed_answer(q, results, calibration, plan, unit)
+    if q.tool is not None:
+        # a tool question is asked as a choice (or a multi) and answered from that answer; tools exist on the
+        # upstream wire only, where a choice's confidence is its top probability
+        base = out.fields if out.fields is not None else {
+            "type": "choice", "choice": q.keys[argmax_first(out.p_cal)],
+            "probabilities": dict(zip(q.keys, out.p_cal)), "confidence": max(out.p_cal)}
+        out.fields = tool_answer(q.tool, base, calibration.thresholds)
+    return out
+
+
+def _typed_answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
+                  unit: QuestionPlan | None) -> QuestionOutcome:
     temperature = calibration.temperature(q.calibration_key)
     if q.fixed:
         return _outcome(q, [1.0])

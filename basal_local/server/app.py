@@ -28,13 +28,16 @@ from .. import __version__
 from ..api import parse_body, route, validate
 from ..api.answers import response_body
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error, refusal_error
+from ..engine.gate import Entry
 from ..engine.plan import RequestPlan
 from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..protocol.outcome import Outcome
+from .batch_routes import BATCH_ROUTES, start_batches, stop_batches
 from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
+from .security import UNAUTHENTICATED
 from .state import MAX_BODY_BYTES, AppState
 
 log = logging.getLogger("basal_local.server")
@@ -73,7 +76,7 @@ class _Call:
     model_name: str = ""
     status: int = 500
     timing: str = ""
-    admitted: bool = False
+    admission: Entry | None = None
     error: str = ""
 
     @property
@@ -100,21 +103,42 @@ async def _read(call: _Call) -> bytes:
     return raw
 
 
-def _admit(call: _Call) -> None:
-    """Take an in-flight slot; 529 when all are taken (PROTOCOL.md §1.2). `_release` gives it back."""
-    state = call.state
-    with state.lock:
-        if state.inflight >= state.max_inflight:
-            raise overloaded(call.dialect)
-        state.inflight += 1
-        call.admitted = True
+def _admit(call: _Call) -> Entry:
+    """Take an in-flight place, or wait a bounded moment for one (engine/gate.py `Admission`); 529 with a kept
+    retry slot when none comes (PROTOCOL.md §1.2). `_release` gives it back."""
+    retry = (call.request.headers.get("x-typesafe-retry-count") or "0").strip() not in ("", "0")
+    entry = call.state.admission.enter(call.state.max_inflight, retry)
+    _admitted(call, entry)
+    return entry
+
+
+def _admitted(call: _Call, entry: Entry) -> None:
+    if entry.state == "rejected":
+        raise overloaded(call.dialect, entry.headers)
+    if entry.admitted:
+        call.admission = entry
+        call.state.inflight = call.state.admission.inflight
+
+
+async def _wait_for_place(call: _Call, entry: Entry) -> None:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(entry.future), entry.wait_s)  # type: ignore[arg-type]
+        entry.state = "admitted"
+    except TimeoutError:
+        entry = call.state.admission.give_up(entry, call.state.max_inflight)
+    except asyncio.CancelledError:  # shutdown: a place handed over meanwhile is released by `_release`
+        entry = call.state.admission.give_up(entry, call.state.max_inflight)
+        if entry.admitted:
+            call.admission = entry
+        raise
+    _admitted(call, entry)
 
 
 def _release(call: _Call) -> None:
-    if call.admitted:
-        with call.state.lock:
-            call.state.inflight -= 1
-        call.admitted = False
+    if call.admission is not None:
+        call.state.admission.leave(call.admission)
+        call.state.inflight = call.state.admission.inflight
+        call.admission = None
 
 
 async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[RequestPlan, Future[Outcome]]:
@@ -124,19 +148,28 @@ async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tup
     unknown-model error)."""
     dialect = call.dialect
 
-    def work() -> tuple[RequestPlan, Future[Outcome]]:
-        body = parse_body(raw, dialect)
-        _admit(call)
+    def work(body: Any = None) -> Any:
+        if body is None:
+            body = parse_body(raw, dialect)
+            entry = _admit(call)
+            if not entry.admitted:  # wait for a place on the event loop, then come back
+                return body, entry
         call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "",
                                 call.state.aliases)
         engine = call.state.engines[call.model_name]
         planned = engine.plan(validate(body, dialect, call.model_name))
         planned.arrival = call.arrived
+        planned.background = call.request.headers.get("x-basal-priority") == "batch"  # the Batch API's lines
         call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
         return planned, engine.submit(planned, gone.is_set, call.request_id)
 
+    loop = asyncio.get_running_loop()
     try:
-        return await asyncio.get_running_loop().run_in_executor(call.pool(len(raw)), work)
+        out = await loop.run_in_executor(call.pool(len(raw)), work)
+        if isinstance(out[-1], Entry):
+            await _wait_for_place(call, out[-1])
+            out = await loop.run_in_executor(call.pool(len(raw)), work, out[0])
+        return out
     except RuntimeError:
         if call.state.stopping:  # the planner pools are shut down
             raise EngineStopped() from None
@@ -268,6 +301,9 @@ def replicas(state: AppState) -> list[dict[str, Any]]:
 @get("/health")
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
+    if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
+        word = "ok" if state.ready else ("error" if state.load_error else "loading")
+        return _json_response(200 if state.ready else 503, {"status": word})
     if not state.ready:
         body: dict[str, Any] = {"status": "loading", "version": __version__}
         if state.load_error:
@@ -285,6 +321,7 @@ async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = stats_snapshot(state)
     snap["replicas"] = replicas(state)
+    snap["admission"] = state.admission.snapshot()
     return _json_response(200, snap)
 
 
@@ -304,8 +341,10 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def create_app(state: AppState) -> Litestar:
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state)],
+    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state),
+                                   *BATCH_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
-                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id])
+                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
+                   on_startup=[start_batches], on_shutdown=[stop_batches])
     app.state.basal = state
     return app

@@ -13,7 +13,7 @@ import uvicorn
 from basal_local.backends.select import expand_devices, make_backend
 
 from ..engine.engine import ModelEngine, freeze_heap
-from ..engine.gate import DeviceGate
+from ..engine.gate import Admission, DeviceGate
 from ..model.directory import load_model_dir
 from ..replicas.front import ProcessReplicaSet
 from ..replicas.inprocess import ReplicaSet
@@ -191,7 +191,7 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
     limits = BodyLimits(settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
                      access_log=settings.access_log, log_bodies=settings.log_bodies, limits=limits,
-                     metrics=settings.metrics)
+                     metrics=settings.metrics, admission=Admission(wait_s=settings.admission_wait_ms / 1000.0))
     policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
     app = Guard(create_app(state), policy)
     # INFO: the access log, disconnects mid-body, and the bodies when asked

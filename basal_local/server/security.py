@@ -9,6 +9,8 @@ lets a page on evil.example reach 127.0.0.1 under its own name. So, before any r
 - Origin, when present, must be a loopback origin (any port) or a configured one (403);
 - with an API key configured (`--api-key`, BASAL_LOCAL_API_KEY), `Authorization: Bearer KEY` or `X-Api-Key`
   must carry it (401), compared in constant time;
+- `GET /health` stays open without the key (liveness probes and supervisors carry none, as under vLLM's key) but
+  then says only `{"status": ...}`: the route reads `scope[UNAUTHENTICATED]`;
 - a request with a body must be JSON (or no content type); curl's `-d` default (form-urlencoded) is taken
   only without an Origin header, i.e. never from a browser (415).
 
@@ -33,6 +35,9 @@ WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 # curl -d sends this by default; a browser sends it only with an Origin header
 CURL_DEFAULT_TYPE = "application/x-www-form-urlencoded"
 BODY_METHODS = {"POST", "PUT", "PATCH"}
+# paths answered without the API key, with their details withheld (the scope key the route reads)
+OPEN_PATHS = {"/health"}
+UNAUTHENTICATED = "basal_unauthenticated"
 
 
 def is_loopback(host: str) -> bool:
@@ -122,7 +127,8 @@ class AccessPolicy:
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             json_like = ctype in ("", "application/json") or (ctype.startswith("application/")
                                                                and ctype.endswith("+json"))
-            if not json_like and not (ctype == CURL_DEFAULT_TYPE and origin is None):
+            upload = ctype == "multipart/form-data" and method == "POST" and path.rstrip("/") == "/v1/files"
+            if not json_like and not upload and not (ctype == CURL_DEFAULT_TYPE and origin is None):
                 return http_error(415, "UNSUPPORTED_MEDIA_TYPE", f"Content-Type {ctype!r} is not accepted: "
                                   "send the body as application/json", dialect)
         return None
@@ -159,7 +165,10 @@ class Guard:
                 name = key.decode("latin-1").lower()
                 # a repeated Host/Origin/key header is ambiguous: keep the first (curl, browsers send one)
                 headers.setdefault(name, value.decode("latin-1"))
-            err = self.policy.check(scope.get("method", "GET"), scope.get("path", ""), headers)
+            method, path = scope.get("method", "GET"), scope.get("path", "")
+            err = self.policy.check(method, path, headers)
+            if err is not None and err.status == 401 and method in ("GET", "HEAD") and path in OPEN_PATHS:
+                scope[UNAUTHENTICATED], err = True, None
             if err is not None:
                 # the body (if any) is not read: the connection cannot carry another request
                 await send_error(send, err, close=scope.get("method") in BODY_METHODS,

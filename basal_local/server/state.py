@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import EngineSettings
+from ..engine.gate import Admission
 from ..engine.protocol import Engine
 from ..telemetry import Telemetry
 from .body import BodyLimits
@@ -41,9 +42,9 @@ class AppState:
     limits: BodyLimits = field(default_factory=BodyLimits)
     metrics: bool = False
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name (server/aliases.py)
-    inflight: int = 0
+    inflight: int = 0  # mirrors admission.inflight for the stats
+    admission: Admission = field(default_factory=Admission)
     lock: threading.Lock = field(default_factory=threading.Lock)
     planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "basal-plan"))
     big_planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "basal-plan-big"))
-    retry: Any = None  # extras.RetrySpreader, set by the middleware factory
     metrics_recorder: Any = None  # metrics.MetricsRecorder when --metrics
