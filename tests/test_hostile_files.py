@@ -276,3 +276,11 @@ def test_fuzzed_model_files_are_refused_with_their_name(model_copy):
         finally:
             (model_copy / name).write_bytes(data)
     assert refused > 150 and refused + loaded == 200  # most damage is caught; the rest loads (e.g. a value unused)
+
+
+@pytest.mark.parametrize("key", ["zażółć-key", "two words", "tab\tkey"])
+def test_an_api_key_that_could_never_match_is_refused_at_start(tiny_model, key):
+    out = cli_run(["serve", "--model", str(tiny_model), "--port", str(free_port()), "--api-key", key],
+                  capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "API key must be printable ASCII" in out.stderr and "Traceback" not in out.stderr, out.stderr
