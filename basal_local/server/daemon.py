@@ -17,6 +17,7 @@ from ..engine.gate import DeviceGate
 from ..engine.processes import ProcessReplicaSet, WorkerSpec
 from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
+from ..telemetry.privacy import remove_token, write_token
 from .aliases import resolve_aliases
 from .app import AppState, create_app
 from .body import BodyLimits
@@ -187,7 +188,9 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
     limits = BodyLimits(settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
                      access_log=settings.access_log, log_bodies=settings.log_bodies, limits=limits,
-                     metrics=settings.metrics)
+                     metrics=settings.metrics, api_key_set=bool(settings.api_key))
+    state.dashboard_token = write_token(settings.port)
+    state.token_port = settings.port
     policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
     app = Guard(create_app(state), policy)
     # INFO: the access log, disconnects mid-body, and the bodies when asked
@@ -246,6 +249,8 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
 def shutdown(state: AppState, timeout: float = 30.0) -> None:
     """Stop planning and every engine: queued requests fail with "engine stopped", lane threads are joined."""
     state.stopping = True
+    if state.dashboard_token:
+        remove_token(state.token_port, state.dashboard_token)
     state.planner.shutdown(wait=False, cancel_futures=True)
     state.big_planner.shutdown(wait=False, cancel_futures=True)
     for name, engine in state.engines.items():
