@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from basal_local.backends.select import expand_devices, make_backend
 
+from ..api.errors import dialect_of, http_error
 from ..engine.engine import ModelEngine, freeze_heap
 from ..engine.gate import DeviceGate
 from ..engine.processes import ProcessReplicaSet, WorkerSpec
@@ -182,6 +186,43 @@ def _http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
     return _guarded_protocol(base, header_timeout_s, keep_alive_s)
 
 
+class DrainGuard:
+    """When `--drain` runs out, uvicorn cancels the requests still running and would answer each with a plain-text
+    500 and a traceback: answer them 503 + Retry-After in the dialect's shape instead, with one log line each."""
+
+    def __init__(self, app: Any, drain_s: float) -> None:
+        self.app = app
+        self.drain_s = drain_s
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            request_id = headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+            log.warning("request %s %s: still running when the drain (%.0f s) ran out, answered 503", request_id,
+                        scope.get("path", ""), self.drain_s)
+            if started:
+                return  # half an answer is already out: the connection closes
+            err = http_error(503, "SHUTTING_DOWN", "the daemon is shutting down; retry (on its next start)",
+                             dialect_of(scope.get("path", "")), {"retry-after": "5"})
+            body = json.dumps(err.body, ensure_ascii=False).encode("utf-8")
+            out = {**(err.headers or {}), "content-type": "application/json", "content-length": str(len(body)),
+                   "connection": "close", "x-request-id": request_id}
+            await send({"type": "http.response.start", "status": err.status,
+                        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.items()]})
+            await send({"type": "http.response.body", "body": body})
+
+
 def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tuple[AppState, uvicorn.Config]:
     """The daemon's state and its guarded app in a uvicorn config; `start_loading` then loads the models in the
     background (/health answers 503 until then). `quiet`: print nothing (the dashboard owns the screen)."""
@@ -192,7 +233,7 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
     state.dashboard_token = write_token(settings.port)
     state.token_port = settings.port
     policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
-    app = Guard(create_app(state), policy)
+    app = DrainGuard(Guard(create_app(state), policy), settings.drain_s)
     # INFO: the access log, disconnects mid-body, and the bodies when asked
     logging.getLogger("basal_local.server").setLevel(logging.INFO)
     if settings.insecure_public and not is_loopback(settings.host) and not settings.api_key:
