@@ -107,9 +107,12 @@ def test_a_request_id_in_use_is_not_reused(d, token):
                         {"x-request-id": "victim"})[0] == 200
     status, headers, _ = rawhttp.post(d.port, "/v1/systemone", {"model": M, "state": "y", "questions": {}},
                                       {"x-request-id": "victim"})
-    assert status == 422 and headers["x-request-id"] != "victim" and len(headers["x-request-id"]) == 32
+    assert status == 422 and headers["x-request-id"] == "victim"  # the client's own id is still echoed
     record = rawhttp.get(d.port, "/api/requests/victim", {TOKEN_HEADER: token})[2]
     assert record["status"] == 200 and set(record["answers"]) == {"q"}  # the first request's record is intact
+    ids = [r["id"] for r in rawhttp.get(d.port, "/api/stats")[2]["requests"]]
+    assert ids.count("victim") == 1 and len(ids) == len(set(ids))  # the second one has a record of its own
     long_id = "z" * 500
     assert rawhttp.post(d.port, "/v1/basal", {"model": M, "state": "x", "questions": QUESTIONS},
-                        {"x-request-id": long_id})[1]["x-request-id"] != long_id
+                        {"x-request-id": long_id})[0] == 200
+    assert rawhttp.get(d.port, f"/api/requests/{long_id}")[0] == 404  # not recorded under a 500-character id

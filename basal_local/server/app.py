@@ -106,10 +106,12 @@ class _Call:
     timing: str = ""
     admitted: bool = False
     error: str = ""
+    client_id: str = ""  # the client's X-Request-Id, echoed even when its record needed a fresh id
 
     @property
     def id_headers(self) -> dict[str, str]:
-        return {"x-request-id": self.request_id, "x-typesafe-request-id": self.request_id}
+        reply = self.client_id or self.request_id
+        return {"x-request-id": reply, "x-typesafe-request-id": reply}
 
     def pool(self, size: int) -> ThreadPoolExecutor:
         return self.state.big_planner if size > BIG_BODY_BYTES else self.state.planner
@@ -248,8 +250,9 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
 async def _decide(request: Request, dialect: str) -> Response:
     call = _Call(request, dialect, request.app.state.basal)
     # a client's id names its record only if no recent request holds it: nobody overwrites another's record
-    call.request_id = call.state.telemetry.request_received(request.headers.get("x-request-id") or uuid.uuid4().hex,
-                                                            dialect, request.headers.get("user-agent", ""))
+    call.client_id = request.headers.get("x-request-id") or ""
+    call.request_id = call.state.telemetry.request_received(call.client_id or uuid.uuid4().hex, dialect,
+                                                            request.headers.get("user-agent", ""))
     try:
         _check_ready(call)
         raw = await _read(call)

