@@ -12,6 +12,7 @@ import pytest
 
 from . import rawhttp
 from .conftest import Daemon
+from .test_reliability import d  # noqa: F401  (the session daemon)
 
 
 @pytest.mark.parametrize("path", ["/v1/systemone", "/v1/basal"])
@@ -39,3 +40,18 @@ def test_requests_cut_by_the_drain_get_a_503_in_the_dialect_shape(tiny_model, pa
         assert set(answer) == {"detail"} and set(answer["detail"]) == {"error_type", "message"}
     assert "Traceback" not in output and "Exception in ASGI application" not in output, output
     assert sum("ran out, answered 503" in line for line in output.splitlines()) == 1, output
+
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+                                 b"POST /v1/basal HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}"])
+def test_malformed_http_gets_a_json_400(d, raw):  # noqa: F811
+    sock = rawhttp.connect(d.port)
+    try:
+        sock.sendall(raw)
+        status, headers, body = rawhttp.read_response(sock, deadline_s=10)
+    finally:
+        sock.close()
+    assert status == 400 and headers["content-type"] == "application/json", (headers, body)
+    answer = json.loads(body)
+    assert answer["code"] == "BAD_REQUEST" and answer["error"].startswith("malformed HTTP request")

@@ -129,6 +129,7 @@ def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_
     - A client that half-closes after a complete request is answered: asyncio closes the transport on EOF
       unless `eof_received` returns True, so `printf 'POST ...' | nc -N` would never read its answer. EOF in
       the middle of a body is still the client going away.
+    - Malformed HTTP gets a JSON 400 (`{"error", "code"}`), as every other error outside the dialects.
     - A connection must start a request (complete headers) within `header_timeout_s` of opening, or of its
       last answer plus the keep-alive time, else it is closed: uvicorn has no header timeout, so a client
       sending half a header line would hold a connection forever.
@@ -164,6 +165,14 @@ def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_
                 self._peer_eof = True
                 return True  # keep the write side open for the answer
             return super().eof_received()
+
+        def send_400_response(self, msg: str) -> None:
+            # malformed HTTP: the JSON error shape of every path outside the dialects, not the parser's plain text
+            body = json.dumps({"error": f"malformed HTTP request ({msg.rstrip('.')})", "code": "BAD_REQUEST"})
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (len(body), body.encode("ascii")))
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
