@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import httpx
 
 from .. import __version__
+from ..telemetry.privacy import TOKEN_HEADER, read_token
 
 USER_AGENT = f"basal-local-top/{__version__}"
 
@@ -67,7 +68,11 @@ class DaemonClient:
         self.stats_every_s = stats_every_s
         self.retry_s = retry_s
         self.last_seq: int | None = None
-        self._http = httpx.AsyncClient(base_url=self.url, headers={"user-agent": USER_AGENT},
+        headers = {"user-agent": USER_AGENT}
+        token = read_token(self.url)  # the daemon's own dashboards see questions and answers (SECURITY.md)
+        if token:
+            headers[TOKEN_HEADER] = token
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
                                        timeout=httpx.Timeout(5.0, read=None))
 
     async def stats(self) -> dict[str, Any]:

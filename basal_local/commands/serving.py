@@ -119,6 +119,10 @@ def serve_command(args: argparse.Namespace) -> int:
     refusal = public_bind_refusal(settings.host, settings.api_key, settings.insecure_public)
     if refusal:
         raise UserError(refusal)
+    if settings.api_key and not all("!" <= c <= "~" for c in settings.api_key):
+        # HTTP headers carry ASCII; a key with other characters or spaces could never be sent back intact
+        raise UserError("the API key must be printable ASCII without spaces (it travels in an HTTP header)",
+                        "choose another with --api-key KEY (or BASAL_LOCAL_API_KEY)")
     ray_mode = bool(getattr(args, "ray", False))
     check_ray_flags(args, ray_mode)
     if not ray_mode:  # with --ray the engines run on the cluster's nodes, not here

@@ -34,6 +34,7 @@ from ..engine.plan import RequestPlan, next_round
 from ..engine.scheduler import Cancelled, EngineStopped, Job
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..telemetry import Telemetry
+from ..telemetry.privacy import PRIVATE, error_summary
 from .batch_routes import BATCH_ROUTES, start_batches, stop_batches
 from .body import BodyError, BodyLimits, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
@@ -65,6 +66,9 @@ class AppState:
     stopping: bool = False
     access_log: bool = False
     log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
+    dashboard_token: str = ""  # shown by the daemon's own dashboards to see request content (SECURITY.md)
+    api_key_set: bool = False
+    token_port: int = 0  # the port whose token file this daemon wrote (removed at shutdown)
     limits: BodyLimits = field(default_factory=BodyLimits)
     metrics: bool = False
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name (server/aliases.py)
@@ -106,10 +110,12 @@ class _Call:
     timing: str = ""
     admission: Entry | None = None
     error: str = ""
+    client_id: str = ""  # the client's X-Request-Id, echoed even when its record needed a fresh id
 
     @property
     def id_headers(self) -> dict[str, str]:
-        return {"x-request-id": self.request_id, "x-typesafe-request-id": self.request_id}
+        reply = self.client_id or self.request_id
+        return {"x-request-id": reply, "x-typesafe-request-id": reply}
 
     def pool(self, size: int) -> ThreadPoolExecutor:
         return self.state.big_planner if size > BIG_BODY_BYTES else self.state.planner
@@ -127,7 +133,8 @@ async def _read(call: _Call) -> bytes:
     raw = await read_body(call.request.receive, headers.get("content-length"), headers.get("content-encoding"),
                           call.state.limits, call.state.big_planner)
     if call.state.log_bodies:
-        log.info("request %s body: %s", call.request_id, raw[:LOGGED_BODY_BYTES].decode("utf-8", "replace"))
+        log.info("request %s body: %s", call.request_id, raw[:LOGGED_BODY_BYTES].decode("utf-8", "replace"),
+                 extra={PRIVATE: True})
     return raw
 
 
@@ -250,7 +257,7 @@ def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
 
 def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
     call.status = err.status
-    call.error = json.dumps(err.body, ensure_ascii=False)
+    call.error = error_summary(err.body)  # the record keeps codes only: a message may quote the request
     headers = {**call.id_headers, **(err.headers or {})}
     if close:
         headers["connection"] = "close"
@@ -266,7 +273,7 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
                           "(with fewer or shorter questions), or start the daemon with a lower "
                           "--max-batch-tokens", call.dialect, {"retry-after": "1"})
     if call.state.log_bodies:
-        log.exception("request %s failed", call.request_id)
+        log.exception("request %s failed", call.request_id, extra={PRIVATE: True})
     else:  # the exception's text may quote the request: the type and the frames only
         frames = "".join(traceback.format_tb(exc.__traceback__))
         log.error("request %s failed: %s (text withheld; --log-bodies shows it)\n%s", call.request_id,
@@ -276,8 +283,10 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
 
 async def _decide(request: Request, dialect: str) -> Response:
     call = _Call(request, dialect, request.app.state.basal)
-    call.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    call.state.telemetry.request_received(call.request_id, dialect, request.headers.get("user-agent", ""))
+    # a client's id names its record only if no recent request holds it: nobody overwrites another's record
+    call.client_id = request.headers.get("x-request-id") or ""
+    call.request_id = call.state.telemetry.request_received(call.client_id or uuid.uuid4().hex, dialect,
+                                                            request.headers.get("user-agent", ""))
     try:
         _check_ready(call)
         raw = await _read(call)
