@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,8 @@ class AppState:
     ready: bool = False
     load_error: str | None = None
     stopping: bool = False
+    closing: bool = False  # shutdown began: event streams end now (server/events.py close_streams)
+    event_streams: set[Callable[[], None]] = field(default_factory=set)  # one wake-up per open /api/events
     access_log: bool = False
     log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
     limits: BodyLimits = field(default_factory=BodyLimits)

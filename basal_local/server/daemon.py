@@ -20,7 +20,7 @@ from ..model.directory import load_model_dir
 from .aliases import resolve_aliases
 from .app import AppState, create_app
 from .body import BodyLimits
-from .events import BusLogHandler
+from .events import BusLogHandler, close_streams
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 
@@ -111,11 +111,20 @@ class _Server(uvicorn.Server):
     signal stops at once.
     """
 
+    def __init__(self, config: uvicorn.Config, state: AppState | None = None) -> None:
+        super().__init__(config)
+        self.state = state
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
             self.force_exit = True
         else:
             self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.state is not None:
+            close_streams(self.state)  # dashboards' streams end first: the drain is for requests
+        await super().shutdown(sockets)
 
 
 def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_s: float) -> type:
@@ -225,7 +234,7 @@ def start_loading(state: AppState, settings: Settings, model_dirs: list[Path],
 def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
     """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503)."""
     state, config = build(settings, model_dirs)
-    server = _Server(config)
+    server = _Server(config, state)
 
     def stop() -> None:
         server.should_exit = True

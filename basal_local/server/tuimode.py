@@ -21,10 +21,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import uvicorn
 
 from .app import AppState
-from .daemon import build, shutdown, start_loading
+from .daemon import _Server, build, shutdown, start_loading
 from .events import BusLogHandler
 from .settings import Settings
 
@@ -139,7 +138,7 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     state, config = build(settings, model_dirs, quiet=True)
     _route_logging(state)
     start_loading(state, settings, model_dirs)
-    server = uvicorn.Server(config)
+    server = _Server(config, state)
     failed: list[BaseException] = []
 
     def run_server() -> None:
