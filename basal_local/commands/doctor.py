@@ -142,15 +142,29 @@ def run_checks(port: int | None = None) -> list[Check]:
         except UserError:
             checks.append(Check("port", "warn", f"port {port} is used by another program",
                                 f"serve on another port: basal-local serve --port {port + 1}"))
-    logs = home_dirs()["logs"]
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-        writable = os.access(logs, os.W_OK)
-    except OSError:
-        writable = False
-    checks.append(Check("logs", "ok" if writable else "warn", str(logs),
-                        "" if writable else "make the folder writable (or set BASAL_LOCAL_HOME)"))
+    checks.append(log_check(home_dirs()["logs"] / "basal-local.log"))
     return checks
+
+
+def log_check(path: Path) -> Check:
+    """The daemon's log file takes a line: a folder that is writable but a file that stays empty is no log."""
+    import logging
+
+    fix = "make the folder writable (or set BASAL_LOCAL_HOME)"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        before = path.stat().st_size if path.exists() else 0
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.emit(logging.LogRecord("basal_local.doctor", logging.INFO, __file__, 0,
+                                       "doctor: the log file takes a line", None, None))
+        handler.close()
+        grew = path.stat().st_size > before
+    except OSError as exc:
+        return Check("logs", "warn", f"{path}: cannot be written ({exc.strerror or exc})", fix)
+    if not grew:
+        return Check("logs", "warn", f"{path} did not grow when written to", fix)
+    return Check("logs", "ok", f"{path} (written to)")
 
 
 def doctor_command(args: argparse.Namespace) -> int:

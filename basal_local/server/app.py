@@ -362,6 +362,7 @@ def create_app(state: AppState) -> Litestar:
 
     app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state)],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
-                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id])
+                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
+                   logging_config=None)  # litestar's would replace the root handlers: the log file, -v
     app.state.basal = state
     return app
