@@ -65,6 +65,12 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_key_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", dest="api_key", metavar="KEY",
+                   help="the key of a daemon started with --api-key (default: BASAL_LOCAL_API_KEY, else the "
+                        "config's api_key)")
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from .engine.engine import EngineSettings
 
@@ -131,9 +137,10 @@ def cmd_top(args: argparse.Namespace) -> int:
             print(f"basal-local: error: {exc}", file=sys.stderr)
             return 2
         url = local_url(settings.host, settings.port)
+    from .commands.serving import client_key
     from .tui.run import run_top
 
-    return run_top(url)
+    return run_top(url, api_key=client_key(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -142,8 +149,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .commands.serving import check_device, check_gpu_memory
 
     if args.http:
+        from .commands.serving import client_key
+
         args.http = check_url(args.http, "--http")
-        get_json(args.http, "/v1/models", flag="--http")
+        args.api_key = client_key(args)
+        get_json(args.http, "/v1/models", flag="--http", api_key=args.api_key)
     else:
         check_device(args.device)
         check_gpu_memory(args.gpu_memory, args.device)
@@ -244,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("top", help="live dashboard of a running daemon")
     p.add_argument("--url", help="the daemon's address (default: the configured host and port)")
     p.add_argument("--config", help="config.toml (default: the user config folder)")
+    _add_key_flag(p)
     p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("prompts", help="show exactly what the model reads for a request on stdin")
@@ -287,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ps", help="what a running daemon has loaded, and its memory")
     p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    _add_key_flag(p)
     p.set_defaults(func=_models("ps"))
 
     p = sub.add_parser("doctor", help="check this machine: Python, packages, devices, models, disk, port, config")
@@ -307,15 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-l", "--level", action="append", default=[], metavar="LEVEL",
                    help="a score level, lowest first (repeat, at least 2)")
     p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    _add_key_flag(p)
     p.set_defaults(func=_lazy("ask", "ask_command"))
 
     p = sub.add_parser("run", help="decide every request of a JSONL file through a running daemon")
     p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
     p.add_argument("--input", required=True, help="JSONL: full System One requests or {state, question, "
                                                   "options, gold?} items")
-    p.add_argument("--output", required=True, help="JSONL to write, one answer per input line, in order")
+    p.add_argument("--output", required=True, help="JSONL to write, one answer per input line (written as they come, "
+                   "with an index; in input order once all are done); never the input file")
+    p.add_argument("--resume", action="store_true", help="keep the answers already in --output (an interrupted "
+                   "run) and ask only the rest and the failed ones")
     p.add_argument("--model", help="served model name for items that name none")
     p.add_argument("--concurrency", type=_positive, default=8, help="requests in flight (default 8)")
+    _add_key_flag(p)
     p.set_defaults(func=_lazy("batch", "run_command"))
 
     p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)")
@@ -342,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-connections", action="store_true",
                    help="open a new HTTP connection per request (default: each client keeps its connection)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_key_flag(p)
     p.add_argument("--attention", choices=["auto", "tree", "sdpa", "flex"], default="auto",
                    help="tree attention: the Triton kernel (CUDA default), the dense-mask SDPA twin (CPU default) "
                         "or the FlexAttention kernel")

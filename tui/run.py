@@ -8,9 +8,9 @@ from .app import DashboardApp
 from .client import DaemonClient
 
 
-def run_top(url: str, capture_print: bool = False) -> int:
+def run_top(url: str, capture_print: bool = False, api_key: str | None = None) -> int:
     """Run the dashboard against the daemon at `url` until the user quits (q)."""
-    client = DaemonClient(url)
+    client = DaemonClient(url, api_key=api_key)
     app = DashboardApp(client, capture_print=capture_print)
     try:
         app.run()

@@ -50,6 +50,18 @@ def daemon_url(args: argparse.Namespace) -> str:
     return f"http://{host}:{settings.port}"
 
 
+def client_key(args: argparse.Namespace) -> str | None:
+    """The API key our tools send: --api-key, else BASAL_LOCAL_API_KEY, else the config's api_key."""
+    if getattr(args, "api_key", None):
+        return args.api_key
+    if os.environ.get("BASAL_LOCAL_API_KEY"):
+        return os.environ["BASAL_LOCAL_API_KEY"]
+    try:
+        return load_settings(argparse.Namespace(), keys=()).api_key or None
+    except UserError:  # a broken config is reported by the command that needs it, not here
+        return None
+
+
 def check_device(device: str) -> None:
     """Refuse --device cuda/mps on a machine without it, before anything loads."""
     if device not in ("cuda", "mps"):
