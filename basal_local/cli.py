@@ -55,6 +55,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _serve_port(text: str) -> int:
+    """serve's --port: a TCP port, or 0 for one the system picks (printed in the banner)."""
+    if text.strip() == "0":
+        return 0
+    return _port(text)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -195,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory, or a downloaded name (mini, 4.5B, max, OWNER/NAME); repeatable")
     p.add_argument("--demo", action="store_true", help="serve the bundled demo model (random weights)")
     p.add_argument("--host", help=f"address to listen on (default {defaults.host}: this machine only)")
-    p.add_argument("--port", type=_port, help=f"TCP port (default {defaults.port})")
+    p.add_argument("--port", type=_serve_port, help=f"TCP port; 0 picks a free one and prints it "
+                   f"(default {defaults.port})")
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], help=f"(default {defaults.backend})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"],
                    help=f"(default {defaults.device}: cuda when available, else cpu)")
@@ -371,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--invariance", type=int, default=0, metavar="N",
                    help="also check N times that a request alone and amid 31 others gets bitwise equal logits")
     p.set_defaults(func=cmd_bench)
+    seen: set[int] = set()
+    for command in sub.choices.values():  # -v after the subcommand too (`basal-local serve -v`)
+        if id(command) not in seen:
+            seen.add(id(command))
+            command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help="log more (and show tracebacks)")
     return parser
 
 

@@ -315,3 +315,66 @@ def test_bench_http_ends_non_zero_when_the_daemon_dies(home):
     assert "went away" in done.stderr and "Traceback" not in done.stderr, done.stderr
     result = json.loads(done.stdout)
     assert result["daemon_gone"] and result["requests"] < 5000
+
+
+# ---- start-up: -v anywhere, --port 0, failures without the demo's "try it", devices as one sentence ------------
+
+def test_verbose_after_the_subcommand(home):
+    from .test_cli import cli
+
+    done = cli("doctor", "--json", "-v", env=home)
+    assert "checks" in json.loads(done.stdout), done.stderr
+    assert cli("list", "-v", env=home).returncode == 0
+
+
+def test_port_zero_listens_on_a_free_port_and_says_which(tiny_model, home):
+    import re
+
+    proc = cli_popen(["serve", "--model", tiny_model, "--device", "cpu", "--port", "0"],
+                     env={**os.environ, **home}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline() + proc.stdout.readline()
+        found = re.search(r"serving on http://127\.0\.0\.1:(\d+) ", first)
+        assert found, first
+        port = int(found.group(1))
+        assert port != 0
+        from .conftest import http
+
+        def ready() -> bool:
+            try:
+                return http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200
+            except OSError:
+                return False
+
+        _wait_for(ready, timeout=240)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_a_failed_start_shows_no_try_it_text(tiny_model, home, tmp_path):
+    import shutil
+
+    from .test_cli import subcli
+
+    twin = tmp_path / "twin"
+    shutil.copytree(tiny_model, twin)
+    meta = json.loads((twin / "basal.json").read_text())
+    (twin / "basal.json").write_text(json.dumps({**meta, "name": "basal-demo"}))  # the demo's name: load fails
+    done = subcli("serve", "--demo", "--model", str(twin), "--port", str(free_port()), "--device", "cpu", env=home)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "two models are named" in out, out
+    assert "Try it" not in out and "curl" not in out, out
+
+
+@pytest.mark.parametrize("spec, words", [("banana", ["'banana' is not a device", "cuda:N"]),
+                                         ("cuda:0,cuda:1", ["--devices cuda:0,cuda:1"])])
+def test_devices_mistakes_are_one_sentence(home, spec, words):
+    import torch
+
+    from .test_cli import assert_user_error, cli
+
+    if spec.startswith("cuda") and torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here: the spec is valid (the case checks the refusal without them)")
+    assert_user_error(cli("serve", "--demo", "--devices", spec, env=home), *words)

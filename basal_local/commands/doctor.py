@@ -74,9 +74,13 @@ def run_checks(port: int | None = None) -> list[Check]:
             checks.append(Check("cuda", "ok", f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), "
                                 f"{human_bytes(free)} free of {human_bytes(total)}"))
         else:
-            why = "this PyTorch build has no CUDA" if torch.version.cuda is None else "no NVIDIA GPU visible"
+            if torch.version.cuda is None:
+                why, fix = "this PyTorch build has no CUDA", "for an NVIDIA GPU install a CUDA build of PyTorch (pytorch.org)"
+            else:  # the build is right; the GPU or its driver is what is missing
+                why = f"this PyTorch has CUDA {torch.version.cuda} but sees no NVIDIA GPU"
+                fix = "on a machine with an NVIDIA GPU, install or update its driver (`nvidia-smi` should list it)"
             checks.append(Check("cuda", "warn", f"{why}: models run on the CPU (fine for the demo, slow for "
-                                "real models)", "for an NVIDIA GPU install a CUDA build of PyTorch (pytorch.org)"))
+                                "real models)", fix))
     except Exception as exc:
         checks.append(Check("torch", "fail", f"PyTorch does not import ({type(exc).__name__})",
                             'pip install "torch>=2.4"'))
