@@ -125,9 +125,20 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
         from .commands.serving import check_device
 
         check_device("cuda")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "give make-test-model a folder you can write to") from None
     print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
-    make_test_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
-                    progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+    try:
+        make_test_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
+                        progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+    except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "free disk space, or give make-test-model another folder") from None
     print(f"basal-local: wrote {args.preset} test model to {out}")
     return 0
 
@@ -164,11 +175,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         check_device(args.device)
         check_gpu_memory(args.gpu_memory, args.device)
+        check_bench_extras(args)
         if args.model:
             from .commands import model_path
 
             args.model = str(model_path(args.model))
     return run_bench(args)
+
+
+def check_bench_extras(args: argparse.Namespace) -> None:
+    """What the bench needs beyond our own code, checked before it runs (not after the whole bench)."""
+    import importlib.util
+
+    if args.baseline != "none" and importlib.util.find_spec("transformers") is None:
+        raise UserError(f"--baseline {args.baseline} needs Hugging Face transformers, which is not installed",
+                        'install it (pip install "transformers>=4.45"), or drop --baseline')
+    if args.backend == "mlx":
+        from .backends.select import mlx_importable
+
+        if not mlx_importable():
+            raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
+                            "use --backend torch (or auto), or on a Mac: pip install mlx")
 
 
 def _models(name: str):

@@ -378,3 +378,48 @@ def test_devices_mistakes_are_one_sentence(home, spec, words):
     if spec.startswith("cuda") and torch.cuda.device_count() >= 2:
         pytest.skip("two GPUs here: the spec is valid (the case checks the refusal without them)")
     assert_user_error(cli("serve", "--demo", "--devices", spec, env=home), *words)
+
+
+# ---- user mistakes that were "internal error ... please report it" ----------------------------------------------
+
+def test_make_test_model_into_a_folder_it_cannot_create(home, tmp_path):
+    from .test_cli import assert_user_error, cli
+
+    (tmp_path / "file").write_text("x")
+    assert_user_error(cli("make-test-model", str(tmp_path / "file" / "model"), env=home),
+                      "cannot write the test model", "a folder you can write to")
+
+
+def test_bench_checks_its_extras_before_running(home, monkeypatch):
+    import importlib.util
+
+    import basal_local.backends.select as select
+
+    from .test_cli import assert_user_error, cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    done = cli("bench", "--baseline", "transformers", env=home)
+    assert_user_error(done, "needs Hugging Face transformers", "drop --baseline")
+    assert "single decisions" not in done.stderr  # refused before the bench ran
+    monkeypatch.setattr(select, "mlx_importable", lambda: False)
+    assert_user_error(cli("bench", "--backend", "mlx", env=home), "MLX is not installed", "--backend torch")
+
+
+def test_service_install_refuses_a_model_that_is_not_there(home, tmp_path):
+    from .test_cli import assert_user_error, cli
+
+    assert_user_error(cli("service", "install", "--model", "mini", "--print", env=home), "mini")
+    assert_user_error(cli("service", "install", "--model", str(tmp_path / "nothing"), "--print", env=home))
+
+
+def test_service_unit_does_not_restart_on_a_user_mistake(home, tmp_path):
+    from basal_local.commands.service import render
+
+    from .test_cli import subcli
+
+    assert "RestartPreventExitStatus=2" in render("systemd", ["basal-local", "serve"], tmp_path / "log")
+    # what the unit runs exits 2 when its model has gone: systemd then leaves it stopped
+    done = subcli("serve", "--model", str(tmp_path / "gone"), "--port", str(free_port()), env=home)
+    assert done.returncode == 2
