@@ -76,10 +76,10 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     t0 = time.perf_counter()
     info = _load(backend, model, dtype)
     load_s = time.perf_counter() - t0
-    _phase("warming up (template K/V" + (", CUDA graphs)" if backend.device.startswith("cuda") else ")"))
+    _phase("warming up (template K/V" + (", CUDA graphs" if backend.device.startswith("cuda") else "")
+           + ", first decisions)")
     t0 = time.perf_counter()
     engine = _engine(model, backend)
-    warmup_s = time.perf_counter() - t0  # template K/V and, on CUDA, graph capture of every bucket
     requests = [validate_systemone(r, model.name) for r in single_question_requests(model.name)]
     if decisions:  # --decisions N: the first N of the sample set (a quick run)
         requests = requests[:decisions]
@@ -101,11 +101,15 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
 
     for r in requests[:5]:  # warm-up
         decide([r])
+    # all of it: template K/V, on CUDA graph capture of every bucket, and the first forwards (kernel compiles)
+    warmup_s = time.perf_counter() - t0
     latencies = []
     packed = []
     _phase(f"single decisions ({len(requests) * repeat})")
+    ticker = Ticker("single decisions", len(requests) * repeat)
     for _ in range(repeat):
         for r in requests:
+            ticker.step()
             t = time.perf_counter()
             pack = decide([r])
             latencies.append((time.perf_counter() - t) * 1000.0)
@@ -118,8 +122,10 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
         t = time.perf_counter()
         n = 0
         packs = []
+        ticker = Ticker(f"batches of {size}", len(groups) * repeat)
         for _ in range(repeat):
             for g in groups:
+                ticker.step()
                 packs.append(decide(g))
                 n += len(g)
         elapsed = time.perf_counter() - t
@@ -213,6 +219,27 @@ def _cuda_memory_now() -> dict[str, float]:
 
     return {"peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
             "allocated_gb": round(torch.cuda.memory_allocated() / 1e9, 3)}
+
+
+class Ticker:
+    """Progress inside a long step: `done/total` and the time left, on stderr, at most every `every_s`."""
+
+    def __init__(self, label: str, total: int, every_s: float = 5.0, clock=time.perf_counter) -> None:
+        self.label, self.total, self.every_s, self.clock = label, total, every_s, clock
+        self.done, self.started = 0, clock()
+        self.last = self.started
+
+    def step(self) -> str | None:
+        """Count the item about to start; the line printed, if one was due."""
+        now = self.clock()
+        line = None
+        if self.done and now - self.last >= self.every_s:
+            left = (now - self.started) / self.done * (self.total - self.done)
+            line = f"{self.label} {self.done}/{self.total}, about {left:.0f} s left"
+            _phase(line)
+            self.last = now
+        self.done += 1
+        return line
 
 
 def _phase(text: str) -> None:

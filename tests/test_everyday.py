@@ -423,3 +423,19 @@ def test_service_unit_does_not_restart_on_a_user_mistake(home, tmp_path):
     # what the unit runs exits 2 when its model has gone: systemd then leaves it stopped
     done = subcli("serve", "--model", str(tmp_path / "gone"), "--port", str(free_port()), env=home)
     assert done.returncode == 2
+
+
+def test_bench_progress_says_how_far_and_how_long_is_left(capsys):
+    from basal_local.bench import Ticker
+
+    now = [0.0]
+    ticker = Ticker("single decisions", 10, every_s=5.0, clock=lambda: now[0])
+    lines = []
+    for _ in range(10):
+        lines.append(ticker.step())
+        now[0] += 2.0  # each item takes 2 s
+    shown = [line for line in lines if line]
+    # after 3 items (6 s): 7 left at 2 s each; the next line 5 s later at least
+    assert shown[0] == "single decisions 3/10, about 14 s left"
+    assert shown[1] == "single decisions 6/10, about 8 s left"
+    assert "single decisions 3/10" in capsys.readouterr().err
