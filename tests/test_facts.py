@@ -1,4 +1,4 @@
-"""facts: "auto" (PROTOCOL.md §6.6) line kind by line kind, with values worked out by hand."""
+"""facts: "auto" (docs/PROTOCOL.md §6.6) line kind by line kind, with values worked out by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`facts: "auto"` (PROTOCOL.md §6.6): a block of computed helper facts appended to a Polish state.
+"""`facts: "auto"` (docs/PROTOCOL.md §6.6): a block of computed helper facts appended to a Polish state.
 
 Written from the spec's description only. Line kinds, in this order, 12 lines in all: (1) dates with weekday
 and statutory holiday, (2) gaps between consecutive dates, (3) "N dni temu" against a stated today, (4) date +

@@ -1,4 +1,4 @@
-"""The money lines of `facts: "auto"` (PROTOCOL.md §6.6, line kinds 5-7): VAT, money arithmetic, comparisons.
+"""The money lines of `facts: "auto"` (docs/PROTOCOL.md §6.6, line kinds 5-7): VAT, money arithmetic, comparisons.
 
 Written from the spec's description only. Amounts are `decimal.Decimal` in a 28-digit ROUND_HALF_UP context
 (an amount of 1e26 or more raises `InvalidOperation` when it is rounded to 0.01: the spec's 422) and print as

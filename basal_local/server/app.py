@@ -131,7 +131,7 @@ async def _read(call: _Call) -> bytes:
 
 
 def _admit(call: _Call) -> None:
-    """Take an in-flight slot; 529 when all are taken (PROTOCOL.md §1.2). `_release` gives it back."""
+    """Take an in-flight slot; 529 when all are taken (docs/PROTOCOL.md §1.2). `_release` gives it back."""
     state = call.state
     with state.lock:
         if state.inflight >= state.max_inflight:
@@ -150,7 +150,7 @@ def _release(call: _Call) -> None:
 async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[ModelEngine, RequestPlan, Job]:
     """Parse, take an in-flight slot, route, validate, plan and queue the job in ONE hop to a planner thread
     (each hop costs the event loop a wake-up and the request a thread hand-off; the job reaches its lane
-    straight from the planner); the checks keep their order (PROTOCOL.md §1.1: overload before the
+    straight from the planner); the checks keep their order (docs/PROTOCOL.md §1.1: overload before the
     unknown-model error)."""
     dialect = call.dialect
 

@@ -26,7 +26,7 @@ from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 
 log = logging.getLogger("basal_local.daemon")
-KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (CLIENTS.md A.6)
+KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (tests/test_clients.py)
 
 
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
