@@ -281,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ray: front replicas that take the HTTP requests from Ray's proxy (default: as many "
                         "as engine replicas)")
     p.add_argument("--tui", action="store_true", help="show the live dashboard (basal-local top) in this terminal")
+    p.add_argument("--detach", action="store_true", help="run in the background (pid and port in the state folder; "
+                   "`basal-local status`, `logs -f`, `stop`)")
     p.add_argument("--demo-traffic", action="store_true", dest="demo_traffic",
                    help="send the bundled sample requests in a loop (to watch the dashboard move)")
     _add_engine_flags(p)
@@ -377,6 +379,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print", action="store_true", dest="dry_run", help="print the unit instead of writing it")
     p.set_defaults(func=_lazy("service", "service_command"))
 
+    p = sub.add_parser("stop", help="stop the daemon started with `serve --detach`")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it (default 30)")
+    p.set_defaults(func=_lazy("background", "stop_command"))
+    p = sub.add_parser("status", help="whether the `serve --detach` daemon runs, where, and if it is ready")
+    p.set_defaults(func=_lazy("background", "status_command"))
+    p = sub.add_parser("logs", help="the daemon's log file (-f: follow it)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
+    p.add_argument("-n", "--lines", type=int, default=0, metavar="N", help="only the last N lines first")
+    p.set_defaults(func=_lazy("background", "logs_command"))
+
     p = sub.add_parser("bench", help="measure latency and throughput")
     p.add_argument("--model", help="model directory or downloaded name (default: the demo model)")
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto", help="(default auto)")
@@ -417,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --detach` starts the same command again
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="basal-local: %(levelname)s %(name)s: %(message)s")
     try:

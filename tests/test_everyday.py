@@ -439,3 +439,29 @@ def test_bench_progress_says_how_far_and_how_long_is_left(capsys):
     assert shown[0] == "single decisions 3/10, about 14 s left"
     assert shown[1] == "single decisions 6/10, about 8 s left"
     assert "single decisions 3/10" in capsys.readouterr().err
+
+
+# ---- the daemon in the background ----------------------------------------------------------------------------
+
+def test_detach_status_logs_stop(tiny_model, home):
+    from .test_cli import subcli
+
+    done = subcli("serve", "--detach", "--model", str(tiny_model), "--device", "cpu", "--port", "0", env=home)
+    state = Path(home["BASAL_LOCAL_HOME"]) / "state" / "daemon.json"
+    try:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ready on http://127.0.0.1:" in done.stdout
+        info = json.loads(state.read_text())
+        status = subcli("status", env=home)
+        assert status.returncode == 0 and f"pid {info['pid']}" in status.stdout and "ready" in status.stdout
+        logs = subcli("logs", env=home)
+        assert "basal-local: ready:" in logs.stdout
+        assert logs.stdout.count("basal_local.daemon: loaded") == 1  # stdout and the log handler: one copy
+        again = subcli("serve", "--detach", "--model", str(tiny_model), "--device", "cpu", env=home)
+        assert again.returncode == 2 and "already running" in again.stderr
+    finally:
+        stopped = subcli("stop", env=home)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not state.exists()
+    assert subcli("status", env=home).returncode == 3
+    assert subcli("stop", env=home).returncode == 1

@@ -142,6 +142,13 @@ def check_gpu_memory(value, device: str, source: str = "") -> None:
                         "drop --gpu-memory, or use --device cuda (or mps)")
 
 
+def _is_stderr(path: Path) -> bool:
+    try:
+        return path.exists() and os.path.samestat(os.fstat(sys.stderr.fileno()), path.stat())
+    except (OSError, ValueError, AttributeError):  # no real stderr (captured, closed)
+        return False
+
+
 def log_file_handler() -> Path | None:
     """Also log to basal-local.log in the platformdirs log folder; None when that folder cannot be written."""
     from ..server.settings import home_dirs
@@ -150,6 +157,9 @@ def log_file_handler() -> Path | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "basal-local.log"
+        if _is_stderr(path):  # `serve --detach`: the output already goes to this file; once is enough
+            logging.getLogger("basal_local.daemon").setLevel(logging.INFO)
+            return path
         handler = logging.FileHandler(path, encoding="utf-8")
     except OSError:
         return None
@@ -174,6 +184,12 @@ def serve_command(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     if ephemeral:
         settings.port = 0
+    if getattr(args, "detach", False):
+        from .background import detach
+
+        raw = list(getattr(args, "argv", None) or [])
+        argv = [a for a in raw[raw.index("serve") + 1:] if a != "--detach"] if "serve" in raw else []
+        return detach(_without_port(argv), settings.host, settings.port)
     if not settings.models and not args.demo:
         print(NO_MODEL_HINT(), file=sys.stderr)
         return 2
@@ -243,6 +259,19 @@ def serve_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _without_port(argv: list[str]) -> list[str]:
+    """serve's arguments minus --port (the detached daemon is given the port chosen here)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--port":
+            skip = True
+        elif not arg.startswith("--port="):
+            out.append(arg)
+    return out
 
 
 def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
