@@ -1,4 +1,4 @@
-"""Scheduling with a fake backend whose forward time grows with tokens (ENGINE.md §3, DESIGN.md "Scheduling")."""
+"""Scheduling with a fake backend whose forward time grows with tokens (docs/ARCHITECTURE.md, docs/ARCHITECTURE.md "Scheduling")."""
 
 from __future__ import annotations
 

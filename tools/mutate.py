@@ -47,7 +47,7 @@ def m(name: str, behaviour: str, file: str, original: str, replacement: str, *te
 
 
 MUTATIONS = [
-    # letter ids (PROTOCOL.md §4.6)
+    # letter ids (docs/PROTOCOL.md §4.6)
     m("letters-bare", "letter ids come from the prompt with the prefill, not the bare letter",
       "basal_local/model/tokenizer.py", "            ids.append(extended[-1])",
       "            ids.append(self.encode(letter)[-1])", "tests/test_letter_ids.py"),
@@ -71,7 +71,7 @@ MUTATIONS = [
     m("tree-readouts", "`prompts --tree` shows which prompt reads out where",
       "basal_local/engine/pretty.py", 'owners = f"  -> prompts {block.readouts}"',
       'owners = f"  -> prompts {[0 for _ in block.readouts]}"', "tests/test_e2e.py::test_prompts_cli_round_trip"),
-    # decision math and the upstream dialect (PROTOCOL.md §5, §8)
+    # decision math and the upstream dialect (docs/PROTOCOL.md §5, §8)
     m("unknown-type-calibrated", "an unknown /v1/basal type is choice with no calibration",
       "basal_local/api/basal.py",
       'calibration_key = qtype if raw_type in ("choice", "noul", "score") else None', "calibration_key = qtype",
@@ -82,7 +82,7 @@ MUTATIONS = [
     m("orders-not-unpermuted", "the second order is un-permuted before averaging",
       "basal_local/protocol/decision.py", "acc[option] += q[position]", "acc[position] += q[position]",
       "tests/test_decision.py"),
-    # scheduling (ENGINE.md §3, DESIGN.md "Scheduling")
+    # scheduling (docs/ARCHITECTURE.md, docs/ARCHITECTURE.md "Scheduling")
     m("long-lane-batches", "the long lane runs one request at a time",
       "basal_local/engine/engine.py", "budget = settings.max_batch_tokens if self.urgent else 0",
       "budget = settings.max_batch_tokens", "tests/test_scheduler.py::test_long_lane_runs_one_request_at_a_time"),

@@ -1,4 +1,4 @@
-"""Open a model directory and refuse anything with a different prompt contract (PROTOCOL.md §4.7)."""
+"""Open a model directory and refuse anything with a different prompt contract (docs/PROTOCOL.md §4.7)."""
 
 from __future__ import annotations
 

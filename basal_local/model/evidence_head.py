@@ -1,4 +1,4 @@
-"""The evidence head (`evidence_head.pt`, PROTOCOL.md §6.8): a safe loader and its scores, in NumPy.
+"""The evidence head (`evidence_head.pt`, docs/PROTOCOL.md §6.8): a safe loader and its scores, in NumPy.
 
 A `.pt` file is a zip archive holding a pickle (`data.pkl`) whose tensors point at raw storages
 (`data/<key>`). Unpickling arbitrary files runs arbitrary code, so this reader allows exactly the globals a

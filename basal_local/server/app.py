@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,8 @@ class AppState:
     ready: bool = False
     load_error: str | None = None
     stopping: bool = False
+    closing: bool = False  # shutdown began: event streams end now (server/events.py close_streams)
+    event_streams: set[Callable[[], None]] = field(default_factory=set)  # one wake-up per open /api/events
     access_log: bool = False
     log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
     dashboard_token: str = ""  # shown by the daemon's own dashboards to see request content (SECURITY.md)
@@ -140,7 +143,7 @@ async def _read(call: _Call) -> bytes:
 
 def _admit(call: _Call) -> Entry:
     """Take an in-flight place, or wait a bounded moment for one (engine/gate.py `Admission`); 529 with a kept
-    retry slot when none comes (PROTOCOL.md §1.2). `_release` gives it back."""
+    retry slot when none comes (docs/PROTOCOL.md §1.2). `_release` gives it back."""
     retry = (call.request.headers.get("x-typesafe-retry-count") or "0").strip() not in ("", "0")
     entry = call.state.admission.enter(call.state.max_inflight, retry)
     _admitted(call, entry)
@@ -179,7 +182,7 @@ def _release(call: _Call) -> None:
 async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[ModelEngine, RequestPlan, Job]:
     """Parse, take an in-flight slot, route, validate, plan and queue the job in ONE hop to a planner thread
     (each hop costs the event loop a wake-up and the request a thread hand-off; the job reaches its lane
-    straight from the planner); the checks keep their order (PROTOCOL.md §1.1: overload before the
+    straight from the planner); the checks keep their order (docs/PROTOCOL.md §1.1: overload before the
     unknown-model error)."""
     dialect = call.dialect
 
@@ -408,6 +411,7 @@ def create_app(state: AppState) -> Litestar:
                                    *BATCH_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
                    exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
-                   on_startup=[start_batches], on_shutdown=[stop_batches])
+                   on_startup=[start_batches], on_shutdown=[stop_batches],
+                   logging_config=None)  # litestar's would replace the root handlers: the log file, -v
     app.state.basal = state
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -25,12 +26,12 @@ from ..telemetry.privacy import remove_token, write_token
 from .aliases import resolve_aliases
 from .app import AppState, create_app
 from .body import BodyLimits
-from .events import BusLogHandler
+from .events import BusLogHandler, close_streams
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 
 log = logging.getLogger("basal_local.daemon")
-KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (CLIENTS.md A.6)
+KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (tests/test_clients.py)
 
 
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
@@ -116,11 +117,20 @@ class _Server(uvicorn.Server):
     signal stops at once.
     """
 
+    def __init__(self, config: uvicorn.Config, state: AppState | None = None) -> None:
+        super().__init__(config)
+        self.state = state
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
             self.force_exit = True
         else:
             self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.state is not None:
+            close_streams(self.state)  # dashboards' streams end first: the drain is for requests
+        await super().shutdown(sockets)
 
 
 def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_s: float) -> type:
@@ -263,32 +273,39 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
 
 
 def start_loading(state: AppState, settings: Settings, model_dirs: list[Path],
-                  on_failure: Callable[[], None] | None = None, freeze: bool = False) -> threading.Thread:
-    """Load the models in a background thread; `on_failure` runs when one fails (serve stops then)."""
+                  on_failure: Callable[[], None] | None = None, freeze: bool = False,
+                  on_ready: Callable[[], None] | None = None) -> threading.Thread:
+    """Load the models in a background thread; `on_failure` runs when one fails (serve stops then), `on_ready`
+    when all are loaded."""
 
     def load() -> None:
         load_engines(state, settings, model_dirs, freeze)
         if state.load_error and on_failure is not None:
             on_failure()
+        elif state.ready and on_ready is not None:
+            on_ready()
 
     loader = threading.Thread(target=load, name="basal-local-loader", daemon=True)
     loader.start()
     return loader
 
 
-def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
-    """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503)."""
+def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_text: str = "",
+          sock: socket.socket | None = None) -> int:
+    """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503).
+    `ready_text` is printed once the models are loaded; `sock`: an already bound socket (--port 0)."""
     state, config = build(settings, model_dirs)
-    server = _Server(config)
+    server = _Server(config, state)
 
     def stop() -> None:
         server.should_exit = True
 
-    start_loading(state, settings, model_dirs, stop, freeze=True)
+    start_loading(state, settings, model_dirs, stop, freeze=True,
+                  on_ready=(lambda: print(ready_text, flush=True)) if ready_text else None)
     if banner:
         print(banner, flush=True)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         shutdown(state)
         print("basal-local: stopped", flush=True)

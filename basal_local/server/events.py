@@ -126,9 +126,10 @@ async def _stream(state: AppState, since: int | None, private: bool = False) -> 
     wake = asyncio.Event()
     sub = state.telemetry.bus.subscribe(since=since)
     sub.waker = lambda: loop.call_soon_threadsafe(wake.set)
+    state.event_streams.add(sub.waker)
     try:
         yield b": basal-local events\n\n"
-        while True:
+        while not state.closing:
             items, dropped = sub.drain()
             if not private:  # logged request bodies (--log-bodies) only for the dashboard token or the key
                 items = [e for e in items if not e.get(PRIVATE)]
@@ -144,7 +145,15 @@ async def _stream(state: AppState, since: int | None, private: bool = False) -> 
             except TimeoutError:
                 yield b": keepalive\n\n"
     finally:
+        state.event_streams.discard(sub.waker)
         sub.close()
+
+
+def close_streams(state: AppState) -> None:
+    """Shutdown began: every open event stream ends its response now, so the drain waits for no dashboard."""
+    state.closing = True
+    for wake in list(state.event_streams):
+        wake()
 
 
 @get("/api/events")
