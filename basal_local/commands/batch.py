@@ -186,6 +186,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not out_path.parent.is_dir():
         raise UserError(f"--output {out_path}: folder {out_path.parent} does not exist", "create it, or pick another")
     get_json(url, "/health", api_key=key)  # a missing or loading daemon is one clear line, before anything is sent
+    get_json(url, "/v1/models", api_key=key)  # and a missing key (/health answers without one)
     model = args.model or "jev-latest"
     done = read_done(out_path, len(items)) if args.resume else {}
     todo = [i for i in range(len(items)) if i not in done]
