@@ -1,4 +1,4 @@
-"""Daemon settings: CLI flags > environment > config.toml > defaults (STYLE.md habit 2)."""
+"""Daemon settings: CLI flags > environment > config.toml > defaults."""
 
 from __future__ import annotations
 
