@@ -38,6 +38,7 @@ class Spec:
     metavar: str | None = None
     show_default: bool = True
     number_ok: bool = False  # a str setting that config.toml may also give as a number (gpu_memory = 0.8)
+    flag_zero: bool = False  # the flag also takes 0 (the port: the system picks one; the command handles it)
 
 
 def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
@@ -159,7 +160,8 @@ class Settings:
                                 flag="--model", dest="model", action="append", show_default=False)
     host: str = setting("127.0.0.1", "address to listen on; 127.0.0.1 is this machine only", flag="--host",
                         env="BASAL_LOCAL_HOST")
-    port: int = setting(8000, "TCP port", flag="--port", minimum=1, maximum=65535, env="BASAL_LOCAL_PORT")
+    port: int = setting(8000, "TCP port; 0 picks a free one and prints it", flag="--port", minimum=1, maximum=65535,
+                        env="BASAL_LOCAL_PORT", flag_zero=True)
     backend: str = setting("auto", "compute backend", flag="--backend", choices=("auto", "torch", "mlx"),
                            env="BASAL_LOCAL_BACKEND")
     device: str = setting("auto", "device (auto: cuda when available, else cpu)", flag="--device",
@@ -283,6 +285,8 @@ def config_path() -> Path:
 
 def _flag_type(key: str, spec: Spec):
     def parse(text: str) -> Any:
+        if spec.flag_zero and text.strip() == "0":
+            return 0
         try:
             return check(spec.flag or key, spec, text, from_text=True)
         except ValueError:

@@ -1,4 +1,4 @@
-"""Every row of PROTOCOL.md §2.1 and every `/v1/basal` error (§8) as a request: exact status and body."""
+"""Every row of docs/PROTOCOL.md §2.1 and every `/v1/basal` error (§8) as a request: exact status and body."""
 
 import json
 
@@ -217,10 +217,10 @@ def test_basal_errors(app_client, body, status, expected):
 
 
 def test_basal_lenient_unknown_type_is_uncalibrated_choice(app_client):
-    """PROTOCOL.md §5/§8: an unknown type is read as choice with T = 1; a choice question gets T_choice.
+    """docs/PROTOCOL.md §5/§8: an unknown type is read as choice with T = 1; a choice question gets T_choice.
 
     Both questions render the same prompts (one readout in the packed batch), so the choice answer must be
-    the unknown-type probabilities calibrated here with the model's T_choice (PROTOCOL.md §5, §7)."""
+    the unknown-type probabilities calibrated here with the model's T_choice (docs/PROTOCOL.md §5, §7)."""
     import math
 
     t_choice = 1.1387886347566916  # CALIBRATION.json of the generated model (the basal-1.5-mini value)

@@ -1,4 +1,4 @@
-"""The real, published clients, unchanged, against a live daemon (CLIENTS.md part A).
+"""The real, published clients, unchanged, against a live daemon (typesafe-sdk, basal-client, jev-cli).
 
 typesafe-sdk (sync, async, zstd bodies via backports-zstd) and basal-client come from the test extra; their
 strict response models validating our answers is the point. jev-cli needs Python 3.13 by its metadata but runs

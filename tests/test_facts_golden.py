@@ -1,4 +1,4 @@
-"""`facts: "auto"` against the 200 golden cases of the upstream reference (PROTOCOL.md §6.6), byte for byte.
+"""`facts: "auto"` against the 200 golden cases of the upstream reference (docs/PROTOCOL.md §6.6), byte for byte.
 
 Run as a script (`python tests/test_facts_golden.py [-v]`) to print the pass count and the first differing line
 of every failing case.

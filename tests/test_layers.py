@@ -1,6 +1,6 @@
-"""The layers of DESIGN.md "Layout", as imports: protocol knows no HTTP, api or engine; the engine knows no HTTP
-and no wire dialect (its errors are protocol exceptions the api maps, PROTOCOL.md §2.1); backends know nothing of
-the server, the api or the commands; the product has no import circles."""
+"""The layers of docs/ARCHITECTURE.md "Layout and namespace", as imports: protocol knows no HTTP, api or engine; the
+engine knows no HTTP and no wire dialect (its errors are protocol exceptions the api maps, docs/PROTOCOL.md §2.1);
+backends know nothing of the server, the api or the commands; the product has no import circles."""
 
 from __future__ import annotations
 

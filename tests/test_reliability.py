@@ -50,7 +50,7 @@ def stats(port: int) -> dict:
 
 
 def assert_dialect_error(path: str, status: int, body) -> None:
-    """The error shape of each dialect: System One's (PROTOCOL.md §2.1) or `{"error": str}` (§8)."""
+    """The error shape of each dialect: System One's (docs/PROTOCOL.md §2.1) or `{"error": str}` (§8)."""
     assert 400 <= status < 500, (status, body)
     if path == "/v1/basal":
         assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body

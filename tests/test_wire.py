@@ -147,7 +147,7 @@ def test_prompts_are_counted_like_the_planner_builds_them():
 
     assert prompts_of("noul", {}) == 2 and prompts_of("choice", {"criteria": {"a": 1, "b": 2, "c": 3}}) == 2
     assert prompts_of("multi", {"criteria": ["a", "b", "c"]}) == 6
-    assert prompts_of("choice", {"criteria": [str(i) for i in range(11)]}) == 6  # PROTOCOL.md §6.7: 4 + 2
+    assert prompts_of("choice", {"criteria": [str(i) for i in range(11)]}) == 6  # docs/PROTOCOL.md §6.7: 4 + 2
     assert prompts_of("score", {"levels": ["a", "b"]}) == 2
 
 

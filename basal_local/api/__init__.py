@@ -23,7 +23,7 @@ def parse_body(raw: bytes, dialect: str) -> Any:
 
 
 def route(body: Any, dialect: str, served: dict[str, Any], default: str, aliases: dict[str, str] | None = None) -> str:
-    """The served model a body asks for (PROTOCOL.md §1.1, aliases resolved); an unknown name is the dialect's error."""
+    """The served model a body asks for (docs/PROTOCOL.md §1.1, aliases resolved); an unknown name is the dialect's error."""
     if aliases and isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] in aliases:
         return aliases[body["model"]]
     try:

@@ -1,4 +1,4 @@
-"""`POST /v1/basal`: the lenient upstream dialect (PROTOCOL.md §8). Every failure is 422 {"error": ...}."""
+"""`POST /v1/basal`: the lenient upstream dialect (docs/PROTOCOL.md §8). Every failure is 422 {"error": ...}."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Error bodies of both dialects (PROTOCOL.md §1.2, §2.1, §8)."""
+"""Error bodies of both dialects (docs/PROTOCOL.md §1.2, §2.1, §8)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ SERVED_MODELS_HEADER = "x-basal-served-models"
 
 
 def unknown_model(err: ApiError, served: Any) -> ApiError:
-    """The dialect's exact unknown-model error (PROTOCOL.md §1.1); the served names ride in a header."""
+    """The dialect's exact unknown-model error (docs/PROTOCOL.md §1.1); the served names ride in a header."""
     names = ", ".join(served).encode("ascii", "backslashreplace").decode("ascii")
     err.headers = {**(err.headers or {}), SERVED_MODELS_HEADER: names}
     return err
@@ -86,7 +86,7 @@ def basal_error(message: str) -> ApiError:
 
 
 def internal(detail: str, dialect: str | None = "systemone") -> ApiError:
-    """A failure of ours (PROTOCOL.md §2.1 shape on /v1/systemone; `{"error"}` on /v1/basal)."""
+    """A failure of ours (docs/PROTOCOL.md §2.1 shape on /v1/systemone; `{"error"}` on /v1/basal)."""
     if dialect == "basal":
         return ApiError(500, {"error": f"internal: {detail}"})
     if dialect == "systemone":
@@ -109,7 +109,7 @@ def refusal_error(exc: AnswerRefused, dialect: str) -> ApiError:
     return basal_error(f"question '{exc.qid}': {exc.message}")
 
 
-# TypeSafe's direct API errors name their class (CLIENTS.md: `{"detail":{"error_type","message"}}`).
+# TypeSafe's direct API errors name their class (docs/WIRE.md: `{"detail":{"error_type","message"}}`).
 SYSTEMONE_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                          408: "timeout_error", 413: "request_too_large", 503: "unavailable_error"}
 
@@ -119,7 +119,7 @@ def http_error(status: int, code: str, message: str, dialect: str | None,
     """An error of the HTTP layer (encoding, size, auth, host, content type...) in the dialect's shape.
 
     `/v1/systemone`: `{"detail": {"error_type", "message"}}`; `/v1/basal`: `{"error": message}` (§8);
-    every other path: `{"error": message, "code": CODE}` (CLIENTS.md A.6).
+    every other path: `{"error": message, "code": CODE}` (docs/WIRE.md).
     """
     if dialect == "systemone":
         kind = SYSTEMONE_ERROR_TYPES.get(status, "api_usage_error")

@@ -2,7 +2,7 @@
 
 Clients send them (jevclient's JSON image `assets`, basal-client's `media`/`lang`, its multi selection fields and
 2.1 task types, pydecide's noul `labels`); ignoring one would answer a different question than the one asked, so
-each is refused with the System One "unsupported" body naming it (PROTOCOL.md §2.1). Fields that cannot change
+each is refused with the System One "unsupported" body naming it (docs/PROTOCOL.md §2.1). Fields that cannot change
 an answer stay ignored: docs/WIRE.md lists them. Also the per-request limits on questions and prompts.
 """
 

@@ -1,4 +1,4 @@
-"""`POST /v1/systemone`: the strict TypeSafe dialect (PROTOCOL.md §2, §2.1, §3).
+"""`POST /v1/systemone`: the strict TypeSafe dialect (docs/PROTOCOL.md §2, §2.1, §3).
 
 All schema errors (422) of a request are collected into one `detail` list; usage errors (400) are
 reported only when there is no schema error, and only the first; "unsupported" errors (422) come last,

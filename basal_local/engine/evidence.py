@@ -1,4 +1,4 @@
-"""Evidence forwards (PROTOCOL.md §6.8): one plain causal forward per question that asked for spans.
+"""Evidence forwards (docs/PROTOCOL.md §6.8): one plain causal forward per question that asked for spans.
 
 They run after planning and before the request's first round is queued (`requests.run_request`, on the
 engine's helper threads): the spans do not depend on the

@@ -1,4 +1,4 @@
-"""Gates: one per device (main lanes before long ones, ENGINE.md §3), and the daemon's admission (`Admission`).
+"""Gates: one per device (main lanes before long ones, docs/ARCHITECTURE.md), and the daemon's admission (`Admission`).
 
 A long lane calls `checkpoint()` between layers; once it has held the device for `slice_s` and an urgent
 caller waits, it parks, exactly one urgent batch runs, and the device is handed straight back.
@@ -67,9 +67,9 @@ class DeviceGate:
             self._cond.notify_all()
 
 
-# --- admission of decision requests (PROTOCOL.md §1.2, DESIGN.md "Scheduling") --------------------------------
+# --- admission of decision requests (docs/PROTOCOL.md §1.2, docs/ARCHITECTURE.md "Scheduling") --------------------------------
 
-MAX_DELAY_S = 30.0  # the longest hint: clients cap Retry-After at 30 s (CLIENTS.md A.6)
+MAX_DELAY_S = 30.0  # the longest hint: clients cap Retry-After at 30 s (docs/WIRE.md)
 MAX_RESERVATIONS = 256  # slots kept at once: what a burst needs, and a bound on the work of each 529
 CLAIM_WAIT_S = 1.0  # the longest wait of a retry that came in its slot...
 CLAIM_WAIT_MIN_S = 0.25  # ...and at least this, to ride out one slow request

@@ -143,7 +143,7 @@ def check_size_cheaply(request: DecisionRequest, tokenizer: BasalTokenizer, max_
     """Refuse a request far over the context before rendering and tokenizing every question's prompts.
 
     No token stands for more than `tokenizer.max_token_chars` characters (the tokenizer has no normalizer,
-    PROTOCOL.md §4.6), so a prompt of C characters has at least C / that many tokens.
+    docs/PROTOCOL.md §4.6), so a prompt of C characters has at least C / that many tokens.
     """
     per_token = tokenizer.max_token_chars
     state = len(request.state_text)

@@ -1,4 +1,4 @@
-"""Queue order and batch formation (ENGINE.md §3): HRRN or FIFO, trie-growth budget per batch."""
+"""Queue order and batch formation: HRRN or FIFO, trie-growth budget per batch."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def estimate_s(tokens: int, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -
 
 
 def response_ratio(job: Job, now: float, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> float:
-    """DESIGN.md's priority (wait + est) / est."""
+    """docs/ARCHITECTURE.md's priority (wait + est) / est."""
     est = estimate_s(job.tokens, rate, overhead_s)
     return (max(now - job.arrival, 0.0) + est) / est
 

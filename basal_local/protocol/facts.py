@@ -1,4 +1,4 @@
-"""`facts: "auto"` (PROTOCOL.md §6.6): a block of computed helper facts appended to a Polish state.
+"""`facts: "auto"` (docs/PROTOCOL.md §6.6): a block of computed helper facts appended to a Polish state.
 
 Written from the behaviour of the spec's golden cases (data/facts-golden.jsonl). Line kinds, in this order:
 dates, gaps, "N dni temu", date + duration (`facts_dates.py`, never capped); then the money lines, cut so that

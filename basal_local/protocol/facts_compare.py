@@ -1,4 +1,4 @@
-"""Netto/brutto conversions and comparisons of `facts: "auto"` (PROTOCOL.md §6.6, end of kind 6 and kind 7).
+"""Netto/brutto conversions and comparisons of `facts: "auto"` (docs/PROTOCOL.md §6.6, end of kind 6 and kind 7).
 
 An amount labelled `netto`/`brutto` (the word right after it, parentheses allowed) converts at the first stated
 VAT rate; it gets its own line unless a VAT line already shows its value. Comparisons run over a pool: item

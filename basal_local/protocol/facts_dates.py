@@ -1,4 +1,4 @@
-"""The date lines of `facts: "auto"` (PROTOCOL.md §6.6, line kinds 1-4), as the golden cases show them.
+"""The date lines of `facts: "auto"` (docs/PROTOCOL.md §6.6, line kinds 1-4), as the golden cases show them.
 
 Dates (text, dotted, ISO) in order of appearance, deduplicated, at most 6; gaps between consecutive dates;
 "N dni temu" against a stated today; the first 3 dates plus each of the first 3 durations. These lines are

@@ -1,4 +1,4 @@
-"""Quantity × unit price, list totals, tiered price lists and delivery fees of `facts: "auto"` (PROTOCOL.md §6.6).
+"""Quantity × unit price, list totals, tiered price lists and delivery fees of `facts: "auto"` (docs/PROTOCOL.md §6.6).
 
 An item is `3 × 19,99 zł` / `16 kg × 1 390,70 zł` (a plain integer of at most 4 digits, an optional unit, ×);
 at most 5 are read, identical ones once. A price list is a set of prices each followed by a quantity condition

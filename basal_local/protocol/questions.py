@@ -1,4 +1,4 @@
-"""The normalized question model both dialects validate into (PROTOCOL.md §2, §4.4, §8)."""
+"""The normalized question model both dialects validate into (docs/PROTOCOL.md §2, §4.4, §8)."""
 
 from __future__ import annotations
 

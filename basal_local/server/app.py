@@ -33,6 +33,7 @@ from ..engine.plan import RequestPlan
 from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..protocol.outcome import Outcome
+from ..telemetry.privacy import PRIVATE, error_summary
 from .batch_routes import BATCH_ROUTES, start_batches, stop_batches
 from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
@@ -78,10 +79,12 @@ class _Call:
     timing: str = ""
     admission: Entry | None = None
     error: str = ""
+    client_id: str = ""  # the client's X-Request-Id, echoed even when its record needed a fresh id
 
     @property
     def id_headers(self) -> dict[str, str]:
-        return {"x-request-id": self.request_id, "x-typesafe-request-id": self.request_id}
+        reply = self.client_id or self.request_id
+        return {"x-request-id": reply, "x-typesafe-request-id": reply}
 
     def pool(self, size: int) -> ThreadPoolExecutor:
         return self.state.big_planner if size > BIG_BODY_BYTES else self.state.planner
@@ -99,13 +102,14 @@ async def _read(call: _Call) -> bytes:
     raw = await read_body(call.request.receive, headers.get("content-length"), headers.get("content-encoding"),
                           call.state.limits, call.state.big_planner)
     if call.state.log_bodies:
-        log.info("request %s body: %s", call.request_id, raw[:LOGGED_BODY_BYTES].decode("utf-8", "replace"))
+        log.info("request %s body: %s", call.request_id, raw[:LOGGED_BODY_BYTES].decode("utf-8", "replace"),
+                 extra={PRIVATE: True})
     return raw
 
 
 def _admit(call: _Call) -> Entry:
     """Take an in-flight place, or wait a bounded moment for one (engine/gate.py `Admission`); 529 with a kept
-    retry slot when none comes (PROTOCOL.md §1.2). `_release` gives it back."""
+    retry slot when none comes (docs/PROTOCOL.md §1.2). `_release` gives it back."""
     retry = (call.request.headers.get("x-typesafe-retry-count") or "0").strip() not in ("", "0")
     entry = call.state.admission.enter(call.state.max_inflight, retry)
     _admitted(call, entry)
@@ -144,7 +148,7 @@ def _release(call: _Call) -> None:
 async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[RequestPlan, Future[Outcome]]:
     """Parse, take an in-flight slot, route, validate, plan and submit in ONE hop to a planner thread
     (each hop costs the event loop a wake-up and the request a thread hand-off; the request reaches its lane
-    straight from the planner); the checks keep their order (PROTOCOL.md §1.1: overload before the
+    straight from the planner); the checks keep their order (docs/PROTOCOL.md §1.1: overload before the
     unknown-model error)."""
     dialect = call.dialect
 
@@ -206,7 +210,7 @@ def _answer(call: _Call, planned: RequestPlan, result: Outcome) -> Response:
 
 def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
     call.status = err.status
-    call.error = json.dumps(err.body, ensure_ascii=False)
+    call.error = error_summary(err.body)  # the record keeps codes only: a message may quote the request
     headers = {**call.id_headers, **(err.headers or {})}
     if close:
         headers["connection"] = "close"
@@ -222,7 +226,7 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
                           "(with fewer or shorter questions), or start the daemon with a lower "
                           "--max-batch-tokens", call.dialect, {"retry-after": "1"})
     if call.state.log_bodies:
-        log.exception("request %s failed", call.request_id)
+        log.exception("request %s failed", call.request_id, extra={PRIVATE: True})
     else:  # the exception's text may quote the request: the type and the frames only
         frames = "".join(traceback.format_tb(exc.__traceback__))
         log.error("request %s failed: %s (text withheld; --log-bodies shows it)\n%s", call.request_id,
@@ -232,8 +236,10 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
 
 async def _decide(request: Request, dialect: str) -> Response:
     call = _Call(request, dialect, request.app.state.basal)
-    call.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    call.state.telemetry.request_received(call.request_id, dialect, request.headers.get("user-agent", ""))
+    # a client's id names its record only if no recent request holds it: nobody overwrites another's record
+    call.client_id = request.headers.get("x-request-id") or ""
+    call.request_id = call.state.telemetry.request_received(call.client_id or uuid.uuid4().hex, dialect,
+                                                            request.headers.get("user-agent", ""))
     try:
         _check_ready(call)
         raw = await _read(call)
@@ -345,6 +351,7 @@ def create_app(state: AppState) -> Litestar:
                                    *BATCH_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
                    exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
-                   on_startup=[start_batches], on_shutdown=[stop_batches])
+                   on_startup=[start_batches], on_shutdown=[stop_batches],
+                   logging_config=None)  # litestar's would replace the root handlers: the log file, -v
     app.state.basal = state
     return app

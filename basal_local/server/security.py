@@ -54,13 +54,16 @@ def is_loopback(host: str) -> bool:
 def host_name(value: str) -> str:
     """The name part of a Host header (`[::1]:8000` -> `::1`, `Example.COM.:80` -> `example.com`)."""
     value = value.strip().lower()
+    name, port = value, ""
     if value.startswith("["):
         end = value.find("]")
-        name = value[1:end] if end > 0 else value
+        if end > 0:
+            name, port = value[1:end], value[end + 1:]
     elif value.count(":") == 1:
-        name = value.split(":", 1)[0]
-    else:
-        name = value
+        name, port = value.split(":", 1)
+        port = ":" + port
+    if port and not (port.startswith(":") and port[1:].isdigit()):
+        return value  # `[::1].evil`, `localhost:evil`: not a name and a port, so it matches no allowed name
     return name.rstrip(".")
 
 
@@ -99,7 +102,12 @@ class AccessPolicy:
         if _origin(origin) in self.allowed_origins:
             return True
         parts = urlsplit(origin.strip())
-        return parts.scheme in ("http", "https") and bool(parts.hostname) and is_loopback(parts.hostname or "")
+        try:
+            parts.port  # noqa: B018  (raises on `localhost.:80.evil`: a malformed origin matches nothing)
+        except ValueError:
+            return False
+        return (parts.scheme in ("http", "https") and bool(parts.hostname) and "@" not in parts.netloc
+                and is_loopback(parts.hostname or ""))
 
     def key_ok(self, headers: dict[str, str]) -> bool:
         if not self.api_key:

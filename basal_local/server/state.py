@@ -6,6 +6,7 @@ Its own module so that the handler modules (app, events, extras, metrics) all im
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +38,13 @@ class AppState:
     ready: bool = False
     load_error: str | None = None
     stopping: bool = False
+    closing: bool = False  # shutdown began: event streams end now (server/events.py close_streams)
+    event_streams: set[Callable[[], None]] = field(default_factory=set)  # one wake-up per open /api/events
     access_log: bool = False
     log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
+    dashboard_token: str = ""  # shown by the daemon's own dashboards to see request content (SECURITY.md)
+    api_key_set: bool = False
+    token_port: int = 0  # the port whose token file this daemon wrote (removed at shutdown)
     limits: BodyLimits = field(default_factory=BodyLimits)
     metrics: bool = False
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name (server/aliases.py)
