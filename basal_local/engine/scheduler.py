@@ -42,7 +42,7 @@ class Job:
 
     def gone(self) -> bool:
         """Whether nobody waits for the answer: the client disconnected or the awaiting task was cancelled."""
-        if self.future.done:  # cancelled by the waiter (or already answered)
+        if self.future.done():  # cancelled by the waiter (or already answered)
             return True
         try:
             return bool(self.is_cancelled())
