@@ -1,4 +1,4 @@
-"""facts: "auto" (docs/PROTOCOL.md §6.6) rule by rule. Expected lines are the reference's (data/facts-golden.jsonl:
+"""facts: "auto" (docs/PROTOCOL.md §6.6) rule by rule. Expected lines are the reference's (tests/data/facts-golden.jsonl:
 the case number is given) or worked out by hand where a rule is probed beyond the golden cases."""
 
 from __future__ import annotations
