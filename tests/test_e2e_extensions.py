@@ -279,6 +279,11 @@ def test_evidence_errors(daemon):
     status, _, out = http("POST", f"{daemon.url}/v1/basal", {**base, "questions": {
         "q": {"type": "multi", "criteria": ["a"], "evidence": 1}}})
     assert status == 422 and out == {"error": "question 'q': evidence is not supported for multi"}
+    # a tool question asked as a multi has label branches too: the same 422 (it was a 500, a KeyError)
+    status, _, out = http("POST", f"{daemon.url}/v1/basal", {**base, "questions": {
+        "q": {"type": "tool", "instructions": "Which?", "tools": [{"name": "refund"}, {"name": "track"}],
+              "multi": True, "evidence": True}}})
+    assert status == 422 and out == {"error": "question 'q': evidence is not supported for multi"}, (status, out)
 
 
 @pytest.mark.parametrize("dialect", ["systemone", "basal"])

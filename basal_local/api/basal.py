@@ -112,6 +112,8 @@ def _tool(qid: str, q: dict, instructions: str, lang: str) -> Question:
     except ValueError as exc:
         raise ValueError(f"question '{qid}': {exc}") from None
     if spec.multi:
+        if q.get("evidence"):  # asked as a multi: its units are label branches, as for a multi question
+            raise ValueError(f"question '{qid}': evidence is not supported for multi")
         threshold = _number(qid, q, "threshold")
         multi = MultiSpec(0.5 if threshold is None else float(threshold), truncate_count(_number(qid, q, "max")),
                           truncate_count(_number(qid, q, "min")), **selection)
