@@ -18,7 +18,7 @@ run new timeout 120 python3 -m basal_local.cli make-test-model $M --preset 4.5B 
 el model
 bench() {
   local v=$1 n=$1; [ -e $OUT/bench-$v.json ] && n=$v-2
-  run $v timeout 120 python3 -m basal_local.cli bench --model $M --device cuda --repeat 2 --json > $OUT/bench-$n.json 2> $OUT/bench-$n.err
+  run $v timeout 120 python3 -m basal_local.cli bench --model $M --device cuda --json > $OUT/bench-$n.json 2> $OUT/bench-$n.err
   python3 -c "
 import json; r = json.load(open('$OUT/bench-$n.json'))
 print('bench $n single_ms', r.get('single_ms'), 'p95', r.get('single_ms_p95'), 'b16', r['throughput']['batch16']['decisions_per_s'], 'b32', r['throughput']['batch32']['decisions_per_s'])" 2>&1 | tail -1
