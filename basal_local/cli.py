@@ -375,6 +375,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_flag(p)
     p.set_defaults(func=_lazy("batch", "run_command"))
 
+    p = sub.add_parser("batch", help="the Batch API of a running daemon: submit a JSONL file, follow, fetch results",
+                       description="Submit JSONL files of /v1/basal requests ({\"custom_id\", \"body\"} a line) to a "
+                       "running daemon, which runs them in the background while no interactive request waits. "
+                       "Example: basal-local batch submit requests.jsonl --wait && basal-local batch results ID")
+    p.add_argument("action", choices=["submit", "list", "status", "cancel", "results"])
+    p.add_argument("target", nargs="?", help="submit: the JSONL file; status, cancel, results: the batch id")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    p.add_argument("--wait", action="store_true", help="submit: follow the batch with a progress bar until it ends")
+    p.add_argument("--output", help="results: write to this file instead of stdout")
+    p.add_argument("--errors", action="store_true", help="results: the error lines too")
+    p.add_argument("--json", action="store_true", help="print the batch objects as JSON")
+    _add_key_flag(p)
+    p.set_defaults(func=_lazy("batches", "batch_command"))
+
     p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)")
     p.add_argument("action", choices=["install", "uninstall", "status"])
     p.add_argument("--model", action="append", help="model to serve (repeatable; default: the config's)")

@@ -36,7 +36,7 @@ from ..engine.scheduler import Cancelled, EngineStopped, Job
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..telemetry import Telemetry
 from ..telemetry.privacy import PRIVATE, error_summary
-from .batch_routes import BATCH_ROUTES, start_batches, stop_batches
+from .batch_routes import BATCH_ROUTES, batch_summary, start_batches, stop_batches
 from .body import BodyError, BodyLimits, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
 from .security import UNAUTHENTICATED
@@ -385,6 +385,7 @@ async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = stats_snapshot(state)
     snap["replicas"] = replicas(state)
+    snap["batches"] = batch_summary(request.app)
     snap["admission"] = state.admission.snapshot()
     return _json_response(200, snap)
 

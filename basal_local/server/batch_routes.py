@@ -267,6 +267,14 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
     return _json(200, public(record))  # type: ignore[arg-type]
 
 
+def batch_summary(app: Any) -> list[dict[str, Any]]:
+    """The batches not finished yet, with their progress (for /api/stats and the dashboard)."""
+    if "batch_store" not in app.state:
+        return []
+    return [{"id": r["id"], "status": r["status"], "created_at": r["created_at"], **r["request_counts"]}
+            for r in app.state.batch_store.all_batches() if r["status"] not in TERMINAL]
+
+
 BATCH_ROUTES = [upload_file, list_files, get_file, file_content, delete_file, create_batch, list_batches,
                 get_batch, cancel_batch]
 
