@@ -261,3 +261,12 @@ def test_stats_show_a_running_batch(tiny_model, tmp_path):
         assert stats["batches"] == []
     finally:
         d.stop()
+
+
+def test_background_batches_hold_a_quarter_of_the_budget():
+    jobs = [_job(100, True, float(i)) for i in range(40)]
+    batch, rest = form_batch(jobs, 1000, {}, "fifo", rate=1000.0, now=100.0)
+    assert sum(j.tokens for j in batch) <= 250 and len(batch) + len(rest) == 40
+    interactive = [_job(100, False, float(i)) for i in range(40)]
+    batch, _ = form_batch(interactive, 1000, {}, "fifo", rate=1000.0, now=100.0)
+    assert sum(j.tokens for j in batch) == 1000
