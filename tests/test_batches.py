@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from basal_local.engine.packer import PromptSpec
 from basal_local.engine.scheduler import Job, form_batch
 
 from . import rawhttp
@@ -209,16 +210,21 @@ def test_an_expired_batch_ends_with_the_rest_as_errors(tmp_path):
     assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors)
 
 
+_fresh = iter(range(10_000, 10**9))
+
+
 def _job(tokens: int, background: bool, arrival: float) -> Job:
-    return Job(None, tokens, [], arrival=arrival, background=background)
+    """A stand-in job: one prompt of `tokens` fresh token ids (it shares no prefix with another)."""
+    ids = [next(_fresh) for _ in range(tokens)]
+    return Job(None, tokens, [PromptSpec(ids, "en", [1, 2])], arrival=arrival, background=background)
 
 
 def test_background_jobs_wait_for_interactive_ones_and_never_share_their_batch():
     old_batch = _job(10, True, 0.0)
     fresh = _job(10, False, 99.0)
-    batch, rest = form_batch([old_batch, fresh], 8192, {}, "hrrn", rate=1000.0, now=100.0)
+    batch, rest = form_batch([old_batch, fresh], 8192, {"en": []}, "hrrn", rate=1000.0, now=100.0)
     assert batch == [fresh] and rest == [old_batch]  # however long the background job waited
-    batch, rest = form_batch([old_batch, _job(10, True, 1.0)], 8192, {}, "fifo", rate=1000.0, now=100.0)
+    batch, rest = form_batch([old_batch, _job(10, True, 1.0)], 8192, {"en": []}, "fifo", rate=1000.0, now=100.0)
     assert len(batch) == 2 and rest == []  # alone, background jobs batch together
 
 
@@ -265,8 +271,8 @@ def test_stats_show_a_running_batch(tiny_model, tmp_path):
 
 def test_background_batches_hold_a_quarter_of_the_budget():
     jobs = [_job(100, True, float(i)) for i in range(40)]
-    batch, rest = form_batch(jobs, 1000, {}, "fifo", rate=1000.0, now=100.0)
-    assert sum(j.tokens for j in batch) <= 250 and len(batch) + len(rest) == 40
+    batch, rest = form_batch(jobs, 1000, {"en": []}, "fifo", rate=1000.0, now=100.0)
+    assert sum(j.tokens for j in batch) == 200 and len(batch) + len(rest) == 40  # 1000 // 4 holds two
     interactive = [_job(100, False, float(i)) for i in range(40)]
-    batch, _ = form_batch(interactive, 1000, {}, "fifo", rate=1000.0, now=100.0)
+    batch, _ = form_batch(interactive, 1000, {"en": []}, "fifo", rate=1000.0, now=100.0)
     assert sum(j.tokens for j in batch) == 1000
