@@ -285,7 +285,8 @@ def start_batches(app: Any) -> None:
     app.state.batch_store = store
     # at most a quarter of the in-flight slots, so batch lines never make interactive requests see 529
     concurrency = max(1, min(32, app.state.basal.max_inflight // 4))
-    runner = Runner(store, app, concurrency)
+    admission = app.state.basal.admission
+    runner = Runner(store, app, concurrency, inflight=lambda: admission.inflight)
     app.state.batch_runner = runner
     runner.start()
 
