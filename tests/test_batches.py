@@ -260,11 +260,11 @@ def test_stats_show_a_running_batch(tiny_model, tmp_path):
         with BasalClient(d.url) as client:
             batch = client.batches.create(requests=[_line(i, STATES[i % 4] + str(i)) for i in range(400)])
             _, _, stats = http("GET", d.url + "/api/stats")
-            running = [b for b in stats["batches"] if b["id"] == batch["id"]]
+            running = [b for b in stats["batch_jobs"] if b["id"] == batch["id"]]
             assert running and running[0]["total"] in (0, 400) and running[0]["status"] != "completed"
             client.batches.wait(batch["id"], timeout=300, poll_interval=0.5)
         _, _, stats = http("GET", d.url + "/api/stats")
-        assert stats["batches"] == []
+        assert stats["batch_jobs"] == []
     finally:
         d.stop()
 

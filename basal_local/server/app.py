@@ -385,7 +385,7 @@ async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = stats_snapshot(state)
     snap["replicas"] = replicas(state)
-    snap["batches"] = batch_summary(request.app)
+    snap["batch_jobs"] = batch_summary(request.app)  # the Batch API's ("batches" are the forwards)
     snap["admission"] = state.admission.snapshot()
     return _json_response(200, snap)
 
