@@ -43,6 +43,16 @@ def _on_device(fn):
     return wrapper
 
 
+def _on_device_steps(fn):
+    """`_on_device` for a generator: each step runs with the device current and in inference mode (a mode
+    held across a yield would leak into whatever the thread runs between the steps)."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with self._device_scope():
+            yield from torch.inference_mode()(fn)(self, *args, **kwargs)
+    return wrapper
+
+
 class _Layer:
     __slots__ = host.LAYER_SLOTS
 
@@ -202,9 +212,9 @@ class TorchBackend:
         *_, logits = self.fwd.steps(batch)
         return Ready(logits)
 
+    @_on_device_steps
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None) -> Iterator[np.ndarray | None]:
-        with self._device_scope(), torch.inference_mode():
-            yield from self.fwd.steps(batch, capture=_capture)
+        yield from self.fwd.steps(batch, capture=_capture)
 
     @_on_device
     def warmup(self, max_tokens: int = 8192) -> None:
