@@ -33,12 +33,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _on_device(fn):
+def _on_device(fn=None, inference: bool = True):
     """Run a backend method with its own GPU current (one replica per GPU: CUDA graphs, streams and Triton
-    launches use the thread's current device, which is cuda:0 unless set)."""
+    launches use the thread's current device, which is cuda:0 unless set); `inference`: in inference mode too
+    (not at load: the GEMM checks capture CUDA graphs of the weights as ordinary tensors)."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        with self._device_scope(), torch.inference_mode():
+        with self._device_scope(), (torch.inference_mode() if inference else contextlib.nullcontext()):
             return fn(self, *args, **kwargs)
     return wrapper
 
@@ -92,7 +93,7 @@ class TorchBackend:
         return contextlib.nullcontext()
 
     # ---- loading -------------------------------------------------------------------------------------------
-    @_on_device
+    @functools.partial(_on_device, inference=False)
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
         from basal_local.model.config import LlamaConfig
 
