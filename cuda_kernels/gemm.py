@@ -27,6 +27,7 @@ Pure torch: the same functions run on the CPU in tests (ENGINE.md §2, DESIGN.md
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 
 import torch
@@ -138,6 +139,19 @@ def agreeing_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: 
     return [m for m in cands if agrees[m]], agrees
 
 
+class no_gc:
+    """No garbage collection inside a graph capture: a collected CUDA graph (or tensor) of another owner freed
+    mid-capture breaks the capture."""
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc) -> None:
+        if self.was:
+            gc.enable()
+
+
 def graph_seconds(calls: dict, device: torch.device, reps: int = 8) -> dict:
     """Seconds of one call of each of `calls` (key -> a function of no arguments) on a CUDA device: `reps` calls
     in one CUDA graph (as a forward runs them), the least of three replays. For choosing only: never changes a
@@ -149,7 +163,7 @@ def graph_seconds(calls: dict, device: torch.device, reps: int = 8) -> dict:
         for key, fn in calls.items():
             fn()  # library handles and workspace outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
+            with no_gc(), torch.cuda.graph(graph, stream=stream):
                 for _ in range(reps):
                     fn()
             best = float("inf")

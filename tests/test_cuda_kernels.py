@@ -376,3 +376,19 @@ def test_pinned_library_algorithms_agree_and_are_chosen_by_time():
         assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, allowed, call), full[start:start + rows])
     # the 1- and 10-row calls ran the pinned algorithm at 16 rows; the 100-row call the library's own at 128
     assert (16, "same-fast") in fake.calls and all(m in (16, 256) for m, _ in fake.calls)
+
+
+def test_a_dropped_backend_is_freed_without_the_garbage_collector(tiny_model):
+    """No reference cycle holds a backend (its forward, GEMM closures, CUDA graphs): dropped, it is freed at once,
+    never by a later collection that could land inside another backend's CUDA graph capture."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        _, backend, _ = load_backend(tiny_model)
+        refs = [weakref.ref(backend), weakref.ref(backend.fwd)]
+        del backend
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ A forward's host-side inputs (token ids, positions, the attention tile tables) t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -47,7 +48,9 @@ LETTER_CAP = 16
 
 class Forward:
     def __init__(self, backend, options: TorchOptions, kernels: bool) -> None:
-        self.b = backend
+        # no reference cycle with the backend: a dropped backend (and its CUDA graphs) is freed where it is
+        # dropped, never by the garbage collector in the middle of another backend's graph capture
+        self.b = weakref.proxy(backend)
         self.options = options
         self.use_triton = kernels and backend.device.startswith("cuda") and triton_available()
         self.ops = triton_kernels() if self.use_triton else twins
@@ -105,8 +108,9 @@ class Forward:
                     w, bias, self.options, candidates, base, lt, LT_SIZES, VERIFIED_FLOOR_MAX, TIMED_MAX,
                     TOKEN_BUCKETS + READOUT_BUCKETS)
                 self.report[f"{w.shape[0]}x{w.shape[1]}" + ("-f16" if self._fp8 and not key[3] else "")] = plan
-        gemms, key_of = self._gemms, self._gemm_key
-        return lambda x, w, b: gemms[key_of(w, b)](x, w, b)
+        gemms, store = self._gemms, self._fp8  # not self: the closure would make a cycle through self.linear
+        return lambda x, w, b: gemms[(w.shape[0], w.shape[1], b is not None, store is not None and store.has(w))](
+            x, w, b)
 
     def padded_rows(self, m: int, w: torch.Tensor, b: torch.Tensor | None) -> int:
         """The rows of the one library call a GEMM of m rows on `w` makes: the op before it writes its output

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from basal_local.cuda_kernels.gemm import no_gc
+
 from ..base import PackedBatch, Ready
 from .forward import LETTER_CAP, READOUT_BUCKETS, TOKEN_BUCKETS, Forward, finite
 
@@ -73,6 +75,7 @@ class Graphs:
 
     def clear(self) -> None:
         self.graphs.clear()  # captured graphs read the old prefix buffers
+        self._pool = None  # their memory pool went with them: the next capture starts a new one
 
     def bucket(self, tokens: int) -> int:
         """The graph size for a forward of `tokens`: the next bucket, rounded up to whole GEMM chunks."""
@@ -148,7 +151,7 @@ class Graphs:
             if self._capture_stream is None:  # torch's default capture stream lives on the first device used
                 self._capture_stream = torch.cuda.Stream()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+            with no_gc(), torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 logits = self._run(v)
             staging = torch.empty(static.shape, dtype=static.dtype, pin_memory=True)
             self.graphs[key] = _Graph(graph, static, layout, logits, staging, staging.numpy(), [None])
