@@ -210,8 +210,7 @@ class TorchBackend:
         `result()`, `device_s()`); anything else computes here and comes back ready (`base.Ready`)."""
         if self.graphs is not None:
             return self.graphs.launch(batch)
-        *_, logits = self.fwd.steps(batch)
-        return Ready(logits)
+        return Ready(self.forward(batch))
 
     @_on_device_steps
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None) -> Iterator[np.ndarray | None]:
