@@ -1,7 +1,10 @@
-"""The host side that every backend shares (NumPy only): RoPE tables, the weight-fusion plan, the dtype rule.
+"""The host side that every backend shares (NumPy only): the visibility rule, RoPE tables, the weight-fusion
+plan, the dtype rule (`PackedBatch.single` is the one-prompt forward).
 
-The key ranges each block's queries see (the visibility rule) are `cuda_kernels.plan.block_key_ranges`, read by
-the CUDA tile plan and the MLX attention alike; `PackedBatch.single` is the one-prompt forward.
+Visibility (ENGINE.md §1): a query of block b sees the cached prefix of its row, then each ancestor block root
+first, then its own block up to itself, which are exactly the positions 0..pos(query) of its own prompt.
+`block_chains` gives those blocks in that order; the CUDA tile plan (`cuda_kernels/plan.py`) and the MLX
+attention (`backends/mlx/tree_attention.py`) turn them into their key ranges.
 """
 
 from __future__ import annotations
@@ -15,6 +18,22 @@ FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
 NORMS = ("input_layernorm", "post_attention_layernorm")
 LAYER_SLOTS = NORMS + tuple(f"{name}_{kind}" for name in FUSED for kind in ("weight", "bias"))
+
+
+def block_bounds(token_block: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's first token and the token after its last (blocks are contiguous, in order)."""
+    start = np.searchsorted(token_block, np.arange(n_blocks)).astype(np.int64)
+    end = np.append(start[1:], token_block.shape[0]).astype(np.int64)
+    return start, end
+
+
+def block_chains(block_parent) -> list[list[int]]:
+    """Per block, the blocks its queries see: its ancestors root first, then itself (parents precede children;
+    plain lists: a forward has a handful of blocks and NumPy's per-call cost would dominate)."""
+    chains: list[list[int]] = []
+    for b, p in enumerate(np.asarray(block_parent).tolist()):
+        chains.append((chains[p] if p >= 0 else []) + [b])
+    return chains
 
 
 def inv_freq(cfg) -> np.ndarray:
