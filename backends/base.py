@@ -39,6 +39,16 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @classmethod
+    def single(cls, token_ids, readout: str = "last") -> PackedBatch:
+        """One prompt as a forward of its own, no cached prefix; read out at its last token or at every one."""
+        ids = np.asarray(token_ids, dtype=np.int64).ravel()
+        n = int(ids.shape[0])
+        rows = np.arange(n, dtype=np.int64) if readout == "all" else np.array([n - 1], dtype=np.int64)
+        return cls(token_ids=ids, positions=np.arange(n, dtype=np.int64), token_block=np.zeros(n, dtype=np.int32),
+                   block_parent=np.array([-1], dtype=np.int32), block_prefix=np.array([-1], dtype=np.int32),
+                   readout_index=rows, letter_ids=np.array([0], dtype=np.int64), prefixes=[])
+
 
 @dataclass
 class ModelInfo:

@@ -60,7 +60,7 @@ def _engine(model, backend):
 
 def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention: str = "auto",
                      backend_name: str = "torch", decisions: int = 0,
-                     gpu_memory: str | None = None) -> dict[str, Any]:
+                     gpu_memory: str | None = None, torch_options=None) -> dict[str, Any]:
     from basal_local.backends.select import make_backend
 
     from .api.systemone import validate_systemone
@@ -68,7 +68,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     from .model.directory import load_model_dir
 
     model = load_model_dir(model_dir)
-    backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory)
+    backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory, torch_options=torch_options)
     _phase(f"loading {model.name} on {backend.device}")
     t0 = time.perf_counter()
     info = _load(backend, model, dtype)
@@ -132,8 +132,9 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     return {
         "mode": "in-process", "model": model.name, "backend": backend.name, "device": backend.device,
         "attention": getattr(backend, "attention", ""),
-        "gemm": getattr(getattr(backend, "fast", None), "gemm", ""),
-        "gemm_plan": getattr(getattr(backend, "fast", None), "gemm_plan", {}),
+        "gemm": backend.describe()["gemm"] if hasattr(backend, "describe") else "",
+        "gemm_plan": backend.describe()["plan"] if hasattr(backend, "describe") else {},
+        "torch_options": backend.describe()["options"] if hasattr(backend, "describe") else {},
         "dtype": info.dtype, "layers": info.layers, "hidden": info.hidden_size, "load_s": round(load_s, 2),
         "warmup_s": round(warmup_s, 2),
         "decisions": len(latencies),
@@ -282,9 +283,10 @@ def run_bench(args: argparse.Namespace) -> int:
                 check_dtype(getattr(args, "backend", "torch"), args.device, args.dtype)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
+        options = torch_options(args)
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
                                   getattr(args, "backend", "torch"), getattr(args, "decisions", 0),
-                                  getattr(args, "gpu_memory", None))
+                                  getattr(args, "gpu_memory", None), options)
         _save_partial(result)
         if result["device"].startswith("cuda"):
             result["memory_after_bench"] = _cuda_memory_now()
@@ -292,7 +294,7 @@ def run_bench(args: argparse.Namespace) -> int:
             result["extras"] = bench_extras(model_dir, args.device, args.dtype, args.attention,
                                             long_doc=getattr(args, "long_doc", False),
                                             invariance=getattr(args, "invariance", 0), repeat=args.repeat,
-                                            gpu_memory=getattr(args, "gpu_memory", None))
+                                            gpu_memory=getattr(args, "gpu_memory", None), torch_options=options)
             _save_partial(result)
         if args.baseline in ("transformers-compiled", "both"):
             try:
@@ -374,8 +376,25 @@ def _cuda_memory(backend) -> dict[str, float]:
     return out
 
 
+def torch_options(args):
+    """The torch backend's options from bench's flags (backends/torch/options.py); None: the defaults."""
+    from basal_local.backends.torch.options import TorchOptions
+
+    values = {"gemm": getattr(args, "gemm", None), "fp8_gemms": getattr(args, "fp8_gemms", None),
+              "cublaslt": False if getattr(args, "no_cublaslt", False) else None,
+              "attention_alt_tiling": False if getattr(args, "no_alt_tiling", False) else None,
+              "cuda_graphs": False if getattr(args, "no_cuda_graphs", False) else None}
+    try:
+        return TorchOptions.from_settings(**values)
+    except ValueError as exc:
+        from .commands import UserError
+
+        raise UserError(str(exc)) from None
+
+
 def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", long_doc: bool = False,
-                 invariance: int = 0, repeat: int = 1, gpu_memory: str | None = None) -> dict[str, Any]:
+                 invariance: int = 0, repeat: int = 1, gpu_memory: str | None = None,
+                 torch_options=None) -> dict[str, Any]:
     """The long-document figures and the alone-vs-amid-31-others bitwise check, in-process."""
     import gc
     import random
@@ -388,9 +407,9 @@ def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", lo
     from .engine.packer import pack_prompts
     from .model.directory import load_model_dir
 
-    gc.collect()  # the in-process bench's backend (a backend <-> FastPath cycle) must not count in these figures
+    gc.collect()  # the in-process bench's backend (a backend <-> Forward cycle) must not count in these figures
     model = load_model_dir(model_dir)
-    backend = make_backend("torch", device, attention, memory_limit=gpu_memory)
+    backend = make_backend("torch", device, attention, memory_limit=gpu_memory, torch_options=torch_options)
     _load(backend, model, dtype)
     engine = _engine(model, backend)
     out: dict[str, Any] = {"attention": getattr(backend, "attention", ""), "memory_after_load": _cuda_memory(backend)}

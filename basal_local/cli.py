@@ -274,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_flag(p)
     p.set_defaults(func=_lazy("batch", "run_command"))
 
+    p = sub.add_parser("batch", help="the Batch API of a running daemon: submit a JSONL file, follow, fetch results",
+                       description="Submit JSONL files of /v1/basal requests ({\"custom_id\", \"body\"} a line) to a "
+                       "running daemon, which runs them in the background while no interactive request waits. "
+                       "Example: basal-local batch submit requests.jsonl --wait && basal-local batch results ID")
+    p.add_argument("action", choices=["submit", "list", "status", "cancel", "results"])
+    p.add_argument("target", nargs="?", help="submit: the JSONL file; status, cancel, results: the batch id")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    p.add_argument("--wait", action="store_true", help="submit: follow the batch with a progress bar until it ends")
+    p.add_argument("--output", help="results: write to this file instead of stdout")
+    p.add_argument("--errors", action="store_true", help="results: the error lines too")
+    p.add_argument("--json", action="store_true", help="print the batch objects as JSON")
+    _add_key_flag(p)
+    p.set_defaults(func=_lazy("batches", "batch_command"))
+
     p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)")
     p.add_argument("action", choices=["install", "uninstall", "status"])
     p.add_argument("--model", action="append", help="model to serve (repeatable; default: the config's)")
@@ -309,9 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open a new HTTP connection per request (default: each client keeps its connection)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     _add_key_flag(p)
-    p.add_argument("--attention", choices=["auto", "tree", "sdpa", "flex"], default="auto",
-                   help="tree attention: the Triton kernel (CUDA default), the dense-mask SDPA twin (CPU default) "
-                        "or the FlexAttention kernel")
+    p.add_argument("--attention", choices=["auto", "tree", "sdpa", "metal"], default="auto",
+                   help="the forward's ops: tree = the Triton kernels (CUDA default), sdpa = their plain-torch / MLX "
+                        "twins (CPU default), metal = the Metal kernel (MLX on a Mac)")
+    add_torch_options(p)
     p.add_argument("--baseline", choices=["none", "transformers", "transformers-compiled", "both"], default="none",
                    help="also time Hugging Face transformers on the same decisions (side by side): eager, "
                         "under torch.compile(mode='reduce-overhead'), or both")
@@ -327,6 +342,26 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                                  help="log more (and show tracebacks)")
     return parser
+
+
+def add_torch_options(p) -> None:
+    """The torch backend's product options (backends/torch/options.py), for serve and bench."""
+    from .backends.torch.options import FP8_GEMMS, GEMM_ROUTES
+
+    g = p.add_argument_group("torch backend (CUDA)")
+    g.add_argument("--gemm", choices=GEMM_ROUTES, default=None,
+                   help="GEMM route: cuBLAS at row counts verified to give the same bits (verified, default), fixed "
+                        "row chunks, plain cuBLAS (not batch-invariant), or the Triton GEMM")
+    g.add_argument("--no-cublaslt", action="store_true", dest="no_cublaslt",
+                   help="no pinned cuBLASLt algorithms (default: pinned where they agree and are faster)")
+    g.add_argument("--fp8-gemms", dest="fp8_gemms", metavar="LIST",
+                   help=f"with --dtype fp8: the projections quantized, a comma list of {','.join(FP8_GEMMS)} "
+                        "(default: all)")
+    g.add_argument("--no-alt-tiling", action="store_true", dest="no_alt_tiling",
+                   help="no 128-query attention tiling for small and long forwards (default: where it gives the "
+                        "same bits)")
+    g.add_argument("--no-cuda-graphs", action="store_true", dest="no_cuda_graphs",
+                   help="run every forward eagerly (default: CUDA graphs per size)")
 
 
 def main(argv: list[str] | None = None) -> int:

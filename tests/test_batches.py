@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from basal_local.engine.packer import PromptSpec
 from basal_local.engine.scheduler import Job, form_batch
 
 from . import rawhttp
 from .conftest import Daemon
+from .zygote import cli_run
 
 pytestmark = pytest.mark.skipif(not find_spec("basal_client"), reason="basal-client is in the test extra")
 
@@ -208,14 +210,69 @@ def test_an_expired_batch_ends_with_the_rest_as_errors(tmp_path):
     assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors)
 
 
+_fresh = iter(range(10_000, 10**9))
+
+
 def _job(tokens: int, background: bool, arrival: float) -> Job:
-    return Job(None, tokens, [], arrival=arrival, background=background)
+    """A stand-in job: one prompt of `tokens` fresh token ids (it shares no prefix with another)."""
+    ids = [next(_fresh) for _ in range(tokens)]
+    return Job(None, tokens, [PromptSpec(ids, "en", [1, 2])], arrival=arrival, background=background)
 
 
 def test_background_jobs_wait_for_interactive_ones_and_never_share_their_batch():
     old_batch = _job(10, True, 0.0)
     fresh = _job(10, False, 99.0)
-    batch, rest = form_batch([old_batch, fresh], 8192, {}, "hrrn", rate=1000.0, now=100.0)
+    batch, rest = form_batch([old_batch, fresh], 8192, {"en": []}, "hrrn", rate=1000.0, now=100.0)
     assert batch == [fresh] and rest == [old_batch]  # however long the background job waited
-    batch, rest = form_batch([old_batch, _job(10, True, 1.0)], 8192, {}, "fifo", rate=1000.0, now=100.0)
+    batch, rest = form_batch([old_batch, _job(10, True, 1.0)], 8192, {"en": []}, "fifo", rate=1000.0, now=100.0)
     assert len(batch) == 2 and rest == []  # alone, background jobs batch together
+
+
+def test_the_batch_command_submits_follows_and_fetches(served, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_jsonl([_line(i, s) for i, s in enumerate(STATES)]))
+    done = cli_run(["batch", "submit", str(src), "--wait", "--url", served.url, "--json"], capture_output=True,
+                   text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    batch = json.loads(done.stdout.strip().splitlines()[-1])
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 4
+    listed = cli_run(["batch", "list", "--url", served.url], capture_output=True, text=True, timeout=60)
+    assert batch["id"] in listed.stdout
+    out = tmp_path / "out.jsonl"
+    got = cli_run(["batch", "results", batch["id"], "--url", served.url, "--output", str(out)], capture_output=True,
+                  text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["t-0", "t-1", "t-2", "t-3"]
+    missing = cli_run(["batch", "status", "batch_00ff", "--url", served.url], capture_output=True, text=True,
+                      timeout=60)
+    assert missing.returncode == 2 and "no batch batch_00ff (HTTP 404)" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_stats_show_a_running_batch(tiny_model, tmp_path):
+    from basal_client import BasalClient
+
+    from .conftest import http
+
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu"], env={"BASAL_LOCAL_HOME": str(tmp_path)})
+    d.wait_ready(timeout=600)
+    try:
+        with BasalClient(d.url) as client:
+            batch = client.batches.create(requests=[_line(i, STATES[i % 4] + str(i)) for i in range(400)])
+            _, _, stats = http("GET", d.url + "/api/stats")
+            running = [b for b in stats["batch_jobs"] if b["id"] == batch["id"]]
+            assert running and running[0]["total"] in (0, 400) and running[0]["status"] != "completed"
+            client.batches.wait(batch["id"], timeout=300, poll_interval=0.5)
+        _, _, stats = http("GET", d.url + "/api/stats")
+        assert stats["batch_jobs"] == []
+    finally:
+        d.stop()
+
+
+def test_background_batches_hold_a_quarter_of_the_budget():
+    jobs = [_job(100, True, float(i)) for i in range(40)]
+    batch, rest = form_batch(jobs, 1000, {"en": []}, "fifo", rate=1000.0, now=100.0)
+    assert sum(j.tokens for j in batch) == 200 and len(batch) + len(rest) == 40  # 1000 // 4 holds two
+    interactive = [_job(100, False, float(i)) for i in range(40)]
+    batch, _ = form_batch(interactive, 1000, {"en": []}, "fifo", rate=1000.0, now=100.0)
+    assert sum(j.tokens for j in batch) == 1000

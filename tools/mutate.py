@@ -8,8 +8,8 @@
 
 Each mutation names a file, an exact snippet (found exactly once, or the mutation is reported STALE), its
 replacement, and the narrow set of tests that must fail. A fresh copy per mutation keeps them independent;
-the copy imports its own package (`basal_local/backends` and `basal_local/assets` are linked in, as the
-wheel installs them), never the editable install of the source tree. The result is "caught" only when pytest
+the copy imports its own package (`basal_local/backends`, `cuda_kernels`, `metal_shaders` and `assets` are
+linked in, as the wheel installs them), never the editable install of the source tree. The result is "caught" only when pytest
 ran and reported failing tests (exit code 1) or the selection ran past its timeout; an import or collection
 error (exit code 2-4) is an ERROR, not a catch.
 """
@@ -110,14 +110,15 @@ MUTATIONS = [
     m("dead-replica-kept", "a replica whose device died leaves the rotation and its requests run elsewhere",
       "basal_local/replicas/inprocess.py", "            self.dead.add(engine.replica)", "            pass",
       "tests/test_replicas.py::test_a_dead_replica_leaves_the_rotation_and_nothing_is_lost"),
-    # attention kernel vs twin
-    m("flex-silent-fallback", "a failing FlexAttention kernel is an error or a counted fallback, never silent",
-      "backends/torch/tree_attention.py", "out = _flex(q.is_cuda)(q.unsqueeze(0),", "out = _flex(q.is_cuda)(q.unsqueeze(1),",
-      "tests/test_tree_attention.py::test_flex_kernel_matches_sdpa_twin",
-      more=(("                    if not q.is_cuda:\n                        raise", "                    pass"),)),
-    m("flex-wrong-mask", "the kernel's block mask follows the tree",
-      "backends/torch/tree_attention.py", "& (k_order[kv_idx] <= q_idx)", "& (k_order[kv_idx] <= q_idx + 1)",
-      "tests/test_tree_attention.py::test_flex_kernel_matches_sdpa_twin"),
+    # tree attention: the tile plan against the dense visibility rule
+    m("plan-short-range", "a tile's key ranges cover each ancestor block and its own block whole",
+      "cuda_kernels/plan.py", "rec += (first_pos[c], starts[c], ends[c] - starts[c])",
+      "rec += (first_pos[c], starts[c], ends[c] - starts[c] - 1)",
+      "tests/test_tree_attention.py::test_tile_plan_visibility_is_the_dense_rule"),
+    m("twin-sees-own-key-late", "the attention twin lets a query see the key at its own position",
+      "cuda_kernels/twins.py", "mask = key_rows[0][None, :] <= positions[rows].long()[:, None]",
+      "mask = key_rows[0][None, :] < positions[rows].long()[:, None]",
+      "tests/test_cuda_kernels.py::test_tile_table_twin_equals_dense_mask"),
     # packing
     m("packer-positions", "packed positions are each token's index in its own prompt",
       "basal_local/engine/packer.py", "positions.extend(range(block.start, block.start + len(block.tokens)))",
@@ -192,8 +193,8 @@ MUTATIONS = [
 
 def make_copy(target: Path) -> None:
     shutil.copytree(ROOT, target, ignore=IGNORE)
-    # import the copy as the wheel lays it out: basal_local.backends and basal_local.assets
-    for name in ("backends", "assets"):
+    # import the copy as the wheel lays it out: basal_local.backends, .cuda_kernels, .metal_shaders, .assets
+    for name in ("backends", "cuda_kernels", "metal_shaders", "assets"):
         (target / "basal_local" / name).symlink_to(Path("..") / name, target_is_directory=True)
 
 

@@ -120,10 +120,13 @@ async def call_app(app: Callable[..., Awaitable[None]], body: bytes, request_id:
 class Runner:
     """The one task that works through the batches of a store, oldest first."""
 
-    def __init__(self, store: Store, app: Callable[..., Awaitable[None]], concurrency: int = 32) -> None:
+    def __init__(self, store: Store, app: Callable[..., Awaitable[None]], concurrency: int = 32,
+                 inflight: Callable[[], int] = lambda: 0) -> None:
         self.store = store
         self.app = app
         self.concurrency = concurrency
+        self.inflight = inflight  # requests in flight in the daemon, batch lines included
+        self.sending = 0  # batch lines in flight
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self._lock: Any = None  # the open lock file while this daemon runs the store's batches
@@ -235,7 +238,7 @@ class Runner:
                     stop_reason = "cancelled"
                 if stop_reason is None and time.time() >= record.get("expires_at", float("inf")):
                     stop_reason = "expired"
-                while stop_reason is None and next_line < len(lines) and len(running) < self.concurrency:
+                while stop_reason is None and next_line < len(lines) and len(running) < self._room():
                     running.add(asyncio.ensure_future(self._one(next_line, lines[next_line], results)))
                     next_line += 1
                 if not running:
@@ -267,6 +270,12 @@ class Runner:
             self.store.update_batch(batch_id, request_counts=counts, status="finalizing",
                                     finalizing_at=int(time.time()))
 
+    def _room(self) -> int:
+        """Lines to keep in flight: all `concurrency` while the daemon is otherwise idle, one while interactive
+        requests are in flight (their planning and HTTP work share the CPU with the batch's)."""
+        interactive = self.inflight() - self.sending
+        return 1 if interactive > 0 else self.concurrency
+
     async def _one(self, index: int, line: Line, results: dict[int, tuple[bool, dict[str, Any]]]) -> None:
         if line.body is None:
             results[index] = (False, _error_line(line, "invalid_request", f"line {line.number}: {line.error}"))
@@ -275,7 +284,11 @@ class Runner:
         delay = 0.25
         while True:
             request_id = secrets.token_hex(16)
-            status, answer = await call_app(self.app, body, request_id)
+            self.sending += 1
+            try:
+                status, answer = await call_app(self.app, body, request_id)
+            finally:
+                self.sending -= 1
             if status not in RETRY_STATUSES:
                 break
             await asyncio.sleep(delay)  # overloaded or loading: this line waits, it does not fail

@@ -64,6 +64,9 @@ class Job:
             pass
 
 
+BACKGROUND_SHARE = 4  # a background batch holds at most this fraction (1/4) of max_batch_tokens
+
+
 def estimate_s(tokens: int, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> float:
     """Estimated compute time of a job alone: the fixed batch cost plus its tokens at the measured rate."""
     return overhead_s + max(tokens, 1) / rate
@@ -99,7 +102,9 @@ def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequ
         waiting = [j for j in ordered if j.background]
         ordered = [j for j in ordered if not j.background]
     else:
+        # background batches stay small: an interactive request arriving meanwhile waits for one of them at most
         waiting = []
+        max_batch_tokens = max(1, max_batch_tokens // BACKGROUND_SHARE) if max_batch_tokens else 0
     batch, rest = _fill(ordered, max_batch_tokens, prefixes)
     return batch, rest + waiting
 

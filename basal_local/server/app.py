@@ -34,7 +34,7 @@ from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..protocol.outcome import Outcome
 from ..telemetry.privacy import PRIVATE, error_summary
-from .batch_routes import BATCH_ROUTES, start_batches, stop_batches
+from .batch_routes import BATCH_ROUTES, batch_summary, start_batches, stop_batches
 from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
@@ -327,6 +327,7 @@ async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = stats_snapshot(state)
     snap["replicas"] = replicas(state)
+    snap["batch_jobs"] = batch_summary(request.app)  # the Batch API's ("batches" are the forwards)
     snap["admission"] = state.admission.snapshot()
     return _json_response(200, snap)
 

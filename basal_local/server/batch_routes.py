@@ -267,6 +267,14 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
     return _json(200, public(record))  # type: ignore[arg-type]
 
 
+def batch_summary(app: Any) -> list[dict[str, Any]]:
+    """The batches not finished yet, with their progress (for /api/stats and the dashboard)."""
+    if "batch_store" not in app.state:
+        return []
+    return [{"id": r["id"], "status": r["status"], "created_at": r["created_at"], **r["request_counts"]}
+            for r in app.state.batch_store.all_batches() if r["status"] not in TERMINAL]
+
+
 BATCH_ROUTES = [upload_file, list_files, get_file, file_content, delete_file, create_batch, list_batches,
                 get_batch, cancel_batch]
 
@@ -277,7 +285,8 @@ def start_batches(app: Any) -> None:
     app.state.batch_store = store
     # at most a quarter of the in-flight slots, so batch lines never make interactive requests see 529
     concurrency = max(1, min(32, app.state.basal.max_inflight // 4))
-    runner = Runner(store, app, concurrency)
+    admission = app.state.basal.admission
+    runner = Runner(store, app, concurrency, inflight=lambda: admission.inflight)
     app.state.batch_runner = runner
     runner.start()
 
