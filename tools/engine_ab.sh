@@ -29,7 +29,13 @@ serve() {  # version name runs(cN:requests ...) serve-args...
   local port=$((18000 + RANDOM % 1000))
   (cd /tmp && PYTHONPATH=/tmp/$v:/tmp/deps exec python3 -m basal_local.cli serve --model $M --port $port "$@") > $OUT/serve-$v-$name.log 2>&1 &
   local pid=$!
-  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done
+  local up=""
+  for _ in $(seq 1 120); do
+    curl -sf http://127.0.0.1:$port/health > /dev/null && up=1 && break
+    kill -0 $pid 2>/dev/null || break  # it exited: its log says why
+    sleep 1
+  done
+  if [ -z "$up" ]; then echo "daemon $v $name did not come up:"; tail -15 $OUT/serve-$v-$name.log; kill $pid 2>/dev/null; return 1; fi
   el "daemon $v $name ready"
   local U=http://127.0.0.1:$port
   for r in $runs; do
