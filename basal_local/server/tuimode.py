@@ -100,6 +100,12 @@ def local_url(host: str, port: int) -> str:
 def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, tui: bool, traffic: bool) -> int:
     """`serve --tui` and/or `--demo-traffic`; without --tui the daemon runs as usual with traffic beside it."""
     if tui:
+        from basal_local.tui.run import no_terminal
+
+        reason = no_terminal()
+        if reason:  # before the daemon starts: a file or a pipe gets one sentence, no escape sequences
+            print(f"basal-local: error: {reason}", file=sys.stderr)
+            return 2
         return serve_with_dashboard(settings, model_dirs, traffic)
     from .daemon import serve
 
@@ -162,8 +168,10 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     if traffic:
         demo_traffic(url, stop)
     try:
-        code = run_top(url, capture_print=True)
+        code = run_top(url, capture_print=True, owns_daemon=True)
     finally:
+        # the terminal is back; say why it waits (the drain) instead of leaving it blank
+        print("basal-local: stopping the daemon...", file=sys.__stdout__, flush=True)
         stop.set()
         server.should_exit = True
         thread.join(timeout=10)

@@ -317,6 +317,6 @@ class Telemetry:
         snap["trees_built"] = trees_built
         snap["memory"] = self.memory()
         snap["log"] = [e for e in list(self._log_backlog) if e["seq"] <= last_seq]  # later ones: in the stream
-        snap["device"] = self.device.sample()
+        snap["device_telemetry"] = self.device.sample()  # "device" is the backend's device name
         self.device.follow(self.bus)  # `device` events each second while a dashboard reads the stream
         return snap

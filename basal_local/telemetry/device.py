@@ -1,4 +1,4 @@
-"""Device telemetry for `/api/stats` and the event stream: GPU utilization, memory, power and clock.
+"""Device telemetry for `/api/stats` (`device_telemetry`) and the event stream (`device` events): GPU utilization, memory, power and clock.
 
 NVIDIA through NVML (`nvidia-ml-py`, an optional dependency, imported only when CUDA is in use); Apple through
 MLX's memory counters when MLX is loaded; otherwise (and always beside them) this process's CPU % and RSS.

@@ -2,6 +2,7 @@
 
 `l` cycles the lowest level shown (DEBUG, INFO, WARNING, ERROR): the pane is rewritten from the kept lines.
 `f` follows the tail (new lines scroll into view) or holds the view where it is while lines keep arriving.
+`a` adds the access log: one line per finished request, built from the event stream (no `--access-log` needed).
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ def shown(line: LogLine, level: str) -> bool:
 
 
 class LogScreen(DashboardScreen):
-    KEYS = [("l", "level"), ("f", "follow")]
-    BINDINGS = [Binding("l", "cycle_level", "Level"), Binding("f", "toggle_follow", "Follow")]
+    KEYS = [("l", "level"), ("f", "follow"), ("a", "access")]
+    BINDINGS = [Binding("l", "cycle_level", "Level"), Binding("f", "toggle_follow", "Follow"),
+                Binding("a", "toggle_access", "Access log")]
     DEFAULT_CSS = """
     LogScreen #log-state { height: 1; background: $boost; }
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._written: LogLine | None = None  # the last line considered (the deque drops old lines)
+        # the last line considered in each source (the deques drop old lines), and the data's reorder count
+        self._written: dict[str, LogLine | None] = {"log": None, "access": None}
+        self._reordered = 0
         self.level = "DEBUG"
         self.follow = True
+        self.access = False  # `a`: one line per finished request, from the event stream
         self.held = 0  # lines that arrived while not following
 
     def body(self) -> ComposeResult:
@@ -52,6 +57,7 @@ class LogScreen(DashboardScreen):
 
     def state_text(self) -> Text:
         text = Text(f" level \u2265 {self.level}", style="bold")
+        text.append("   access log " + ("shown" if self.access else "hidden (a)"))
         if self.follow:
             text.append("   following the tail")
         else:
@@ -59,33 +65,48 @@ class LogScreen(DashboardScreen):
             text.append(f": {self.held} new line(s) below; f follows again")
         return text
 
-    def refresh_data(self, data: DashboardData) -> None:
-        pane = self.query_one(RichLog)
-        lines = list(data.log)
+    def _new_lines(self, name: str, lines: list[LogLine]) -> list[LogLine]:
+        written = self._written[name]
         start = 0
-        if self._written is not None:
+        if written is not None:
             for i in range(len(lines) - 1, -1, -1):
-                if lines[i] is self._written:
+                if lines[i] is written:
                     start = i + 1
                     break
-        for line in lines[start:]:
+        if lines:
+            self._written[name] = lines[-1]
+        return lines[start:]
+
+    def refresh_data(self, data: DashboardData) -> None:
+        pane = self.query_one(RichLog)
+        if data.log_reordered != self._reordered:  # a line landed before ones already written
+            self._reordered = data.log_reordered
+            pane.clear()
+            self._written = {"log": None, "access": None}
+        new = self._new_lines("log", list(data.log))
+        access = self._new_lines("access", list(data.access))
+        if self.access:
+            new = sorted(new + access, key=lambda line: line.ts)
+        for line in new:
             if shown(line, self.level):
                 pane.write(log_text(line), scroll_end=self.follow)
                 if not self.follow:
                     self.held += 1
-        if lines:
-            self._written = lines[-1]
         self.query_one("#log-state", Static).update(self.state_text())
 
     def rewrite(self) -> None:
         """Write the kept lines again under the current level."""
         self.query_one(RichLog).clear()
-        self._written = None
+        self._written = {"log": None, "access": None}
         self.held = 0
         self.redraw(force=True)
 
     def action_cycle_level(self) -> None:
         self.level = LEVELS[(LEVELS.index(self.level) + 1) % len(LEVELS)]
+        self.rewrite()
+
+    def action_toggle_access(self) -> None:
+        self.access = not self.access
         self.rewrite()
 
     def action_toggle_follow(self) -> None:
