@@ -54,7 +54,7 @@ def access_line(ts: float, row: dict[str, Any]) -> LogLine:
     return LogLine(ts, level, "access", " ".join(parts))
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the log view keeps a set of the lines it has written
 class LogLine:
     ts: float
     level: str
@@ -76,7 +76,6 @@ class DashboardData:
     log: deque[LogLine] = field(default_factory=lambda: deque(maxlen=MAX_LOG))
     # one line per finished request, built from the event stream (the log view's `a`; no --access-log needed)
     access: deque[LogLine] = field(default_factory=lambda: deque(maxlen=MAX_LOG))
-    log_reordered: int = 0
     device: dict[str, Any] = field(default_factory=dict)  # the daemon's last device sample (telemetry/device.py)
     # second -> {"requests", "decisions", "tokens", "errors", "overloaded"}
     buckets: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -207,7 +206,6 @@ class DashboardData:
         lines = list(self.log)
         lines.insert(bisect.bisect_right([x.ts for x in lines], line.ts), line)
         self.log = deque(lines[-MAX_LOG:], maxlen=MAX_LOG)
-        self.log_reordered += 1  # the log view writes its pane again
 
     def total(self, name: str) -> int:
         """A daemon counter since the last clear (all of it before any)."""

@@ -43,9 +43,7 @@ class LogScreen(DashboardScreen):
 
     def __init__(self) -> None:
         super().__init__()
-        # the last line considered in each source (the deques drop old lines), and the data's reorder count
-        self._written: dict[str, LogLine | None] = {"log": None, "access": None}
-        self._reordered = 0
+        self._seen: set[LogLine] = set()  # the lines already considered (written, or below the level)
         self.level = "DEBUG"
         self.follow = True
         self.access = False  # `a`: one line per finished request, from the event stream
@@ -53,7 +51,7 @@ class LogScreen(DashboardScreen):
 
     def body(self) -> ComposeResult:
         yield Static(id="log-state")
-        yield RichLog(max_lines=MAX_LOG, wrap=True, id="log")
+        yield RichLog(max_lines=2 * MAX_LOG, wrap=True, id="log")
 
     def state_text(self) -> Text:
         text = Text(f" level \u2265 {self.level}", style="bold")
@@ -65,39 +63,30 @@ class LogScreen(DashboardScreen):
             text.append(f": {self.held} new line(s) below; f follows again")
         return text
 
-    def _new_lines(self, name: str, lines: list[LogLine]) -> list[LogLine]:
-        written = self._written[name]
-        start = 0
-        if written is not None:
-            for i in range(len(lines) - 1, -1, -1):
-                if lines[i] is written:
-                    start = i + 1
-                    break
-        if lines:
-            self._written[name] = lines[-1]
-        return lines[start:]
-
     def refresh_data(self, data: DashboardData) -> None:
         pane = self.query_one(RichLog)
-        if data.log_reordered != self._reordered:  # a line landed before ones already written
-            self._reordered = data.log_reordered
-            pane.clear()
-            self._written = {"log": None, "access": None}
-        new = self._new_lines("log", list(data.log))
-        access = self._new_lines("access", list(data.access))
+        lines = list(data.log)
         if self.access:
-            new = sorted(new + access, key=lambda line: line.ts)
-        for line in new:
-            if shown(line, self.level):
+            lines = sorted(lines + list(data.access), key=lambda line: line.ts)
+        new = [line for line in lines if line not in self._seen]
+        fresh = [line for line in new if shown(line, self.level)]
+        if new and lines[len(lines) - len(new):] != new:  # a line landed before ones already written
+            pane.clear()
+            for line in lines:
+                if shown(line, self.level):
+                    pane.write(log_text(line), scroll_end=self.follow)
+        else:
+            for line in fresh:
                 pane.write(log_text(line), scroll_end=self.follow)
-                if not self.follow:
-                    self.held += 1
+        if not self.follow:
+            self.held += len(fresh)
+        self._seen = set(lines)
         self.query_one("#log-state", Static).update(self.state_text())
 
     def rewrite(self) -> None:
         """Write the kept lines again under the current level."""
         self.query_one(RichLog).clear()
-        self._written = {"log": None, "access": None}
+        self._seen = set()
         self.held = 0
         self.redraw(force=True)
 

@@ -1,7 +1,7 @@
 """View 1: KPIs with sparklines, the queue per model and lane beside the device, the daemon's totals.
 
-The KPI cards take the height the terminal leaves (their sparklines grow); under 100 columns the queue and the
-device stack, titles shorten and the totals take one line.
+The KPI cards take the height the terminal leaves (their sparklines grow); from 160 columns the queue and the
+device sit side by side; under 100 columns titles shorten; under 36 lines the totals take one line.
 """
 
 from __future__ import annotations
@@ -71,11 +71,10 @@ class OverviewScreen(DashboardScreen):
     OverviewScreen KpiCard { height: 1fr; }
     OverviewScreen KpiCard > Sparkline { height: 1fr; }
     OverviewScreen .panel { border: round $primary-darken-2; height: auto; padding: 0 1; }
-    OverviewScreen #middle { height: auto; }
-    OverviewScreen #queues { width: 3fr; }
-    OverviewScreen #device { width: 2fr; }
-    OverviewScreen.-narrow #middle { layout: vertical; }
-    OverviewScreen.-narrow #queues, OverviewScreen.-narrow #device { width: 1fr; }
+    OverviewScreen #middle { height: auto; layout: vertical; }
+    OverviewScreen.-wide #middle { layout: horizontal; }
+    OverviewScreen.-wide #queues { width: 3fr; }
+    OverviewScreen.-wide #device { width: 2fr; }
     OverviewScreen #totals { height: 1; padding: 0 1; border: none; }
     OverviewScreen.-tall #totals { height: 3; border: round $primary-darken-2; }
     """

@@ -35,14 +35,21 @@ SORTS = [("time", "ts", True), ("queue ms", "queue_ms", True), ("compute ms", "c
          ("status", "status", False), ("model", "model", False), ("client", "client", False)]
 
 
-def columns_for(width: int) -> list[tuple[str, str]]:
-    """(field, label) of the columns that fit `width` cells, in table order."""
+def columns_for(width: int, cells: list[tuple] | None = None) -> list[tuple[str, str]]:
+    """(field, label) of the columns that fit `width` cells, in table order; `cells` (every column's cells of the
+    rows shown) measure the columns as DataTable will, else each column's widest content is assumed."""
     narrow = width < 100
+    labels = [short if narrow else label for _, label, short, _ in COLUMNS]
     widths = {**WIDTH, **(NARROW_WIDTH if narrow else {})}
-    kept = list(COLUMNS)
-    while sum(widths[c[0]] + 2 for c in kept) + 2 > width and len(kept) > 5:
-        kept.remove(min(kept, key=lambda c: c[3]))
-    return [(field, short if narrow else label) for field, label, short, _ in kept]
+    measured = {}
+    for n, (field, _, _, _) in enumerate(COLUMNS):
+        content = max((Text(c[n]).cell_len if isinstance(c[n], str) else c[n].cell_len for c in cells), default=1) \
+            if cells else widths[field]
+        measured[field] = max(len(labels[n]), content)
+    kept = [(c[0], labels[n], c[3]) for n, c in enumerate(COLUMNS)]
+    while sum(measured[f] + 2 for f, _, _ in kept) + 2 > width and len(kept) > 5:
+        kept.remove(min(kept, key=lambda c: c[2]))
+    return [(field, label) for field, label, _ in kept]
 
 
 def matches(row: dict[str, Any], query: str) -> bool:
@@ -140,17 +147,19 @@ class RequestsScreen(DashboardScreen):
     def refresh_data(self, data: DashboardData) -> None:
         table = self.query_one(FollowTable)
         width = self.size.width or self.app.size.width
-        columns = columns_for(width)
+        narrow = width < 100
+        rows = self.visible_rows(data)
+        every = [row_cells(r, None, narrow) for r in rows]
+        columns = columns_for(width, every)
         if columns != self._columns:
             table.clear(columns=True)
             for field, label in columns:
                 table.add_column(label, key=field)
             self._columns, self._shown = columns, []
         fields = [f for f, _ in columns]
+        index = [n for n, c in enumerate(COLUMNS) if c[0] in fields]
         label, _, _ = SORTS[self.sort_index]
-        rows = self.visible_rows(data)
-        narrow = width < 100
-        shown = [(r["id"], row_cells(r, fields, narrow)) for r in rows]
+        shown = [(r["id"], tuple(cells[n] for n in index)) for r, cells in zip(rows, every)]
         # the cursor off the first row means the user moved it (the view only ever puts it on row 0)
         self.holding = bool(self._shown) and table.cursor_row > 0 and not self._reset
         if self.holding:
