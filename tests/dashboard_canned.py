@@ -120,8 +120,10 @@ class CannedSource:
 
     url = "http://127.0.0.1:8000"
 
-    def __init__(self, events: list[dict[str, Any]] | None = None, connected: bool = True) -> None:
+    def __init__(self, events: list[dict[str, Any]] | None = None, connected: bool = True,
+                 stats: dict[str, Any] | None = None) -> None:
         self.events = canned_events() if events is None else events
+        self.stats = STATS if stats is None else stats
         self.connected = connected
         self.asked: list[str] = []
 
@@ -129,7 +131,7 @@ class CannedSource:
         if not self.connected:
             sink.daemon_connection(False, "connection refused (is the daemon running?)")
         else:
-            sink.daemon_stats(copy.deepcopy(STATS))
+            sink.daemon_stats(copy.deepcopy(self.stats))
             sink.daemon_connection(True)
             for event in self.events:
                 sink.daemon_event(copy.deepcopy(event))

@@ -134,11 +134,15 @@ class BatchesScreen(DashboardScreen):
         if batch is None:
             saving.update("no batches yet: send a request")
         else:
-            newer = len(data.batches) and self.holding and str(data.batches[-1].get("batch_id")) != self._shown[0][0]
-            line = saving_line(batch.get("packed_tokens", 0), batch.get("unpacked_tokens", 0), width=24)
-            if newer:
-                line.add_row(Text("held: newer batches above, Home shows them", style="yellow"))
-            saving.update(line)
+            packed, unpacked = batch.get("packed_tokens", 0), batch.get("unpacked_tokens", 0)
+            newer = self.holding and data.batches and str(data.batches[-1].get("batch_id")) != self._shown[0][0]
+            if newer:  # one line: the figures in words and why the list does not move
+                saved = f"{100 * (1 - packed / unpacked):.0f} % saved" if unpacked else ""
+                line = Text(f"{packed:,}/{unpacked:,} tok {saved}  ")
+                line.append("held: newer batches above, Home shows them", style="bold yellow")
+                saving.update(line)
+            else:
+                saving.update(saving_line(packed, unpacked, width=24))
         self.query_one(BatchTree).show(batch)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
