@@ -84,7 +84,7 @@ STATS: dict[str, Any] = {
     "running": {}, "percentiles": {},
     "memory": {"host_rss_bytes": 512 * 2**20, "weights_bytes": 3 * 2**20},
     # telemetry/device.py's sample as an NVIDIA host sends it (the canned model itself runs on the CPU)
-    "device_telemetry": {"kind": "nvidia", "cpus": 16, "cpu_percent": 112.0, "rss_bytes": 512 * 2**20,
+    "device_telemetry": {"type": "nvidia", "cpus": 16, "cpu_percent": 112.0, "rss_bytes": 512 * 2**20,
                          "gpus": [{"index": 0, "name": "NVIDIA H200", "util_percent": 87, "power_w": 412.0,
                                    "power_limit_w": 700.0, "clock_mhz": 1980, "temperature_c": 54,
                                    "memory_used_bytes": 24 * 2**30, "memory_total_bytes": 140 * 2**30,

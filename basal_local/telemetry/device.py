@@ -136,7 +136,7 @@ class DeviceMonitor:
                 return dict(self._last)
             times = os.times()
             cpu_s = times.user + times.system
-            out: dict[str, Any] = {"kind": "cpu", "cpus": os.cpu_count() or 1}
+            out: dict[str, Any] = {"type": "cpu", "cpus": os.cpu_count() or 1}
             if self._cpu_at is not None and now > self._cpu_at[0]:
                 out["cpu_percent"] = round(100.0 * (cpu_s - self._cpu_at[1]) / (now - self._cpu_at[0]), 1)
             self._cpu_at = (now, cpu_s)
@@ -145,11 +145,11 @@ class DeviceMonitor:
                 out["rss_bytes"] = rss
             gpus = self._gpus()
             if gpus:
-                out.update(kind="nvidia", gpus=gpus)
+                out.update(type="nvidia", gpus=gpus)
             else:
                 mlx = _mlx_memory()
                 if mlx is not None:
-                    out.update(kind="mlx", mlx=mlx)
+                    out.update(type="mlx", mlx=mlx)
             self._last, self._last_at = out, now
             return dict(out)
 
@@ -168,6 +168,10 @@ class DeviceMonitor:
             time.sleep(TICK_S)
             if bus.subscribers:
                 self._read_at = time.monotonic()
-                bus.emit("device", **self.sample())
+                try:
+                    bus.emit("device", **self.sample())
+                except Exception:  # telemetry must never take a thread down with a traceback loop
+                    log.exception("device telemetry stopped")
+                    return
             elif time.monotonic() - self._read_at > IDLE_STOP_S:
                 return
