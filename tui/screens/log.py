@@ -83,6 +83,10 @@ class LogScreen(DashboardScreen):
         self._seen = set(lines)
         self.query_one("#log-state", Static).update(self.state_text())
 
+    def on_resize(self) -> None:
+        self.size_classes()
+        self.rewrite()  # RichLog wraps at write time: lines written before the layout wrapped at the wrong width
+
     def rewrite(self) -> None:
         """Write the kept lines again under the current level."""
         self.query_one(RichLog).clear()
