@@ -4,6 +4,7 @@ MLX through fakes, the CPU for real, `/api/stats` and the event stream of a live
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import types
@@ -18,7 +19,7 @@ from basal_local.tui.app import DashboardApp  # noqa: E402
 
 from .conftest import http  # noqa: E402
 from .dashboard_canned import CannedSource, request_events, screen_text  # noqa: E402
-from .test_events import LiveDaemon, SseReader, body  # noqa: E402
+from .test_events import LiveDaemon, M, SseReader, body  # noqa: E402
 
 
 async def wait_until(pilot, predicate, timeout: float = 10.0) -> bool:
@@ -189,3 +190,40 @@ async def test_dashboard_on_a_live_daemon_with_the_real_clock(daemon):
         await pilot.press("5")
         await pilot.pause(0.3)
         assert "backlog line before attach" in screen_text(app)
+
+
+def test_demo_traffic_shows_sharing_a_long_document_and_a_large_choice(daemon):
+    """--demo-traffic's bodies are valid, and its bursts batch together: one state, many question branches."""
+    import random
+
+    from basal_local.server import demotraffic
+
+    rng = random.Random(7)
+    from basal_local.bench import sample_requests
+
+    item = next(s for s in sample_requests() if s["id"] == "en-008")
+    corpus = demotraffic._corpus()  # noqa: SLF001
+    long_body = demotraffic.long_document(corpus, random.Random(1), M)
+    status, _, answer = http("POST", daemon.url + "/v1/systemone", long_body)
+    assert status == 200, answer
+    assert len(long_body["state"]) >= demotraffic.LONG_CHARS[0]
+    status, _, answer = http("POST", daemon.url + "/v1/systemone", demotraffic.large_choice(item, M))
+    assert status == 200 and answer["answers"]["topic"]["choice"] in demotraffic.TOPICS["en"], answer
+    bodies = demotraffic.burst(item, rng, M)
+    assert len({json.dumps(b["state"]) for b in bodies}) == 1 and len(bodies) >= demotraffic.BURST[0]
+    stop = threading.Event()
+    before = daemon.state.telemetry.counters["batches"]
+    threads = demotraffic.demo_traffic(daemon.url, stop, clients=3, pause_s=0.05)
+    deadline = time.time() + 60
+    try:
+        while time.time() < deadline and daemon.state.telemetry.counters["batches"] - before < 12:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    batches = list(daemon.state.telemetry.batches)[-(daemon.state.telemetry.counters["batches"] - before):]
+    assert len(batches) >= 12
+    assert max(b.requests for b in batches) >= 3  # a burst landed in one batch
+    assert sum(b.requests for b in batches) / len(batches) > 1.5
+    assert any(b.unpacked_tokens >= 2 * b.packed_tokens for b in batches)  # the tree saved half the tokens
