@@ -93,6 +93,8 @@ def _mlx_memory() -> dict[str, int] | None:
     if mx is None:
         return None
     try:
+        if not mx.metal.is_available():  # MLX on the CPU (Linux, the tests' twin): no device memory to show
+            return None
         return {"active_bytes": int(mx.get_active_memory()), "cache_bytes": int(mx.get_cache_memory()),
                 "peak_bytes": int(mx.get_peak_memory())}
     except Exception:
