@@ -43,13 +43,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[int(min(rank, len(ordered))) - 1]
 
 
+def _short(request_id: str, width: int = 12) -> str:
+    return request_id if len(request_id) <= width else request_id[: width - 1] + "\u2026"
+
+
 def access_line(ts: float, row: dict[str, Any]) -> LogLine:
     """`200 systemone typesafe-sdk 2 q 61 ms req-1`: a finished request as an access-log line."""
     status = row.get("status", "-")
     total = row.get("total_ms")
     parts = [str(status), str(row.get("endpoint") or "-"), client_name(row.get("client", "")),
              f"{row.get('questions', '-')} q", f"{total:.0f} ms" if isinstance(total, int | float) else "- ms",
-             str(row.get("id"))]
+             _short(str(row.get("id")))]
     level = "INFO" if isinstance(status, int) and status < 400 else "WARNING"
     return LogLine(ts, level, "access", " ".join(parts))
 

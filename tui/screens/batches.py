@@ -44,10 +44,11 @@ def histogram_subtitle(sizes: dict[int, int]) -> str:
 
 
 def histogram_line(sizes: dict[int, int]) -> Text:
-    """The histogram in one line for narrow terminals: `req/batch 1:0 2:1 3-4:1 ... (mean 2.5 of 2)`."""
+    """The histogram in one line for narrow terminals: `req/batch 1:0 2:1 3-4:1 (mean 2.5 of 2)`."""
     text = Text("req/batch ", style="bold")
-    for lo, hi in SIZE_BUCKETS:
-        count = sum(n for size, n in sizes.items() if lo <= size and (hi is None or size <= hi))
+    counts = [sum(n for size, n in sizes.items() if lo <= size and (hi is None or size <= hi)) for lo, hi in SIZE_BUCKETS]
+    last = max([i for i, c in enumerate(counts) if c] or [1])  # empty buckets past the largest batch are left out
+    for (lo, hi), count in list(zip(SIZE_BUCKETS, counts))[: last + 1]:
         label = f"{lo}+" if hi is None else (str(lo) if lo == hi else f"{lo}-{hi}")
         text.append(f"{label}:", style="dim")
         text.append(f"{count} ", style="bold" if count else "dim")

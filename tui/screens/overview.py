@@ -25,6 +25,8 @@ KPIS = [("rps", "requests/s", "requests/s"), ("dps", "decisions/s", "decisions/s
         ("overloaded", "529 overloaded", "529 overload")]
 TOTALS = [("received", "received"), ("answered", "answered"), ("failed", "failed"), ("rejected", "rejected"),
           ("overloaded", "529"), ("cancelled", "cancelled")]
+SHORT_TOTALS = {"received": "recv", "answered": "ok", "failed": "failed", "rejected": "4xx", "overloaded": "529",
+                "cancelled": "cancel"}
 
 
 def queue_table(data: DashboardData, narrow: bool = False) -> Table:
@@ -49,17 +51,17 @@ def queue_table(data: DashboardData, narrow: bool = False) -> Table:
     return table
 
 
-def totals_text(data: DashboardData) -> Text:
+def totals_text(data: DashboardData, narrow: bool = False) -> Text:
     """The daemon's request counters (since `c`, if pressed): they add up to received."""
     text = Text()
     for key, label in TOTALS:
         value = data.total(key)
-        text.append(f"{label} ", style="dim")
+        text.append(f"{SHORT_TOTALS[key] if narrow else label} ", style="dim")
         style = "bold red" if key == "failed" and value else ("bold yellow" if key == "overloaded" and value
                                                                else "bold")
         text.append(f"{value:,}", style=style)
         text.append("  ")
-    text.append("in flight ", style="dim")
+    text.append("in flight " if not narrow else "flying ", style="dim")
     text.append(str(data.stats.get("inflight", data.stats.get("totals", {}).get("in_flight", 0))), style="bold")
     return text
 
@@ -125,4 +127,4 @@ class OverviewScreen(DashboardScreen):
         self.query_one("#device", Static).update(device_renderable(data.device, data.stats.get("memory", {}), narrow))
         totals_pane = self.query_one("#totals", Static)
         totals_pane.border_title = "requests since the clear" if data.cleared_at else "requests since start"
-        totals_pane.update(totals_text(data))
+        totals_pane.update(totals_text(data, narrow))
