@@ -1,4 +1,4 @@
-"""The Backend protocol and the backend-neutral PackedBatch (DESIGN.md "The Backend protocol").
+"""The Backend protocol and the backend-neutral PackedBatch (docs/ARCHITECTURE.md "Torch backend").
 
 Nothing but NumPy crosses this boundary: the packer produces a PackedBatch, a backend turns it into letter
 logits. No framework is imported here.
@@ -70,7 +70,7 @@ class Backend(Protocol):
 
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
         """Hidden states after the final RMSNorm of one plain causal forward (no cached prefix),
-        float32 [T, hidden]: what the evidence head (PROTOCOL.md §6.8) reads."""
+        float32 [T, hidden]: what the evidence head (docs/PROTOCOL.md §6.8) reads."""
 
     # optional: `warmup(max_tokens)` prepares shapes (CUDA graphs) before the first request
     # optional: `launch(batch)` hands the forward to the device without waiting and returns a handle with

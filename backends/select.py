@@ -1,4 +1,4 @@
-"""Resolve `--backend auto|torch|mlx` and `--device` once at start (DESIGN.md "The Backend protocol").
+"""Resolve `--backend auto|torch|mlx` and `--device` once at start (docs/ARCHITECTURE.md "Torch backend").
 
 auto: MLX on an Apple Silicon Mac whose MLX sees Metal, torch with CUDA when a CUDA GPU is present, torch on
 the CPU otherwise (MLX on the CPU where torch is not installed). `--backend mlx` works wherever MLX imports

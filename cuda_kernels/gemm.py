@@ -22,7 +22,7 @@ result cannot depend on the batch. The engine already runs forwards at fixed siz
   61 us and other bits; padded to 352 rows 67 us; a pinned algorithm without split-K at 304 rows 58 us, same
   bits); `PinnedCall` runs them.
 
-Pure torch: the same functions run on the CPU in tests (ENGINE.md §2, DESIGN.md "Numerics and reproducibility").
+Pure torch: the same functions run on the CPU in tests (docs/ARCHITECTURE.md, docs/PROTOCOL.md §10).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton kernels (imported only where Triton and a GPU exist); each has a twin in `twins.py`.
 
 Every kernel's reduction order is fixed by compile-time constants and never by the number of rows, so a
-row's result is the same bits alone or in any batch (DESIGN.md "Numerics and reproducibility"):
+row's result is the same bits alone or in any batch (docs/PROTOCOL.md §10):
 - tree attention: keys in tiles of BLOCK_N *positions* (plan.py), online softmax in f32, f16/bf16 operands;
 - GEMM: one tile configuration per (N, K) weight shape, a sequential K loop, no split-K;
 - norms, RoPE, SwiGLU, letter logits: one program per row (or element block), fixed-width reductions.

@@ -1,6 +1,6 @@
 """The work table of the tree-attention kernel: which queries a tile holds and which key ranges it visits.
 
-Pure NumPy (built on the host once per forward, sent as one int32 buffer). ENGINE.md §1-§2: the keys a query
+Pure NumPy (built on the host once per forward, sent as one int32 buffer). docs/ARCHITECTURE.md: the keys a query
 of block b sees are exactly the positions 0..pos(query) of its own prompt: the cached prefix (positions
 0..n_pre-1), then each ancestor block root first, then its own block up to itself. So a tile of queries of
 one block needs only its key *ranges* in position order; visibility is `key position <= query position`,

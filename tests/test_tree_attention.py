@@ -1,4 +1,4 @@
-"""The tree-attention kernel (FlexAttention) against its plain twin (dense-mask SDPA), STYLE.md habit 5.
+"""The tree-attention kernel (FlexAttention) against its plain twin (dense-mask SDPA).
 
 On the CPU the kernel runs FlexAttention's eager reference path; `tests/test_cuda.py` compares the compiled
 CUDA kernel with the twin.

@@ -1,6 +1,6 @@
 """Tree attention over a packed batch in MLX: the plain twin everywhere, the Metal kernel on Apple GPUs.
 
-Visibility (ENGINE.md §1): query t of block b sees the cached prefix keys of its row, every key of an ancestor
+Visibility (docs/ARCHITECTURE.md): query t of block b sees the cached prefix keys of its row, every key of an ancestor
 block, and the keys of its own block up to itself. The twin evaluates that rule as a boolean mask for
 `mx.fast.scaled_dot_product_attention`: per group of independent subtrees (`subtree_groups`, padded into one
 batched call) where that at least halves the dense [T, S] work, else as one dense [T, S] mask. (On `mlx[cpu]`

@@ -1,6 +1,6 @@
 """Tree attention over a packed batch: a fused FlexAttention kernel on CUDA, its plain SDPA twin everywhere.
 
-Visibility (ENGINE.md §1): query t of block b sees the cached prefix keys of its row, every key of an ancestor
+Visibility (docs/ARCHITECTURE.md): query t of block b sees the cached prefix keys of its row, every key of an ancestor
 block, and the keys of its own block up to itself. Both implementations evaluate the same rule from the same
 small tensors: an extended ancestor matrix over blocks plus one virtual block per cached prefix, the block of
 every query and key, and each key's order (-1 for prefix keys, so they are visible to every query).

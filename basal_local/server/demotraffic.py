@@ -84,16 +84,18 @@ def _corpus() -> dict[str, str]:
     return {lang: files.joinpath(f"corpus_{lang}.txt").read_text(encoding="utf-8") for lang in ("en", "pl")}
 
 
-def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: float = 0.3) -> list[threading.Thread]:
+def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: float = 0.3,
+                 api_key: str | None = None) -> list[threading.Thread]:
     """Threads that send the demo's requests until `stop` is set (daemon threads: they never hold up an exit)."""
     from ..bench import sample_requests
 
     samples = sample_requests()
     corpus = _corpus()
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def post(body: dict[str, Any]) -> None:
         req = urllib.request.Request(f"{url}/v1/systemone", json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json", "user-agent": DEMO_AGENT})
+                                     headers={"content-type": "application/json", "user-agent": DEMO_AGENT, **auth})
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 resp.read()
@@ -107,7 +109,8 @@ def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: flo
             while not stop.is_set():
                 try:
                     if not model:
-                        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                        health = urllib.request.Request(f"{url}/health", headers=auth)
+                        with urllib.request.urlopen(health, timeout=5) as resp:
                             model = json.load(resp)["default_model"]
                     item = rng.choice(samples)
                     roll = rng.random()

@@ -17,10 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-import uvicorn
-
 from .app import AppState
-from .daemon import build, shutdown, start_loading
+from .daemon import _Server, build, shutdown, start_loading
 from .demotraffic import demo_traffic
 from .events import BusLogHandler
 from .settings import Settings
@@ -65,7 +63,7 @@ def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, 
     from .daemon import serve
 
     stop = threading.Event()
-    demo_traffic(local_url(settings.host, settings.port), stop)
+    demo_traffic(local_url(settings.host, settings.port), stop, api_key=settings.api_key)
     try:
         return serve(settings, model_dirs, banner)
     finally:
@@ -100,7 +98,7 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     state, config = build(settings, model_dirs, quiet=True)
     _route_logging(state)
     start_loading(state, settings, model_dirs)
-    server = uvicorn.Server(config)
+    server = _Server(config, state)
     failed: list[BaseException] = []
 
     def run_server() -> None:
@@ -121,9 +119,9 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     stop = threading.Event()
     url = local_url(settings.host, settings.port)
     if traffic:
-        demo_traffic(url, stop)
+        demo_traffic(url, stop, api_key=settings.api_key)
     try:
-        code = run_top(url, capture_print=True, owns_daemon=True)
+        code = run_top(url, capture_print=True, api_key=settings.api_key, owns_daemon=True)
     finally:
         # the terminal is back; say why it waits (the drain) instead of leaving it blank
         print("basal-local: stopping the daemon...", file=sys.__stdout__, flush=True)
