@@ -22,6 +22,7 @@ from typing import Any
 
 from .bus import Event, EventBus, Subscription
 from .device import DeviceMonitor
+from .privacy import PRIVATE
 
 __all__ = ["KEEP_UNBUILT", "BatchRecord", "Event", "EventBus", "Lazy", "Subscription", "Telemetry", "outcome_of",
            "percentile", "resolve"]
@@ -192,7 +193,7 @@ class Telemetry:
 
     def emit(self, kind: str, **fields: Any) -> Event:
         event = self.bus.emit(kind, **fields)
-        if kind == "log":
+        if kind == "log" and not fields.get(PRIVATE):  # the snapshot is for every reader: no logged bodies
             self._log_backlog.append(event)
         return event
 
