@@ -58,13 +58,17 @@ async def test_overview_header_kpis_queue_and_memory():
         assert f"{decisions:.1f}" in text
         assert "1 / 1024" in text  # in flight vs limit
         assert "batch 3: 4 req" in text and "35 ms" in text  # the running batch and the oldest wait
-        assert "host RSS 512.0 MiB" in text and "weights 3.0 MiB" in text
+        # the device pane (telemetry/device.py's sample) and the backend's memory figures
+        assert "GPU0 NVIDIA H200  util 87 %  412/700 W  1980 MHz" in text and "24.0/140.0 GiB" in text
+        assert "weights 3.0 MiB  free 116.0 GiB" in text and "cpu 112 % of 16 cores  RSS 512.0 MiB" in text
         assert "529 overloaded" in text
+        # the daemon's totals, which add up to received
+        assert "received 8  answered 5  failed 0  rejected 1  529 1  cancelled 0  in flight 1" in text
 
 
 async def test_requests_table_newest_first_sort_and_filter():
     app, _ = make_app()
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(120, 32)) as pilot:  # every column fits
         await pilot.press("2")
         await settle(pilot, app)
         screen = app.screen
