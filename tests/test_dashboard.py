@@ -404,3 +404,15 @@ async def test_ctrl_c_quits_as_the_banner_says():
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert app.return_code == 0  # the app is leaving (q's action), not showing "press ctrl+q"
+
+
+def test_totals_show_the_running_batch_jobs():
+    from basal_local.tui.screens.overview import totals_text
+
+    data = DashboardData(clock=lambda: NOW)
+    data.stats = {"totals": {}, "batch_jobs": [{"id": "batch_1", "status": "in_progress", "total": 50000,
+                                                "completed": 1200, "failed": 34},
+                                               {"id": "batch_2", "status": "validating", "total": 0}]}
+    assert "batch 1,234/50,000 in_progress +1" in totals_text(data).plain
+    data.stats = {"totals": {}}
+    assert "batch" not in totals_text(data).plain

@@ -63,6 +63,13 @@ def totals_text(data: DashboardData, narrow: bool = False) -> Text:
         text.append("  ")
     text.append("in flight " if not narrow else "flying ", style="dim")
     text.append(str(data.stats.get("inflight", data.stats.get("totals", {}).get("in_flight", 0))), style="bold")
+    jobs = data.stats.get("batch_jobs") or []  # the Batch API's batches still running
+    if jobs:
+        job = jobs[0]
+        done = job.get("completed", 0) + job.get("failed", 0)
+        text.append("  batch " if not narrow else "  b ", style="dim")
+        text.append(f"{done:,}/{job.get('total', 0):,}", style="bold")
+        text.append(f" {job.get('status', '')}" + (f" +{len(jobs) - 1}" if len(jobs) > 1 else ""), style="dim")
     return text
 
 
