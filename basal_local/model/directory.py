@@ -18,12 +18,13 @@ from ..protocol.constants import (
     USER_FORMAT,
 )
 from .config import ConfigError, LlamaConfig
+from .formats import FormatError, WeightFormat, calibration_file, detect_format
+from .formats import check_weights as check_format_weights
 from .evidence_head import HEAD_FILE, EvidenceHead, EvidenceHeadError
 from .tokenizer import BasalTokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
-REQUIRED_FILES = ("config.json", "basal.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json",
-                  "model.safetensors")
+REQUIRED_FILES = ("config.json", "basal.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json")
 CALIBRATION_KEYS = {"choice", "noul", "score", "multi", "act"}
 
 
@@ -36,6 +37,8 @@ class Calibration:
     temperatures: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
     present: bool = False
+    file: str | None = None      # the file read (CALIBRATION.json or a port's CALIBRATION.<engine>.json)
+    inherited: bool = False      # a port without its own file: thresholds inherited from bf16, not validated
 
     def temperature(self, key: str | None) -> float:
         if key is None:
@@ -53,6 +56,7 @@ class ModelDir:
     calibration: Calibration
     weights_path: Path
     evidence_head: EvidenceHead | None = None
+    format: WeightFormat | None = None
 
 
 def _read_json(path: Path) -> Any:
@@ -83,9 +87,9 @@ def _check_basal_json(raw: Any) -> tuple[str, str | None]:
     return raw["name"], version if isinstance(version, str) else None
 
 
-def load_calibration(path: Path) -> Calibration:
-    calibration_path = path / "CALIBRATION.json"
-    if not calibration_path.exists():
+def load_calibration(path: Path, fmt: WeightFormat | None = None) -> Calibration:
+    calibration_path, inherited = calibration_file(path, fmt)
+    if calibration_path is None:
         log.warning("%s: no CALIBRATION.json, probabilities are not calibrated (T = 1)", path)
         return Calibration()
     raw = _read_json(calibration_path)
@@ -102,7 +106,7 @@ def load_calibration(path: Path) -> Calibration:
     for key, value in (raw.get("thresholds") or {}).items():
         if isinstance(value, dict) and isinstance(value.get("confidence"), (int, float)):
             thresholds[key] = float(value["confidence"])
-    return Calibration({k: float(v) for k, v in temps.items()}, thresholds, True)
+    return Calibration({k: float(v) for k, v in temps.items()}, thresholds, True, calibration_path.name, inherited)
 
 
 def check_weight_names(config: LlamaConfig, names_shapes: dict[str, tuple[int, ...]]) -> None:
@@ -170,13 +174,17 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"tokenizer.json: {tokenizer.vocab_size} tokens, more than config.json field "
                              f"'vocab_size' ({config.vocab_size})")
-    if check_weights:
-        check_weight_names(config, read_safetensors_header(path / "model.safetensors"))
+    try:
+        fmt = detect_format(path, _read_json(path / "config.json"))
+        if check_weights:
+            check_format_weights(fmt, config)
+    except FormatError as exc:
+        raise ModelLoadError(str(exc)) from None
     head = None
     if (path / HEAD_FILE).exists():
         try:
             head = EvidenceHead.load(path / HEAD_FILE, config.hidden_size)
         except EvidenceHeadError as exc:
             raise ModelLoadError(str(exc)) from None
-    return ModelDir(path, name, version, config, tokenizer, load_calibration(path), path / "model.safetensors",
-                    head)
+    return ModelDir(path, name, version, config, tokenizer, load_calibration(path, fmt), fmt.weights_file,
+                    head, fmt)
