@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..base import ModelInfo, PackedBatch
+from .ported import fuse
 from .quantize import QUANTIZED, Quantized, quantized_layers
 from .tree_attention import TreeAttention
 
@@ -83,15 +84,27 @@ class MLXBackend:
         # quantized weights compute in f16 on Metal and f32 on the CPU
         self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
         self._apply_memory_limit()
+        from basal_local.model.formats import detect_format
+
+        self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
+        if self.format.family != "safetensors" and dtype in QUANTIZED:
+            raise ValueError(f"--dtype {dtype} quantizes bf16 weights; a {self.format.name} checkpoint is "
+                             "already quantized (use --dtype auto, f16 or f32)")
         with mx.stream(self.mx_device):
-            weights = mx.load(str(model_dir / "model.safetensors"))
+            if self.format.family != "safetensors":
+                from .ported import port_weights
+
+                weights = port_weights(self.format, cfg, self.dtype)
+            else:
+                weights = mx.load(str(model_dir / "model.safetensors"))
             quantized = quantized_layers(model_dir / "model.safetensors", weights, cfg, QUANTIZED[dtype],
                                          self.dtype) if dtype in QUANTIZED else {}
 
-            def take(key: str) -> mx.array:
+            def take(key: str) -> mx.array | Quantized:
                 if key not in weights:
                     raise ValueError(f"model.safetensors: missing tensor {key!r}")
-                return weights.pop(key).astype(self.dtype)
+                value = weights.pop(key)
+                return value if isinstance(value, Quantized) else value.astype(self.dtype)
 
             self.embed_tokens = take("model.embed_tokens.weight")
             self.norm = take("model.norm.weight")
@@ -102,12 +115,12 @@ class MLXBackend:
                 layer = _Layer()
                 layer.input_layernorm = take(p + "input_layernorm.weight")
                 layer.post_attention_layernorm = take(p + "post_attention_layernorm.weight")
-                qkv = mx.concatenate([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], axis=0)
+                qkv = fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
                 layer.qkv_bias = (mx.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                                   if cfg.attention_bias else None)
                 o_proj = take(p + "self_attn.o_proj.weight")
                 layer.o_proj_bias = take(p + "self_attn.o_proj.bias") if cfg.attention_bias else None
-                gate_up = mx.concatenate([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], axis=0)
+                gate_up = fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
                 layer.gate_up_bias = (mx.concatenate([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
                                       if cfg.mlp_bias else None)
                 down = take(p + "mlp.down_proj.weight")

@@ -117,14 +117,22 @@ class TorchBackend:
         self.dtype = DTYPES.get(dtype, torch.float16)
         dev = self.device
         weights: dict[str, torch.Tensor] = {}
-        # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
-        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
-            self._apply_memory_limit(fh)
-            try:
-                for key in fh.keys():
-                    weights[key] = fh.get_tensor(key).to(device=dev, dtype=self.dtype)
-            except torch.OutOfMemoryError as exc:
-                raise self._out_of_memory(exc, "loading the weights") from None
+        from basal_local.model.formats import detect_format, torch_tensors
+
+        self.format = detect_format(model_dir, raw)
+        if self.format.family != "safetensors":
+            # GGUF and ModelOpt FP8 are dequantized at load to the run dtype (model/formats.py)
+            for key, t in torch_tensors(self.format, cfg):
+                weights[key] = t.to(device=dev, dtype=self.dtype)
+        else:
+            # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
+            with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
+                self._apply_memory_limit(fh)
+                try:
+                    for key in fh.keys():
+                        weights[key] = fh.get_tensor(key).to(device=dev, dtype=self.dtype)
+                except torch.OutOfMemoryError as exc:
+                    raise self._out_of_memory(exc, "loading the weights") from None
         self.embed_tokens = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
         # letter logits are f32 dot products with the lm_head rows

@@ -264,6 +264,7 @@ def gguf_tensors(fmt: WeightFormat, config, dequantize: bool = True) -> Iterator
 
 def torch_tensors(fmt: WeightFormat, config) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, torch tensor) per weight, dequantized at load for the torch backend (bf16 passes as is)."""
+    import numpy as np
     import torch
     from safetensors import safe_open
 
@@ -272,7 +273,7 @@ def torch_tensors(fmt: WeightFormat, config) -> Iterator[tuple[str, Any]]:
                           "(--backend mlx); the torch backend reads bf16, GGUF and FP8 checkpoints")
     if fmt.family == "gguf":
         for name, value in gguf_tensors(fmt, config):
-            yield name, torch.from_numpy(value)
+            yield name, torch.from_numpy(np.array(value, copy=not value.flags.writeable))
         return
     with safe_open(str(fmt.weights_file), framework="pt") as fh:
         keys = set(fh.keys())
