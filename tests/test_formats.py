@@ -212,3 +212,34 @@ def test_calibration_per_port(tmp_path):
 def test_bf16_directory_reads_only_calibration_json(tiny_model):
     md = load_model_dir(tiny_model)
     assert md.format.name == "bf16" and md.calibration.file == "CALIBRATION.json" and not md.calibration.inherited
+
+
+def test_pull_tags_name_the_port_repository_and_one_gguf_file(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from basal_local.model import registry
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, revision=None, **kw: calls.append((repo, revision, kw)) or str(tmp_path))
+    for ref in ("4.5B", "4.5B:mlx-8bit", "4.5B:mlx-fp4", "4.5B:gguf-q8_0", "mini:fp8@abc"):
+        registry.pull(ref)
+    assert [(c[0], c[1]) for c in calls] == [
+        ("Remek/basal-1.5-4.5B", None), ("Remek/basal-1.5-4.5B-MLX-8bit", None), ("Remek/basal-1.5-4.5B-MLX-fp4", None),
+        ("Remek/basal-1.5-4.5B-GGUF", None), ("Remek/basal-1.5-mini-FP8", "abc")]
+    patterns = calls[3][2]["allow_patterns"]
+    assert "*Q8_0.gguf" in patterns and not any("Q4_K" in p for p in patterns)
+    assert all("allow_patterns" not in c[2] for i, c in enumerate(calls) if i != 3)
+    with pytest.raises(registry.ModelNotFound, match="unknown model tag '4.5B:q3'"):
+        registry.split_ref("4.5B:q3")
+
+
+def test_show_names_format_bits_dense_layers_and_calibration(tmp_path):
+    from basal_local.commands.models import describe
+
+    port = make_port(tmp_path, "mlx-fp4")
+    info = describe(port)["port"]
+    assert info["format"] == "mlx-fp4" and info["bits"] == 4 and info["quantization"] == {"group_size": 16,
+                                                                                          "mode": "nvfp4"}
+    assert "lm_head" in info["dense_layers"] and "model.embed_tokens" in info["dense_layers"]
+    assert (info["calibration_file"], info["calibration_inherited"]) == ("CALIBRATION.json", True)

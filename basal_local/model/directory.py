@@ -18,9 +18,9 @@ from ..protocol.constants import (
     USER_FORMAT,
 )
 from .config import ConfigError, LlamaConfig
+from .evidence_head import HEAD_FILE, EvidenceHead, EvidenceHeadError
 from .formats import FormatError, WeightFormat, calibration_file, detect_format
 from .formats import check_weights as check_format_weights
-from .evidence_head import HEAD_FILE, EvidenceHead, EvidenceHeadError
 from .tokenizer import BasalTokenizer, TokenizerError
 
 log = logging.getLogger(__name__)

@@ -294,3 +294,12 @@ def calibration_file(path: Path, fmt: WeightFormat | None) -> tuple[Path | None,
             return path / name, False
     base = path / "CALIBRATION.json"
     return (base if base.exists() else None), family in CALIBRATION_FILES
+
+
+def port_summary(md) -> dict[str, Any]:
+    """What `show`, `/v1/models` and the stats name: the format, its bits, what stays bf16, the calibration file."""
+    fmt = md.format.describe() if md.format is not None else {"name": "bf16", "bits": 16}
+    cal = md.calibration
+    return {"format": fmt["name"], "bits": fmt["bits"], "dense_layers": fmt.get("dense_layers", []),
+            "quantization": {k: fmt[k] for k in ("group_size", "mode", "tensor_types") if k in fmt},
+            "calibration_file": cal.file, "calibration_inherited": cal.inherited}
