@@ -243,3 +243,36 @@ def test_show_names_format_bits_dense_layers_and_calibration(tmp_path):
                                                                                           "mode": "nvfp4"}
     assert "lm_head" in info["dense_layers"] and "model.embed_tokens" in info["dense_layers"]
     assert (info["calibration_file"], info["calibration_inherited"]) == ("CALIBRATION.json", True)
+
+
+@pytest.mark.slow  # no gguf-q4_k_m: its blocks are random bytes (no K-quant quantizer), not a copy of the source
+@pytest.mark.parametrize("fmt", ["mlx-8bit", "mlx-fp4", "gguf-q8_0", "fp8"])
+def test_port_agreement_with_its_bf16_source_on_the_sample_set(fmt, tmp_path):
+    """docs/PERFORMANCE.md's table: same decision share, max and median |Δp_cal| vs the bf16 source (-s prints)."""
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.model.testmodel import make_test_model
+
+    from .test_mlx_weights import _decisions
+
+    source = make_test_model(tmp_path / "bf16", preset=PRESET[fmt], seed=5, evidence_head=False)
+    port = make_port(tmp_path, fmt)
+
+    def run(path: Path):
+        if fmt.startswith("mlx"):
+            from basal_local.backends.mlx import MLXBackend
+
+            backend = MLXBackend("cpu")
+        else:
+            backend = TorchBackend("cpu")
+        backend.load(path, "f32")
+        md = load_model_dir(path)
+        for lang in ("pl", "en"):
+            backend.add_prefix(lang, md.tokenizer.template_prefix(lang))
+        return _decisions(backend, md)
+
+    ref, got = run(source), run(port)
+    same = np.mean([a[0] == b[0] for a, b in zip(got, ref)])
+    deltas = np.array([abs(a[1][k] - b[1][k]) for a, b in zip(got, ref) for k in b[1]])
+    print(f"\n{fmt} vs bf16 on {len(ref)} sample questions ({PRESET[fmt]}): same decision {same:.1%}, "
+          f"max |dp_cal| {deltas.max():.4f}, median {np.median(deltas):.5f}")
+    assert same >= 0.5 and 0 < np.median(deltas) < 0.2  # random weights: loose bounds, the figures are the point
