@@ -29,11 +29,11 @@ GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layern
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def make_port(root: Path, fmt: str, seed: int = 5) -> Path:
+def make_port(root: Path, fmt: str, seed: int = 5, preset: str | None = None) -> Path:
     from basal_local.model.testformats import convert_test_model
     from basal_local.model.testmodel import make_test_model
 
-    out = make_test_model(root / fmt, preset=PRESET[fmt], seed=seed, evidence_head=False)
+    out = make_test_model(root / fmt, preset=preset or PRESET[fmt], seed=seed, evidence_head=False)
     convert_test_model(out, fmt, seed=seed)
     return out
 
@@ -118,9 +118,11 @@ def _mlx_logits(port: Path, md, prefixes, dtype: str = "f32") -> tuple:
     return backend, _logits(backend, md, prefixes)
 
 
-@pytest.mark.parametrize("fmt", ["mlx-8bit", "mlx-fp4", "gguf-q8_0", "gguf-q4_k_m", "fp8"])
-def test_port_logits_equal_its_library_decoded_weights(fmt, tmp_path):
-    port = make_port(tmp_path, fmt)
+@pytest.mark.parametrize("fmt,preset", [("mlx-8bit", None), ("mlx-fp4", None), ("gguf-q8_0", None),
+                                        ("gguf-q8_0", "tiny"), ("gguf-q4_k_m", None), ("fp8", None), ("fp8", "tiny")])
+def test_port_logits_equal_its_library_decoded_weights(fmt, preset, tmp_path):
+    """`tiny` has q/k/v and MLP biases (rows of q/k biases are RoPE-permuted in GGUF too)."""
+    port = make_port(tmp_path, fmt, preset=preset)
     md_ref, ref_backend, prefixes = load_backend(reference_dir(port, fmt, tmp_path))
     ref = _logits(ref_backend, md_ref, prefixes)
     md = load_model_dir(port)
@@ -132,11 +134,11 @@ def test_port_logits_equal_its_library_decoded_weights(fmt, tmp_path):
     if fmt.startswith(("gguf", "mlx")):
         pytest.importorskip("mlx.core")
         backend, got = _mlx_logits(port, md, prefixes)
-        if fmt.startswith("mlx"):  # quantized_matmul on the packed weights, no dequantized copy
+        if fmt in ("mlx-8bit", "mlx-fp4", "gguf-q8_0"):  # quantized_matmul on the packed weights, no dense copy
             from basal_local.backends.mlx.quantize import Quantized
 
             assert all(isinstance(getattr(layer, f"{n}_weight"), Quantized) and
-                       getattr(layer, f"{n}_weight").mode == md.format.mode
+                       getattr(layer, f"{n}_weight").mode == (md.format.mode or "affine")
                        for layer in backend.layers for n in ("qkv", "o_proj", "gate_up", "down_proj"))
         assert np.abs(got - ref).max() <= 2e-3, (fmt, np.abs(got - ref).max())
 
