@@ -205,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model runs on more than one GPU; --no-replica-processes keeps them in one process)")
     p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "fp8", "q8", "q4"],
                    help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 with float8 "
-                        "GEMMs; q8/q4: MLX only, quantized once and cached in the user cache folder)")
+                        "GEMMs; q8/q4: MLX only, quantized once and cached in the user cache folder). Shipped ports run in their "
+                        "own format: MLX-8bit/fp4 quantized on MLX, GGUF Q8_0/Q4_0 natively on MLX and dequantized "
+                        "at load elsewhere, ModelOpt FP8 dequantized at load to this dtype on torch (CPU and CUDA)")
     p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
                    help="GPU memory the models may use on each device: a size (24GB, 22.5GiB) or a share (0.8, "
                         "80%%); the weights must fit, and a batch that needs more gets a 503 (default: all of it)")

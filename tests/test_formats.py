@@ -278,3 +278,41 @@ def test_port_agreement_with_its_bf16_source_on_the_sample_set(fmt, tmp_path):
     print(f"\n{fmt} vs bf16 on {len(ref)} sample questions ({PRESET[fmt]}): same decision {same:.1%}, "
           f"max |dp_cal| {deltas.max():.4f}, median {np.median(deltas):.5f}")
     assert same >= 0.5 and 0 < np.median(deltas) < 0.2  # random weights: loose bounds, the figures are the point
+
+
+@pytest.mark.parametrize("fmt,backend", [("gguf-q4_k_m", "torch"), ("fp8", "torch"), ("mlx-fp4", "mlx")])
+def test_port_answers_through_the_engine(fmt, backend, tmp_path):
+    """A port answers real sample questions end to end (plan, pack, forward, calibrate) with its port calibration."""
+    from basal_local.api.systemone import validate_systemone
+    from basal_local.bench import single_question_requests
+    from basal_local.engine.engine import EngineSettings, ModelEngine
+    from basal_local.engine.gate import DeviceGate
+    from basal_local.telemetry import Telemetry
+
+    port = make_port(tmp_path, fmt)
+    (port / ("CALIBRATION.mlx.json" if backend == "mlx" else "CALIBRATION.fp8.json")).write_text(
+        json.dumps({"temperature_per_prim": {"choice": 3.0}}))
+    md = load_model_dir(port)
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+        from basal_local.backends.mlx import MLXBackend
+
+        be = MLXBackend("cpu")
+    else:
+        from basal_local.backends.torch import TorchBackend
+
+        be = TorchBackend("cpu")
+    be.load(port, "f32")
+    for lang in ("pl", "en"):
+        be.add_prefix(lang, md.tokenizer.template_prefix(lang))
+    engine = ModelEngine(md, be, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=512))
+    engine.start()
+    try:
+        bodies = single_question_requests(md.name)[:3]
+        answers = [engine.submit(engine.plan(validate_systemone(b, md.name))).future.result(timeout=120)
+                   for b in bodies]
+    finally:
+        engine.stop()
+    assert len(answers) == 3 and all(a.body["answers"] for a in answers)
+    assert md.calibration.file == ("CALIBRATION.mlx.json" if backend == "mlx" else
+                                   ("CALIBRATION.fp8.json" if fmt == "fp8" else "CALIBRATION.json"))

@@ -95,13 +95,13 @@ def load_calibration(path: Path, fmt: WeightFormat | None = None) -> Calibration
     raw = _read_json(calibration_path)
     temps = raw.get("temperature_per_prim", {}) if isinstance(raw, dict) else None
     if not isinstance(temps, dict):
-        raise ModelLoadError('CALIBRATION.json: field "temperature_per_prim" must be an object')
+        raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim" must be an object')
     for key, value in temps.items():
         if key not in CALIBRATION_KEYS:
-            raise ModelLoadError(f'CALIBRATION.json: field "temperature_per_prim.{key}" is not a question type '
+            raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim.{key}" is not a question type '
                                  f"(allowed: {', '.join(sorted(CALIBRATION_KEYS))})")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ModelLoadError(f'CALIBRATION.json: field "temperature_per_prim.{key}" must be a positive number')
+            raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim.{key}" must be a positive number')
     thresholds = {}
     for key, value in (raw.get("thresholds") or {}).items():
         if isinstance(value, dict) and isinstance(value.get("confidence"), (int, float)):
