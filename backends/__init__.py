@@ -1,1 +1,1 @@
-"""Compute backends behind one small Protocol (DESIGN.md "The Backend protocol")."""
+"""Compute backends behind one small Protocol (docs/ARCHITECTURE.md "Torch backend")."""

@@ -1,4 +1,4 @@
-"""The Backend protocol and the backend-neutral PackedBatch (DESIGN.md "The Backend protocol").
+"""The Backend protocol and the backend-neutral PackedBatch (docs/ARCHITECTURE.md "Torch backend").
 
 Nothing but NumPy crosses this boundary: the packer produces a PackedBatch, a backend turns it into letter
 logits. No framework is imported here.
@@ -39,6 +39,16 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @classmethod
+    def single(cls, token_ids, readout: str = "last") -> PackedBatch:
+        """One prompt as a forward of its own, no cached prefix; read out at its last token or at every one."""
+        ids = np.asarray(token_ids, dtype=np.int64).ravel()
+        n = int(ids.shape[0])
+        rows = np.arange(n, dtype=np.int64) if readout == "all" else np.array([n - 1], dtype=np.int64)
+        return cls(token_ids=ids, positions=np.arange(n, dtype=np.int64), token_block=np.zeros(n, dtype=np.int32),
+                   block_parent=np.array([-1], dtype=np.int32), block_prefix=np.array([-1], dtype=np.int32),
+                   readout_index=rows, letter_ids=np.array([0], dtype=np.int64), prefixes=[])
+
 
 @dataclass
 class ModelInfo:
@@ -70,7 +80,7 @@ class Backend(Protocol):
 
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
         """Hidden states after the final RMSNorm of one plain causal forward (no cached prefix),
-        float32 [T, hidden]: what the evidence head (PROTOCOL.md §6.8) reads."""
+        float32 [T, hidden]: what the evidence head (docs/PROTOCOL.md §6.8) reads."""
 
     # optional: `warmup(max_tokens)` prepares shapes (CUDA graphs) before the first request
     # optional: `launch(batch)` hands the forward to the device without waiting and returns a handle with

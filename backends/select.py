@@ -1,4 +1,4 @@
-"""Resolve `--backend auto|torch|mlx` and `--device` once at start (DESIGN.md "The Backend protocol").
+"""Resolve `--backend auto|torch|mlx` and `--device` once at start (docs/ARCHITECTURE.md "Torch backend").
 
 auto: MLX on an Apple Silicon Mac whose MLX sees Metal, torch with CUDA when a CUDA GPU is present, torch on
 the CPU otherwise (MLX on the CPU where torch is not installed). `--backend mlx` works wherever MLX imports
@@ -69,8 +69,9 @@ def resolve_backend(backend: str = "auto", device: str = "auto") -> str:
 
 
 def make_backend(backend: str = "auto", device: str = "auto", attention: str = "auto",
-                 memory_limit: str | float | None = None) -> Backend:
-    """A backend; `memory_limit` is --gpu-memory (backends/memory.py), applied when the model loads."""
+                 memory_limit: str | float | None = None, torch_options=None) -> Backend:
+    """A backend; `memory_limit` is --gpu-memory (backends/memory.py), applied when the model loads;
+    `torch_options` the torch backend's declared options (backends/torch/options.py; None: the defaults)."""
     name = resolve_backend(backend, device)
     if name == "mlx":
         if not mlx_importable():
@@ -82,7 +83,7 @@ def make_backend(backend: str = "auto", device: str = "auto", attention: str = "
         raise ValueError(TORCH_MISSING)
     from .torch import TorchBackend
 
-    return TorchBackend(device, attention, memory_limit=memory_limit)
+    return TorchBackend(device, attention, memory_limit=memory_limit, options=torch_options)
 
 
 def _cuda_available() -> bool:

@@ -7,15 +7,11 @@ In-process figures drive the real engine path (plan -> pack -> backend -> answer
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import platform
 import statistics
 import sys
-import threading
 import time
-import urllib.parse
-import urllib.request
 from importlib import resources
 from typing import Any
 
@@ -67,7 +63,7 @@ def _engine(model, backend):
 
 def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention: str = "auto",
                      backend_name: str = "torch", decisions: int = 0,
-                     gpu_memory: str | None = None) -> dict[str, Any]:
+                     gpu_memory: str | None = None, torch_options=None) -> dict[str, Any]:
     from basal_local.backends.select import make_backend
 
     from .api.systemone import validate_systemone
@@ -75,15 +71,15 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     from .model.directory import load_model_dir
 
     model = load_model_dir(model_dir)
-    backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory)
+    backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory, torch_options=torch_options)
     _phase(f"loading {model.name} on {backend.device}")
     t0 = time.perf_counter()
     info = _load(backend, model, dtype)
     load_s = time.perf_counter() - t0
-    _phase("warming up (template K/V" + (", CUDA graphs)" if backend.device.startswith("cuda") else ")"))
+    _phase("warming up (template K/V" + (", CUDA graphs" if backend.device.startswith("cuda") else "")
+           + ", first decisions)")
     t0 = time.perf_counter()
     engine = _engine(model, backend)
-    warmup_s = time.perf_counter() - t0  # template K/V and, on CUDA, graph capture of every bucket
     requests = [validate_systemone(r, model.name) for r in single_question_requests(model.name)]
     if decisions:  # --decisions N: the first N of the sample set (a quick run)
         requests = requests[:decisions]
@@ -105,11 +101,15 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
 
     for r in requests[:5]:  # warm-up
         decide([r])
+    # all of it: template K/V, on CUDA graph capture of every bucket, and the first forwards (kernel compiles)
+    warmup_s = time.perf_counter() - t0
     latencies = []
     packed = []
     _phase(f"single decisions ({len(requests) * repeat})")
+    ticker = Ticker("single decisions", len(requests) * repeat)
     for _ in range(repeat):
         for r in requests:
+            ticker.step()
             t = time.perf_counter()
             pack = decide([r])
             latencies.append((time.perf_counter() - t) * 1000.0)
@@ -122,8 +122,10 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
         t = time.perf_counter()
         n = 0
         packs = []
+        ticker = Ticker(f"batches of {size}", len(groups) * repeat)
         for _ in range(repeat):
             for g in groups:
+                ticker.step()
                 packs.append(decide(g))
                 n += len(g)
         elapsed = time.perf_counter() - t
@@ -133,8 +135,9 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
     return {
         "mode": "in-process", "model": model.name, "backend": backend.name, "device": backend.device,
         "attention": getattr(backend, "attention", ""),
-        "gemm": getattr(getattr(backend, "fast", None), "gemm", ""),
-        "gemm_plan": getattr(getattr(backend, "fast", None), "gemm_plan", {}),
+        "gemm": backend.describe()["gemm"] if hasattr(backend, "describe") else "",
+        "gemm_plan": backend.describe()["plan"] if hasattr(backend, "describe") else {},
+        "torch_options": backend.describe()["options"] if hasattr(backend, "describe") else {},
         "dtype": info.dtype, "layers": info.layers, "hidden": info.hidden_size, "load_s": round(load_s, 2),
         "warmup_s": round(warmup_s, 2),
         "decisions": len(latencies),
@@ -219,6 +222,27 @@ def _cuda_memory_now() -> dict[str, float]:
             "allocated_gb": round(torch.cuda.memory_allocated() / 1e9, 3)}
 
 
+class Ticker:
+    """Progress inside a long step: `done/total` and the time left, on stderr, at most every `every_s`."""
+
+    def __init__(self, label: str, total: int, every_s: float = 5.0, clock=time.perf_counter) -> None:
+        self.label, self.total, self.every_s, self.clock = label, total, every_s, clock
+        self.done, self.started = 0, clock()
+        self.last = self.started
+
+    def step(self) -> str | None:
+        """Count the item about to start; the line printed, if one was due."""
+        now = self.clock()
+        line = None
+        if self.done and now - self.last >= self.every_s:
+            left = (now - self.started) / self.done * (self.total - self.done)
+            line = f"{self.label} {self.done}/{self.total}, about {left:.0f} s left"
+            _phase(line)
+            self.last = now
+        self.done += 1
+        return line
+
+
 def _phase(text: str) -> None:
     """Progress of a long measurement, on stderr (stdout stays the result, --json included)."""
     print(f"basal-local bench: {text}...", file=sys.stderr, flush=True)
@@ -240,131 +264,16 @@ def _mlx_version() -> str:
     return f"{mx.__version__} ({'metal' if mx.metal.is_available() else 'cpu'})"
 
 
-class _Client:
-    """One benchmark client's connection: kept alive between requests as SDKs do, or new for each request
-    (`keep_alive=False`: the figures then include connecting and urllib's per-request set-up)."""
-
-    def __init__(self, url: str, keep_alive: bool) -> None:
-        parts = urllib.parse.urlsplit(url)
-        self.url, self.host, self.port, self.keep_alive = url, parts.hostname or "127.0.0.1", parts.port, keep_alive
-        self.conn: http.client.HTTPConnection | None = None
-
-    def post(self, path: str, data: bytes) -> tuple[bytes, int]:
-        """(body, x-basal-batch-requests) of a 200 answer; raises on anything else."""
-        if not self.keep_alive:
-            req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as resp:
-                return resp.read(), int(resp.headers.get("x-basal-batch-requests", "1"))
-        if self.conn is None:
-            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
-        try:
-            self.conn.request("POST", path, data, {"Content-Type": "application/json"})
-            resp = self.conn.getresponse()
-            body = resp.read()
-        except (OSError, http.client.HTTPException):
-            self.conn.close()
-            self.conn = None
-            raise
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}")
-        return body, int(resp.headers.get("x-basal-batch-requests", "1"))
-
-
-def bench_http(url: str, clients: int, total: int, keep_alive: bool = True) -> dict[str, Any]:
-    url = url.rstrip("/")
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
-        model = json.load(resp)["models"][0]["name"]
-    bodies = single_question_requests(model)
-    total = total or len(bodies)
-    _phase(f"{total} requests from {clients} clients to {url}")
-    latencies: list[float] = []
-    batch_sizes: list[int] = []
-    errors = [0]
-    lock = threading.Lock()
-    counter = iter(range(total))
-
-    def client():
-        conn = _Client(url, keep_alive)
-        while True:
-            with lock:
-                n = next(counter, None)
-            if n is None:
-                return
-            data = json.dumps(bodies[n % len(bodies)]).encode()
-            t = time.perf_counter()
-            try:
-                _, size = conn.post("/v1/systemone", data)
-                ms = (time.perf_counter() - t) * 1000.0
-                with lock:
-                    latencies.append(ms)
-                    batch_sizes.append(size)
-            except Exception:
-                with lock:
-                    errors[0] += 1
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    elapsed = time.perf_counter() - t0
-    if not latencies:
-        return {"mode": "http", "error": "no request succeeded", "errors": errors[0]}
-    return {"mode": "http", "url": url, "clients": clients, "requests": len(latencies), "errors": errors[0],
-            "req_per_s": round(len(latencies) / elapsed, 2),
-            "latency_ms": {"p50": round(_percentile(latencies, .5), 2), "p95": round(_percentile(latencies, .95), 2),
-                           "p99": round(_percentile(latencies, .99), 2)},
-            "mean_batch_requests": round(sum(batch_sizes) / len(batch_sizes), 2), "keep_alive": keep_alive}
-
-
-def _post_basal(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    req = urllib.request.Request(url + "/v1/basal", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.load(resp), int(resp.headers.get("x-basal-batch-requests", "0") or 0)
-
-
-def bench_http_invariance(url: str, trials: int) -> dict[str, Any]:
-    """Over HTTP: a request's answers alone, then again sent at the same moment as 31 others (so they share
-    batches); the probabilities must be the same bits (JSON floats print every bit of a float64)."""
-    import random
-
-    url = url.rstrip("/")
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
-        model = json.load(resp)["models"][0]["name"]
-    bodies = single_question_requests(model)
-    rng = random.Random(0)
-    equal, batches = 0, []
-    for _ in range(trials):
-        target = rng.choice(bodies)
-        alone, _ = _post_basal(url, target)
-        others = rng.sample([b for b in bodies if b is not target], 31)
-        barrier = threading.Barrier(32)
-        got: dict[str, Any] = {}
-
-        def send(body, mine: bool, barrier=barrier, got=got) -> None:
-            barrier.wait()
-            out, size = _post_basal(url, body)
-            if mine:
-                got["answers"], got["batch"] = out["answers"], size
-
-        threads = [threading.Thread(target=send, args=(b, False)) for b in others[:15]]
-        threads.append(threading.Thread(target=send, args=(target, True)))
-        threads += [threading.Thread(target=send, args=(b, False)) for b in others[15:]]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        equal += got.get("answers") == alone["answers"]
-        batches.append(got.get("batch", 0))
-    return {"trials": trials, "bitwise_equal": equal, "batch_requests_of_target": batches}
-
-
 def run_bench(args: argparse.Namespace) -> int:
     if args.http:
-        result = bench_http(args.http, args.clients, args.requests, not getattr(args, "new_connections", False))
-        if getattr(args, "invariance", 0):
-            result["invariance_alone_vs_amid_31"] = bench_http_invariance(args.http, args.invariance)
+        from .commands.benchhttp import bench_http, bench_http_invariance
+
+        key = getattr(args, "api_key", None)
+        _phase(f"{args.requests or 'the sample set of'} requests from {args.clients} clients to {args.http}")
+        result = bench_http(args.http, args.clients, args.requests, not getattr(args, "new_connections", False),
+                            key)
+        if getattr(args, "invariance", 0) and not result.get("daemon_gone"):
+            result["invariance_alone_vs_amid_31"] = bench_http_invariance(args.http, args.invariance, key)
     else:
         from .model.registry import demo_model_dir, resolve_model
 
@@ -377,9 +286,10 @@ def run_bench(args: argparse.Namespace) -> int:
                 check_dtype(getattr(args, "backend", "torch"), args.device, args.dtype)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
+        options = torch_options(args)
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
                                   getattr(args, "backend", "torch"), getattr(args, "decisions", 0),
-                                  getattr(args, "gpu_memory", None))
+                                  getattr(args, "gpu_memory", None), options)
         _save_partial(result)
         if result["device"].startswith("cuda"):
             result["memory_after_bench"] = _cuda_memory_now()
@@ -387,7 +297,7 @@ def run_bench(args: argparse.Namespace) -> int:
             result["extras"] = bench_extras(model_dir, args.device, args.dtype, args.attention,
                                             long_doc=getattr(args, "long_doc", False),
                                             invariance=getattr(args, "invariance", 0), repeat=args.repeat,
-                                            gpu_memory=getattr(args, "gpu_memory", None))
+                                            gpu_memory=getattr(args, "gpu_memory", None), torch_options=options)
             _save_partial(result)
         if args.baseline in ("transformers-compiled", "both"):
             try:
@@ -409,11 +319,13 @@ def run_bench(args: argparse.Namespace) -> int:
             result["speedup_single_median"] = round(base["single_ms"]["median"] / result["single_ms"]["median"], 2)
             result["speedup_batch32"] = round(result["throughput"]["batch32"]["decisions_per_s"]
                                               / base["throughput"]["batch32"]["decisions_per_s"], 2)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>20}: {value}")
+    from .commands.benchout import http_failure, print_result
+
+    print_result(result, args.json)
+    failure = http_failure(result) if args.http else None
+    if failure:
+        print(f"basal-local: error: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -467,8 +379,25 @@ def _cuda_memory(backend) -> dict[str, float]:
     return out
 
 
+def torch_options(args):
+    """The torch backend's options from bench's flags (backends/torch/options.py); None: the defaults."""
+    from basal_local.backends.torch.options import TorchOptions
+
+    values = {"gemm": getattr(args, "gemm", None), "fp8_gemms": getattr(args, "fp8_gemms", None),
+              "cublaslt": False if getattr(args, "no_cublaslt", False) else None,
+              "attention_alt_tiling": False if getattr(args, "no_alt_tiling", False) else None,
+              "cuda_graphs": False if getattr(args, "no_cuda_graphs", False) else None}
+    try:
+        return TorchOptions.from_settings(**values)
+    except ValueError as exc:
+        from .commands import UserError
+
+        raise UserError(str(exc)) from None
+
+
 def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", long_doc: bool = False,
-                 invariance: int = 0, repeat: int = 1, gpu_memory: str | None = None) -> dict[str, Any]:
+                 invariance: int = 0, repeat: int = 1, gpu_memory: str | None = None,
+                 torch_options=None) -> dict[str, Any]:
     """The long-document figures and the alone-vs-amid-31-others bitwise check, in-process."""
     import gc
     import random
@@ -481,9 +410,9 @@ def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", lo
     from .engine.packer import pack_prompts
     from .model.directory import load_model_dir
 
-    gc.collect()  # the in-process bench's backend (a backend <-> FastPath cycle) must not count in these figures
+    gc.collect()  # the in-process bench's backend (a backend <-> Forward cycle) must not count in these figures
     model = load_model_dir(model_dir)
-    backend = make_backend("torch", device, attention, memory_limit=gpu_memory)
+    backend = make_backend("torch", device, attention, memory_limit=gpu_memory, torch_options=torch_options)
     _load(backend, model, dtype)
     engine = _engine(model, backend)
     out: dict[str, Any] = {"attention": getattr(backend, "attention", ""), "memory_after_load": _cuda_memory(backend)}

@@ -55,6 +55,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _serve_port(text: str) -> int:
+    """serve's --port: a TCP port, or 0 for one the system picks (printed in the banner)."""
+    if text.strip() == "0":
+        return 0
+    return _port(text)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -63,6 +70,12 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def _add_key_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", dest="api_key", metavar="KEY",
+                   help="the key of a daemon started with --api-key (default: BASAL_LOCAL_API_KEY, else the "
+                        "config's api_key)")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -112,9 +125,20 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
         from .commands.serving import check_device
 
         check_device("cuda")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "give make-test-model a folder you can write to") from None
     print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
-    make_test_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
-                    progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+    try:
+        make_test_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
+                        progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+    except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "free disk space, or give make-test-model another folder") from None
     if args.format != "bf16":
         from .model.testformats import convert_test_model
 
@@ -139,9 +163,10 @@ def cmd_top(args: argparse.Namespace) -> int:
             print(f"basal-local: error: {exc}", file=sys.stderr)
             return 2
         url = local_url(settings.host, settings.port)
+    from .commands.serving import client_key
     from .tui.run import run_top
 
-    return run_top(url)
+    return run_top(url, api_key=client_key(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -150,16 +175,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .commands.serving import check_device, check_gpu_memory
 
     if args.http:
+        from .commands.serving import client_key
+
         args.http = check_url(args.http, "--http")
-        get_json(args.http, "/v1/models", flag="--http")
+        args.api_key = client_key(args)
+        get_json(args.http, "/v1/models", flag="--http", api_key=args.api_key)
     else:
         check_device(args.device)
         check_gpu_memory(args.gpu_memory, args.device)
+        check_bench_extras(args)
         if args.model:
             from .commands import model_path
 
             args.model = str(model_path(args.model))
     return run_bench(args)
+
+
+def check_bench_extras(args: argparse.Namespace) -> None:
+    """What the bench needs beyond our own code, checked before it runs (not after the whole bench)."""
+    import importlib.util
+
+    if args.baseline != "none" and importlib.util.find_spec("transformers") is None:
+        raise UserError(f"--baseline {args.baseline} needs Hugging Face transformers, which is not installed",
+                        'install it (pip install "transformers>=4.45"), or drop --baseline')
+    if args.backend == "mlx":
+        from .backends.select import mlx_importable
+
+        if not mlx_importable():
+            raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
+                            "use --backend torch (or auto), or on a Mac: pip install mlx")
 
 
 def _models(name: str):
@@ -193,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory, or a downloaded name (mini, 4.5B, max, OWNER/NAME); repeatable")
     p.add_argument("--demo", action="store_true", help="serve the bundled demo model (random weights)")
     p.add_argument("--host", help=f"address to listen on (default {defaults.host}: this machine only)")
-    p.add_argument("--port", type=_port, help=f"TCP port (default {defaults.port})")
+    p.add_argument("--port", type=_serve_port, help=f"TCP port; 0 picks a free one and prints it "
+                   f"(default {defaults.port})")
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], help=f"(default {defaults.backend})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "mps"],
                    help=f"(default {defaults.device}: cuda when available, else cpu)")
@@ -215,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model for requests that name none (default: the first --model)")
     p.add_argument("--max-inflight", type=_positive, dest="max_inflight",
                    help=f"requests admitted at once; more get 529 + Retry-After (default {defaults.max_inflight})")
+    p.add_argument("--admission-wait-ms", type=float, dest="admission_wait_ms", metavar="MS",
+                   help="longest wait for a place before a 529, at most two places' turnover; 0: none "
+                        f"(default {defaults.admission_wait_ms:g})")
     p.add_argument("--config", help=f"config.toml to read (default {config_path()})")
     p.add_argument("--access-log", action="store_true", dest="access_log", help="one log line per request")
     p.add_argument("--metrics", action="store_true", default=None, help="Prometheus text at /metrics (default off)")
@@ -246,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ray: front replicas that take the HTTP requests from Ray's proxy (default: as many "
                         "as engine replicas)")
     p.add_argument("--tui", action="store_true", help="show the live dashboard (basal-local top) in this terminal")
+    p.add_argument("--detach", action="store_true", help="run in the background (pid and port in the state folder; "
+                   "`basal-local status`, `logs -f`, `stop`)")
     p.add_argument("--demo-traffic", action="store_true", dest="demo_traffic",
                    help="send the bundled sample requests in a loop (to watch the dashboard move)")
     _add_engine_flags(p)
@@ -254,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("top", help="live dashboard of a running daemon")
     p.add_argument("--url", help="the daemon's address (default: the configured host and port)")
     p.add_argument("--config", help="config.toml (default: the user config folder)")
+    _add_key_flag(p)
     p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("prompts", help="show exactly what the model reads for a request on stdin")
@@ -301,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ps", help="what a running daemon has loaded, and its memory")
     p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    _add_key_flag(p)
     p.set_defaults(func=_models("ps"))
 
     p = sub.add_parser("doctor", help="check this machine: Python, packages, devices, models, disk, port, config")
@@ -321,16 +373,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-l", "--level", action="append", default=[], metavar="LEVEL",
                    help="a score level, lowest first (repeat, at least 2)")
     p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    _add_key_flag(p)
     p.set_defaults(func=_lazy("ask", "ask_command"))
 
     p = sub.add_parser("run", help="decide every request of a JSONL file through a running daemon")
     p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
     p.add_argument("--input", required=True, help="JSONL: full System One requests or {state, question, "
                                                   "options, gold?} items")
-    p.add_argument("--output", required=True, help="JSONL to write, one answer per input line, in order")
+    p.add_argument("--output", required=True, help="JSONL to write, one answer per input line (written as they come, "
+                   "with an index; in input order once all are done); never the input file")
+    p.add_argument("--resume", action="store_true", help="keep the answers already in --output (an interrupted "
+                   "run) and ask only the rest and the failed ones")
     p.add_argument("--model", help="served model name for items that name none")
     p.add_argument("--concurrency", type=_positive, default=8, help="requests in flight (default 8)")
+    _add_key_flag(p)
     p.set_defaults(func=_lazy("batch", "run_command"))
+
+    p = sub.add_parser("batch", help="the Batch API of a running daemon: submit a JSONL file, follow, fetch results",
+                       description="Submit JSONL files of /v1/basal requests ({\"custom_id\", \"body\"} a line) to a "
+                       "running daemon, which runs them in the background while no interactive request waits. "
+                       "Example: basal-local batch submit requests.jsonl --wait && basal-local batch results ID")
+    p.add_argument("action", choices=["submit", "list", "status", "cancel", "results"])
+    p.add_argument("target", nargs="?", help="submit: the JSONL file; status, cancel, results: the batch id")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    p.add_argument("--wait", action="store_true", help="submit: follow the batch with a progress bar until it ends")
+    p.add_argument("--output", help="results: write to this file instead of stdout")
+    p.add_argument("--errors", action="store_true", help="results: the error lines too")
+    p.add_argument("--json", action="store_true", help="print the batch objects as JSON")
+    _add_key_flag(p)
+    p.set_defaults(func=_lazy("batches", "batch_command"))
 
     p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)")
     p.add_argument("action", choices=["install", "uninstall", "status"])
@@ -338,6 +409,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, help="port (default: the config's)")
     p.add_argument("--print", action="store_true", dest="dry_run", help="print the unit instead of writing it")
     p.set_defaults(func=_lazy("service", "service_command"))
+
+    p = sub.add_parser("stop", help="stop the daemon started with `serve --detach`")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it (default 30)")
+    p.set_defaults(func=_lazy("background", "stop_command"))
+    p = sub.add_parser("status", help="whether the `serve --detach` daemon runs, where, and if it is ready")
+    p.set_defaults(func=_lazy("background", "status_command"))
+    p = sub.add_parser("logs", help="the daemon's log file (-f: follow it)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
+    p.add_argument("-n", "--lines", type=int, default=0, metavar="N", help="only the last N lines first")
+    p.set_defaults(func=_lazy("background", "logs_command"))
 
     p = sub.add_parser("bench", help="measure latency and throughput")
     p.add_argument("--model", help="model directory or downloaded name (default: the demo model)")
@@ -356,9 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-connections", action="store_true",
                    help="open a new HTTP connection per request (default: each client keeps its connection)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--attention", choices=["auto", "tree", "sdpa", "flex"], default="auto",
-                   help="tree attention: the Triton kernel (CUDA default), the dense-mask SDPA twin (CPU default) "
-                        "or the FlexAttention kernel")
+    _add_key_flag(p)
+    p.add_argument("--attention", choices=["auto", "tree", "sdpa", "metal"], default="auto",
+                   help="the forward's ops: tree = the Triton kernels (CUDA default), sdpa = their plain-torch / MLX "
+                        "twins (CPU default), metal = the Metal kernel (MLX on a Mac)")
+    add_torch_options(p)
     p.add_argument("--baseline", choices=["none", "transformers", "transformers-compiled", "both"], default="none",
                    help="also time Hugging Face transformers on the same decisions (side by side): eager, "
                         "under torch.compile(mode='reduce-overhead'), or both")
@@ -367,11 +450,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--invariance", type=int, default=0, metavar="N",
                    help="also check N times that a request alone and amid 31 others gets bitwise equal logits")
     p.set_defaults(func=cmd_bench)
+    seen: set[int] = set()
+    for command in sub.choices.values():  # -v after the subcommand too (`basal-local serve -v`)
+        if id(command) not in seen:
+            seen.add(id(command))
+            command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help="log more (and show tracebacks)")
     return parser
+
+
+def add_torch_options(p) -> None:
+    """The torch backend's product options (backends/torch/options.py), for serve and bench."""
+    from .backends.torch.options import FP8_GEMMS, GEMM_ROUTES
+
+    g = p.add_argument_group("torch backend (CUDA)")
+    g.add_argument("--gemm", choices=GEMM_ROUTES, default=None,
+                   help="GEMM route: cuBLAS at row counts verified to give the same bits (verified, default), fixed "
+                        "row chunks, plain cuBLAS (not batch-invariant), or the Triton GEMM")
+    g.add_argument("--no-cublaslt", action="store_true", dest="no_cublaslt",
+                   help="no pinned cuBLASLt algorithms (default: pinned where they agree and are faster)")
+    g.add_argument("--fp8-gemms", dest="fp8_gemms", metavar="LIST",
+                   help=f"with --dtype fp8: the projections quantized, a comma list of {','.join(FP8_GEMMS)} "
+                        "(default: all)")
+    g.add_argument("--no-alt-tiling", action="store_true", dest="no_alt_tiling",
+                   help="no 128-query attention tiling for small and long forwards (default: where it gives the "
+                        "same bits)")
+    g.add_argument("--no-cuda-graphs", action="store_true", dest="no_cuda_graphs",
+                   help="run every forward eagerly (default: CUDA graphs per size)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --detach` starts the same command again
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="basal-local: %(levelname)s %(name)s: %(message)s")
     try:

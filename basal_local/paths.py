@@ -11,10 +11,12 @@ APP = "basal-local"
 
 
 def home_dirs() -> dict[str, Path]:
-    """Config, cache, logs and state folders; BASAL_LOCAL_HOME moves everything."""
+    """Config, cache, logs, state and data (the Batch API's files) folders; BASAL_LOCAL_HOME moves everything."""
     home = os.environ.get("BASAL_LOCAL_HOME")
     if home:
         base = Path(home).expanduser()
-        return {"config": base, "cache": base / "cache", "logs": base / "logs", "state": base / "state"}
+        return {"config": base, "cache": base / "cache", "logs": base / "logs", "state": base / "state",
+                "data": base / "data"}
     return {"config": Path(platformdirs.user_config_dir(APP)), "cache": Path(platformdirs.user_cache_dir(APP)),
-            "logs": Path(platformdirs.user_log_dir(APP)), "state": Path(platformdirs.user_state_dir(APP))}
+            "logs": Path(platformdirs.user_log_dir(APP)), "state": Path(platformdirs.user_state_dir(APP)),
+            "data": Path(platformdirs.user_data_dir(APP))}

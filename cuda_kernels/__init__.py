@@ -1,7 +1,7 @@
 """Batch-invariant GPU kernels (Triton) for the torch backend, each with a plain-torch twin.
 
 `twins` and `plan` import everywhere (CPU CI runs them); `kernels` needs Triton and a CUDA device and is
-imported only through `triton_kernels()`. ENGINE.md §2 and DESIGN.md "Numerics and reproducibility" give the
+imported only through `triton_kernels()`. docs/ARCHITECTURE.md and docs/PROTOCOL.md §10 give the
 contract the kernels keep: a row's result never depends on what else is in the batch.
 """
 

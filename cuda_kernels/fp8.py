@@ -112,3 +112,30 @@ class Fp8Weights:
         if bias is not None:
             out += bias
         return out
+
+
+def build_store(layers, names, device, dtype: torch.dtype, kernel: Quant | None, report: dict) -> Fp8Weights:
+    """float8 copies of the named projections of every layer (`qkv`, `o`, `gate_up`, `down`) with the
+    activation quantizer and the scaled GEMM of this device: `kernel` (the Triton quantizer) where it gives
+    `quant_rows`' bits, else the twin; on the CPU the twin GEMM. The f16 weights stay as the keys."""
+    if kernel is not None:
+        quant = kernel
+        x = (torch.randn(8, 320, device=device) * 9).to(dtype)
+        try:
+            (qa, sa), (qb, sb) = kernel(x), quant_rows(x)
+            same = torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
+        except Exception as exc:  # noqa: BLE001 - any compile or launch failure of the kernel
+            same = False
+            report["fp8_quant_error"] = repr(exc)[:300]
+        quant = kernel if same else quant_rows
+        report["fp8_quant"] = "triton" if same else "twin"
+        store = Fp8Weights(quant, cuda_scaled_mm(device, dtype))
+        report["fp8_mm"] = store.mm.__name__
+    else:
+        store = Fp8Weights()
+    report["fp8_gemms"] = ",".join(names)
+    attrs = {"qkv": "qkv_weight", "o": "o_proj_weight", "gate_up": "gate_up_weight", "down": "down_proj_weight"}
+    for layer in layers:
+        for name in names:
+            store.add(getattr(layer, attrs[name]))
+    return store

@@ -22,11 +22,12 @@ result cannot depend on the batch. The engine already runs forwards at fixed siz
   61 us and other bits; padded to 352 rows 67 us; a pinned algorithm without split-K at 304 rows 58 us, same
   bits); `PinnedCall` runs them.
 
-Pure torch: the same functions run on the CPU in tests (ENGINE.md §2, DESIGN.md "Numerics and reproducibility").
+Pure torch: the same functions run on the CPU in tests (docs/ARCHITECTURE.md, docs/PROTOCOL.md §10).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 
 import torch
@@ -138,6 +139,19 @@ def agreeing_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: 
     return [m for m in cands if agrees[m]], agrees
 
 
+class no_gc:
+    """No garbage collection inside a graph capture: a collected CUDA graph (or tensor) of another owner freed
+    mid-capture breaks the capture."""
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc) -> None:
+        if self.was:
+            gc.enable()
+
+
 def graph_seconds(calls: dict, device: torch.device, reps: int = 8) -> dict:
     """Seconds of one call of each of `calls` (key -> a function of no arguments) on a CUDA device: `reps` calls
     in one CUDA graph (as a forward runs them), the least of three replays. For choosing only: never changes a
@@ -149,7 +163,7 @@ def graph_seconds(calls: dict, device: torch.device, reps: int = 8) -> dict:
         for key, fn in calls.items():
             fn()  # library handles and workspace outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
+            with no_gc(), torch.cuda.graph(graph, stream=stream):
                 for _ in range(reps):
                     fn()
             best = float("inf")
@@ -241,3 +255,56 @@ def plan_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequ
     if sizes and sizes[0] <= max_floor:
         return {"sizes": sizes, "route": "verified", "agrees": agrees}
     return {"sizes": [chunk], "route": "chunk", "agrees": agrees}
+
+
+class SizedGemm:
+    """One weight shape's GEMM at its verified row counts: `sized_linear` through the pinned calls."""
+
+    def __init__(self, sizes: CallSizes, call: PinnedCall) -> None:
+        self.sizes, self.call = sizes, call
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return sized_linear(x, weight, bias, self.sizes, self.call)
+
+    def padded_rows(self, m: int) -> int:
+        """The rows of the one library call a GEMM of m rows makes (m where it needs several calls)."""
+        pieces = row_pieces(m, self.sizes) if m else []
+        return pieces[0][2] if len(pieces) == 1 else m
+
+
+def open_lt(device, options, report: dict):
+    """A cuBLASLt GEMM on this CUDA device, or None where options turn it off or it cannot run here."""
+    if not options.cublaslt or not options.gemm_timed:
+        report["cublaslt"] = "off (option)"
+        return None
+    from . import cublaslt
+
+    try:
+        lt = cublaslt.LtGemm(device)
+    except Exception as exc:  # noqa: BLE001 - no library, another version: the verified route as before
+        report["cublaslt"] = f"not used ({type(exc).__name__}: {str(exc)[:120]})"
+        return None
+    report["cublaslt"] = "pinned algorithms where they agree and are faster"
+    return lt
+
+
+def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, options, candidates: Sequence[int],
+                 base: Linear = F.linear, lt=None, lt_sizes: Sequence[int] = (), floor_max: int = 512,
+                 timed_max: int = 1024, report_sizes: Sequence[int] = ()) -> tuple[SizedGemm, dict]:
+    """The GEMM of one weight shape issued only at row counts that give the same bits on this device, checked
+    here (`plan_sizes`); on CUDA those are timed (`time_sizes`) and, with `lt`, cuBLASLt algorithms pinned where
+    they agree and are faster (`lt_choices`). Returns it and what was chosen (for the load report)."""
+    plan = plan_sizes(weight, bias, candidates, floor_max, options.gemm_chunk, base)
+    times, pins = {}, {}
+    if weight.is_cuda and plan["route"] == "verified" and options.gemm_timed:
+        times = time_sizes(weight, bias, [m for m in plan["sizes"] if m <= timed_max], base)
+        if lt is not None:
+            pins, lt_times = lt_choices(weight, bias, candidates[-1], lt_sizes, lt, times, margin=options.lt_margin)
+            times.update(lt_times)
+    sizes = CallSizes(sorted(set(plan["sizes"]) | set(pins)), times)
+    calls = {m: sizes.call(m) for m in report_sizes if m <= min(timed_max, sizes[-1])}
+    report = {"route": plan["route"], "sizes": plan["sizes"][0] if plan["route"] == "verified" else options.gemm_chunk,
+              "disagree": [m for m, ok in plan["agrees"].items() if not ok and m <= 1024],
+              "padded_calls": {m: c for m, c in calls.items() if c != m},
+              **({"cublaslt_at": sorted(pins)} if pins else {})}
+    return SizedGemm(sizes, PinnedCall(base, lt if pins else None, pins)), report

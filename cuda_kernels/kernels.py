@@ -1,7 +1,7 @@
 """Triton kernels (imported only where Triton and a GPU exist); each has a twin in `twins.py`.
 
 Every kernel's reduction order is fixed by compile-time constants and never by the number of rows, so a
-row's result is the same bits alone or in any batch (DESIGN.md "Numerics and reproducibility"):
+row's result is the same bits alone or in any batch (docs/PROTOCOL.md §10):
 - tree attention: keys in tiles of BLOCK_N *positions* (plan.py), online softmax in f32, f16/bf16 operands;
 - GEMM: one tile configuration per (N, K) weight shape, a sequential K loop, no split-K;
 - norms, RoPE, SwiGLU, letter logits: one program per row (or element block), fixed-width reductions.
@@ -10,7 +10,6 @@ row's result is the same bits alone or in any batch (DESIGN.md "Numerics and rep
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -18,13 +17,6 @@ import triton.language as tl
 
 from .plan import MAX_RANGES, RECORD
 
-# the query and key tiles of tree attention: part of the numerics contract (the key tile fixes the order of
-# the softmax reduction), the same for every call of a process; the variables exist to measure other tilings
-# (tools/attn_sweep.py), not to be set in production
-ATTN_BLOCK_M = int(os.environ.get("BASAL_LOCAL_ATTN_BLOCK_M", "64"))
-ATTN_BLOCK_N = int(os.environ.get("BASAL_LOCAL_ATTN_BLOCK_N", "64"))
-ATTN_WARPS = int(os.environ.get("BASAL_LOCAL_ATTN_WARPS", "4"))
-ATTN_STAGES = int(os.environ.get("BASAL_LOCAL_ATTN_STAGES", "2"))
 # key-range slots a tile record holds, as a power of two (the kernel compares a key tile with all of them)
 RANGE_SLOTS = triton.next_power_of_2(MAX_RANGES)
 
@@ -128,15 +120,14 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
                    prefix_v: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, q_rows: torch.Tensor,
-                   n_tiles: torch.Tensor, out: torch.Tensor, compact: bool, nprog: int | None = None,
-                   tiling: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                   n_tiles: torch.Tensor, out: torch.Tensor, compact: bool,
+                   tiling: tuple[int, int, int, int], nprog: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] and k/v [T, Hkv, D] (row-strided views of the fused qkv), prefix_k/v [P, Hkv, D].
 
     tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
     of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work.
-    `tiling` (block_m, block_n, warps, stages) overrides the process's tiling, for measurements only (the
-    tiles must have been planned with that block_m)."""
-    block_m, block_n, warps, stages = tiling or (ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS, ATTN_STAGES)
+    `tiling`: (block_m, block_n, warps, stages), the tiles planned with that block_m (the forward's options)."""
+    block_m, block_n, warps, stages = tiling
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     assert q.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d and q.stride(1) == d
     assert prefix_k.stride(0) == prefix_v.stride(0) and out.stride(1) == 1

@@ -1,6 +1,6 @@
 """The work table of the tree-attention kernel: which queries a tile holds and which key ranges it visits.
 
-Pure NumPy (built on the host once per forward, sent as one int32 buffer). ENGINE.md §1-§2: the keys a query
+Pure NumPy (built on the host once per forward, sent as one int32 buffer). docs/ARCHITECTURE.md: the keys a query
 of block b sees are exactly the positions 0..pos(query) of its own prompt: the cached prefix (positions
 0..n_pre-1), then each ancestor block root first, then its own block up to itself. So a tile of queries of
 one block needs only its key *ranges* in position order; visibility is `key position <= query position`,
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from basal_local.backends.host import block_bounds, block_chains
+
 RECORD = 64
 MAX_RANGES = (RECORD - 8) // 3  # 18 blocks deep (the packer stops at 8)
 
@@ -37,12 +39,6 @@ class TilePlan:
         return int(self.tiles.shape[0])
 
 
-def block_bounds(token_block: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    start = np.searchsorted(token_block, np.arange(n_blocks)).astype(np.int64)
-    end = np.append(start[1:], token_block.shape[0]).astype(np.int64)
-    return start, end
-
-
 def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.ndarray,
               block_prefix: np.ndarray, prefix_rows: list[tuple[int, int]], block_m: int,
               rows: np.ndarray | None = None) -> TilePlan:
@@ -55,7 +51,6 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
     n_blocks = len(block_parent)
     start, end = block_bounds(token_block, n_blocks)
     starts, ends = start.tolist(), end.tolist()
-    parents = np.asarray(block_parent).tolist()
     prefixes = np.asarray(block_prefix).tolist()
     pos = np.asarray(positions, dtype=np.int64)
     n = pos.shape[0]
@@ -63,10 +58,8 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
     # per block: the part of a record that does not depend on the tile (n_pre, pre_off, n_r, key ranges);
     # plain lists: a single decision has a handful of blocks and NumPy's per-call cost would dominate
     heads: list[list[int]] = []
-    chains: list[list[int]] = []
+    chains = block_chains(block_parent)
     for b in range(n_blocks):
-        p = parents[b]
-        chains.append((chains[p] if p >= 0 else []) + [b])
         chain = [c for c in chains[b] if ends[c] > starts[c]]
         if len(chain) > MAX_RANGES:
             raise ValueError(f"tree depth {len(chain)} exceeds the kernel's {MAX_RANGES} key ranges")

@@ -1,6 +1,6 @@
-"""An independent reference of the prompt contract (PROTOCOL.md §4), written from the spec for the tests.
+"""An independent reference of the prompt contract (docs/PROTOCOL.md §4), written from the spec for the tests.
 
-It shares no code with `basal_local`: the constants are typed again from PROTOCOL.md §4.1, prompts are
+It shares no code with `basal_local`: the constants are typed again from docs/PROTOCOL.md §4.1, prompts are
 rendered by §4.2-4.5 and tokenized with `tokenizers` straight from tokenizer.json (§4.6), letter ids are
 derived by the §4.6 rule. A rendering, tokenization or letter-id bug in the product then cannot agree with
 itself. It covers what the tests send: choice (object or array criteria), noul and score with array levels.

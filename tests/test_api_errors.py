@@ -1,4 +1,4 @@
-"""Every row of PROTOCOL.md §2.1 and every `/v1/basal` error (§8) as a request: exact status and body."""
+"""Every row of docs/PROTOCOL.md §2.1 and every `/v1/basal` error (§8) as a request: exact status and body."""
 
 import json
 
@@ -109,7 +109,7 @@ CASES = [
     (q(type="noul"), 400, {"detail": {"error_type": "api_usage_error",
                                       "message": "Noul question must have criteria or instructions: q"}}),
     ({"model": "nope-1", "state": "s", "questions": {"q": {"type": "noul"}}}, 400,
-     {"detail": {"error_type": "api_usage_error", "message": "Unknown model: nope-1 (served: basal-test-tiny)"}}),
+     {"detail": {"error_type": "api_usage_error", "message": "Unknown model: nope-1"}}),
     # unsupported (valid, but not answerable by this runtime)
     (q(type="choice", criteria=[str(i) for i in range(11)], evidence=True), 422,
      {"error": "unsupported", "detail": [{"type": "unsupported_feature", "loc": ["body", "questions", "q"],
@@ -199,7 +199,7 @@ BASAL_CASES = [
      {"error": "question 'q': 1 options (supported: 2..10)"}),
     ({"state": "s", "questions": {"q": {"criteria": ["a"]}, "r": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
      422, {"error": "question 'q': 1 options (supported: 2..10); question 'r': 11 options (supported: 2..10)"}),
-    ({"model": "nope-1", "state": "s", "questions": {}}, 422, {"error": "Unknown model: nope-1 (served: basal-test-tiny)"}),
+    ({"model": "nope-1", "state": "s", "questions": {}}, 422, {"error": "Unknown model: nope-1"}),
     ({"state": "s", "questions": {"q": {"type": "choice", "criteria": ["a", "b"], "option_keys": "x"}}}, 422,
      {"error": "option_keys must be 'show' or 'hide', got x"}),
     ({"state": "s", "questions": {"q": {"type": "multi", "criteria": []}}}, 422,
@@ -217,10 +217,10 @@ def test_basal_errors(app_client, body, status, expected):
 
 
 def test_basal_lenient_unknown_type_is_uncalibrated_choice(app_client):
-    """PROTOCOL.md §5/§8: an unknown type is read as choice with T = 1; a choice question gets T_choice.
+    """docs/PROTOCOL.md §5/§8: an unknown type is read as choice with T = 1; a choice question gets T_choice.
 
     Both questions render the same prompts (one readout in the packed batch), so the choice answer must be
-    the unknown-type probabilities calibrated here with the model's T_choice (PROTOCOL.md §5, §7)."""
+    the unknown-type probabilities calibrated here with the model's T_choice (docs/PROTOCOL.md §5, §7)."""
     import math
 
     t_choice = 1.1387886347566916  # CALIBRATION.json of the generated model (the basal-1.5-mini value)

@@ -91,3 +91,88 @@ def test_bad_selection_options_are_422s(served):
                                                  "criteria": LABELS, **extra}}}
         status, _, got = http("POST", served.url + "/v1/basal", body)
         assert status == 422 and got == {"error": f"question 'q': {message}"}, (name, got)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "refund", "description": "Refund the customer's payment",
+                                      "parameters": {"type": "object"}}},
+    {"name": "track_parcel", "description": "Look up where a parcel is", "inputSchema": {"type": "object"}},
+    {"name": "escalate", "description": "Hand the case to a human agent " * 30, "input_schema": {"type": "object"}},
+]
+
+
+def test_tool_question_through_basal_client(served):
+    from basal_client import BasalClient, Questions, tool
+
+    class Q(Questions):
+        route = tool("Which tool should handle this message?", TOOLS, rank=2)
+
+    with BasalClient(served.url) as client:
+        answer = client.decide("Where is my parcel? It is a week late.", Q).answers.route
+    keys = ["refund", "track_parcel", "escalate", "answer_directly", "ask_user", "none"]
+    assert list(answer.probabilities) == keys and sum(answer.probabilities.values()) == pytest.approx(1.0)
+    best = max(keys, key=lambda k: answer.probabilities[k])
+    assert answer.tool == best and answer.call == (best in keys[:3]) and not answer.deferred
+    assert answer.confidence == pytest.approx(answer.probabilities[best])
+    assert [r["tool"] for r in answer.ranking] == sorted(keys, key=lambda k: -answer.probabilities[k])[:2]
+
+
+def test_multi_tool_question_through_basal_client(served):
+    from basal_client import BasalClient, Questions, tool
+
+    class Q(Questions):
+        route = tool("Which tools are needed?", TOOLS, multi=True, objective="f1", extra=["none"],
+                     exclusive=["none"])
+
+    with BasalClient(served.url) as client:
+        answer = client.decide("Refund me and tell me where the parcel is.", Q).answers.route
+    assert answer.multi and set(answer.probabilities) == {"refund", "track_parcel", "escalate", "none"}
+    chosen = set(answer.tools)
+    assert "none" not in chosen or chosen == {"none"}
+    assert answer.call == bool(chosen - {"none"})
+    best = _best("f1", dict(answer.probabilities), lambda s: "none" not in s or len(s) == 1)
+    assert answer.selection.expected_score == pytest.approx(best, abs=1e-9)
+
+
+def test_tool_deferral_follows_the_certified_threshold(served):
+    body = {"state": "Hello.", "questions": {"t": {"type": "tool", "instructions": "Which tool?", "tools": TOOLS,
+                                                   "max_error": 0.01}}}
+    status, _, got = http("POST", served.url + "/v1/basal", body)
+    assert status == 200
+    answer = got["answers"]["t"]
+    # the generated model's CALIBRATION.json certifies max_error 0.01 at a confidence no random model reaches
+    assert answer["deferred"] is True and answer["tool"] is None and answer["call"] is False
+    body["questions"]["t"]["max_error"] = 0.123
+    status, _, got = http("POST", served.url + "/v1/basal", body)
+    assert got["answers"]["t"]["max_error"] == "no certified threshold for this target"
+    assert got["answers"]["t"]["deferred"] is False and got["answers"]["t"]["tool"] is not None
+
+
+def test_tool_descriptions_are_cut_at_a_word_boundary():
+    from basal_local.protocol.tools import shorten, tool_options
+
+    options, spec = tool_options({"tools": TOOLS}, "en")
+    assert spec.tools == ("refund", "track_parcel", "escalate") and spec.extras == ("answer_directly", "ask_user", "none")
+    cut = options["escalate"]
+    assert len(cut) <= 300 and cut.endswith("…") and len(cut) > 250
+    assert TOOLS[2]["description"].startswith(cut[:-1]) and TOOLS[2]["description"][len(cut) - 1] == " "
+    assert options["refund"] == "Refund the customer's payment"
+    assert shorten("abc def ghi", 8) == "abc def…" and shorten("abcdefghijkl", 5) == "abcd…" and shorten("abc", 0) == "abc"
+    whole, _ = tool_options({"tools": TOOLS, "description_chars": 0}, "en")
+    assert whole["escalate"] == TOOLS[2]["description"]
+
+
+def test_bad_tool_questions_are_422s(served):
+    cases = [
+        ({"tools": []}, "tool needs a non-empty array of tool definitions in tools"),
+        ({"tools": [{"description": "x"}]}, "tools[0] has no name"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools has two tools named refund"),
+        ({"tools": TOOLS, "extra": ["maybe"]}, "extra must be an array of answer_directly, ask_user, none"),
+        ({"tools": TOOLS, "rank": 0}, "rank must be a positive integer, got 0"),
+        ({"tools": TOOLS, "objective": "f1"}, "objective is a selection option of multi tool questions (set multi: true)"),
+        ({"tools": [{"name": "none"}]}, "a tool is named none, which is also a non-tool choice of extra"),
+    ]
+    for extra, message in cases:
+        body = {"state": "x", "questions": {"t": {"type": "tool", "instructions": "Which?", **extra}}}
+        status, _, got = http("POST", served.url + "/v1/basal", body)
+        assert status == 422 and got == {"error": f"question 't': {message}"}, (extra, got)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from basal_local.backends.torch.options import DEFAULT_TILING, TorchOptions
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
 
@@ -67,18 +68,17 @@ def test_cuda_f32_batch_independence(small_model):
     assert worst <= 1e-5
 
 
-def test_cuda_flex_kernel_matches_sdpa_twin(small_model):
+def test_cuda_forward_on_kernels_matches_forward_on_twins(small_model):
+    """The one forward with its ops chosen as Triton kernels (attention tree) or as their twins (sdpa), f32."""
     results = {}
-    for impl in ("sdpa", "flex"):
+    for impl in ("sdpa", "tree"):
         md, backend, prefixes = loaded(small_model, "cuda", "f32", attention=impl)
+        assert backend.fwd.use_triton == (impl == "tree")
         specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
         results[impl] = readout_logits(backend, pack_prompts(specs, prefixes))
-    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(results["sdpa"], results["flex"])])
-    print(f"cuda flex kernel vs sdpa twin (f32): max {diffs.max():.3g}, mean {diffs.mean():.3g}")
+    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(results["sdpa"], results["tree"])])
+    print(f"cuda kernels vs twins (f32): max {diffs.max():.3g}, mean {diffs.mean():.3g}")
     assert diffs.max() <= 1e-4
-    from basal_local.backends.torch.tree_attention import flex_fallbacks
-
-    assert flex_fallbacks() == 0, "the compiled kernel fell back to the twin: the comparison compared the twin"
 
 
 def test_cuda_graphs_match_eager(small_model):
@@ -88,13 +88,14 @@ def test_cuda_graphs_match_eager(small_model):
     for dtype, bound in (("f32", 1e-4), ("f16", 5e-2)):
         results = {}
         for graphs in (False, True):
-            _, backend, _ = loaded(small_model, "cuda", dtype, cuda_graphs=graphs)
+            _, backend, _ = loaded(small_model, "cuda", dtype, options=TorchOptions(cuda_graphs=graphs))
             # single prompts (several buckets) and one packed batch
             results[graphs] = [readout_logits(backend, pack_prompts([s], prefixes))[0] for s in specs[:6]]
             results[graphs] += readout_logits(backend, pack_prompts(specs, prefixes))
             if graphs:
-                graphs_of = backend.fast.graphs if backend.fast is not None else backend._graphs
-                assert graphs_of, "no CUDA graph was captured"
+                assert backend.graphs.graphs, "no CUDA graph was captured"
+            else:
+                assert backend.graphs is None
         worst = max(float(np.abs(a - b).max()) for a, b in zip(results[False], results[True]))
         print(f"cuda graphs vs eager ({dtype}): max |dlogit| = {worst:.3g}")
         assert worst <= bound
@@ -123,13 +124,13 @@ def test_cuda_tree_kernel_matches_twin(small_model):
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         for readout in (None, batch.readout_index):
             p = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
-                                kernels.ATTN_BLOCK_M, rows=readout)
+                                DEFAULT_TILING[0], rows=readout)
             n_out = t if readout is None else len(readout)
             out = torch.full((n_out, hq * d), float("nan"), dtype=dtype, device="cuda")
             kernels.tree_attention(q, k, v, pk, pv, pos, torch.from_numpy(p.tiles).cuda(),
                                    torch.from_numpy(p.q_rows).cuda(),
                                    torch.tensor([p.num_tiles], dtype=torch.int32, device="cuda"), out,
-                                   compact=readout is not None)
+                                   compact=readout is not None, tiling=DEFAULT_TILING)
             want = twins.tree_attention(q.float(), k.float(), v.float(), pk.float(), pv.float(), pos, p, n_out,
                                         compact=readout is not None).view(n_out, -1)
             assert not torch.isnan(out).any(), "a row was not written"
@@ -186,8 +187,9 @@ def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
 
     if gemm == "fp8" and dtype == "bf16":
         pytest.skip("fp8 GEMMs run with f16 activations (dtype fp8)")
-    md, backend, prefixes = loaded(small_model, "cuda", "fp8" if gemm == "fp8" else dtype, gemm=gemm)
-    assert backend.fast is not None and backend.fast.gemm == gemm
+    options = TorchOptions(gemm="verified" if gemm == "fp8" else gemm)
+    md, backend, prefixes = loaded(small_model, "cuda", "fp8" if gemm == "fp8" else dtype, options=options)
+    assert backend.fwd.gemm == gemm
     rng = random.Random(7)
     specs = [s for seed in range(6) for s in random_specs(md, random.Random(seed))]
     for trial in range(6):
@@ -211,16 +213,16 @@ def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
 def test_cuda_alternative_attention_tiling_gives_the_same_bits(small_model, dtype):
     """The 128-query / 8-warp attention tiling that small graphs and long eager forwards use passed its load-time
     check (same bits as 64 / 4 warps), and a forward gives the same letter logits with it and without it."""
-    from basal_local.backends.torch.fast import ALT_TILING
+    from basal_local.backends.torch.forward import ALT_TILING
 
     md, backend, prefixes = loaded(small_model, "cuda", dtype)
-    fast = backend.fast
-    assert fast.alt_tiling == ALT_TILING, fast.gemm_plan.get("attention_alt_tiling")
+    fast = backend.fwd
+    assert fast.alt_tiling == ALT_TILING, fast.report.get("attention_alt_tiling")
     specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
     packs = [pack_prompts(specs[:2], prefixes), pack_prompts(specs, prefixes)]
     with_alt = [readout_logits(backend, p) for p in packs]
     fast.alt_tiling = None
-    fast.graphs.clear()
+    backend.graphs.clear()
     without = [readout_logits(backend, p) for p in packs]
     for a, b in zip(with_alt, without):
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
@@ -269,7 +271,7 @@ def test_cuda_fp8_accuracy_envelope_vs_f32_reference(small_model):
     specs = sample_prompt_specs(small_model, 48)
     _, ref_backend, prefixes = loaded(small_model, "cpu", "f32")
     _, backend, _ = loaded(small_model, "cuda", "fp8")
-    assert backend.fast.gemm == "fp8"
+    assert backend.fwd.gemm == "fp8"
     ref = readout_logits(ref_backend, pack_prompts(specs, prefixes))
     got = readout_logits(backend, pack_prompts(specs, prefixes))
     dlogit, dp, same = agreement(ref, got)

@@ -4,8 +4,8 @@
 tile table in device memory, which the interpreter does not take; so the kernels are checked on a GPU only.)
 
 The tree-attention twin walks the same tile table as the kernel (cuda_kernels/plan.py), so comparing it with
-the dense-mask SDPA path checks the table: key ranges, prefix rows and positions. The whole fast forward
-(`attention="tree"`) then runs on the twins against the reference forward. `tests/test_cuda.py` compares the
+a dense mask built from the visibility rule (tests/dense_reference.py) checks the table: key ranges, prefix rows
+and positions. The whole forward then runs on the twins against that dense reference forward. `tests/test_cuda.py` compares the
 compiled kernels with these twins on a GPU.
 """
 
@@ -22,6 +22,7 @@ from basal_local.cuda_kernels import plan as tplan
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
 
+from . import dense_reference
 from .conftest import load_backend, readout_logits
 from .test_packer import random_specs
 
@@ -45,13 +46,9 @@ def _random_qkv(batch, prefixes, hq=4, hkv=2, d=16, dtype=torch.float32, seed=0)
 
 
 def _dense(batch, q, k, v, pk, pv, lengths, rows=None):
-    from basal_local.backends.torch.tree_attention import TreeAttention
-
-    attention = TreeAttention(batch, lengths, "cpu", segment=False)
-    keys = torch.cat([pk, k]).transpose(0, 1).float()
-    values = torch.cat([pv, v]).transpose(0, 1).float()
-    rows_t = None if rows is None else torch.as_tensor(rows)
-    return attention(q.transpose(0, 1).float(), keys, values, rows=rows_t).transpose(0, 1)
+    mask = dense_reference.dense_mask(batch, lengths)
+    out = dense_reference.attention(q, torch.cat([pk, k]), torch.cat([pv, v]), mask)
+    return out if rows is None else out[torch.as_tensor(rows)]
 
 
 @pytest.mark.parametrize("use_prefix", [True, False])
@@ -114,14 +111,19 @@ def test_fused_twins_match_plain_torch():
     assert torch.allclose(out.view(3, 8, 8)[1, :6], want, atol=1e-6)
 
 
+def reference_logits(backend, pack) -> list:
+    outputs = [dense_reference.forward(backend, b) for b in pack.batches]
+    return [outputs[b][r, cols] for b, r, cols in pack.readouts]
+
+
 def test_fast_forward_on_twins_equals_reference(tiny_model):
-    """attention='tree' (the fused GPU forward, here on its twins) gives the reference logits on the CPU."""
-    md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
-    _, fast, _ = load_backend(tiny_model, attention="tree")
-    assert fast.fast is not None and not fast.fast.use_triton
-    for seed in range(1):
+    """The one forward (the fused GPU forward, here on its twins) gives the dense reference's logits."""
+    md, fast, prefixes = load_backend(tiny_model)
+    assert fast.fwd is not None and not fast.fwd.use_triton and fast.graphs is None
+    for seed in range(2):
         pack = pack_prompts(random_specs(md, random.Random(seed)), prefixes)
-        worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(ref, pack), readout_logits(fast, pack)))
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(reference_logits(fast, pack),
+                                                                readout_logits(fast, pack)))
         assert worst <= 1e-5, worst
     # the long-lane path (one yield per layer) gives the same logits
     batch = pack_prompts(random_specs(md, random.Random(5))[:2], prefixes).batches[0]
@@ -133,17 +135,17 @@ def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
     """Where a GEMM's verified row counts start above a forward's rows (the max preset's down projection: 384
     for a 320-token graph; o at the last layer's readout rows), the kernel before it writes a block that tall,
     so the GEMM reads it without a padding copy, and the logits are the reference's."""
-    md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
-    _, backend, _ = load_backend(tiny_model, attention="tree")
-    fast = backend.fast
-    fast.linear = fast._verified_linear(1)  # the f16/bf16 default route (f32 keeps plain cuBLAS)
+    md, backend, prefixes = load_backend(tiny_model)
+    fast = backend.fwd
+    fast.gemm = "verified"
+    fast.linear = fast._verified()  # the f16/bf16 default route (f32 keeps plain cuBLAS)
     layer = backend.layers[0]
     down = fast._gemm_key(layer.down_proj_weight, layer.down_proj_bias)
-    assert down in fast._sizes
+    assert down in fast._gemms
     # as a library that agrees from 256 rows on, and where (timed) 320 rows run much faster than 288 or 304
-    allowed = [s for s in fast._sizes[down] if s >= 256]
+    allowed = [s for s in fast._gemms[down].sizes if s >= 256]
     assert {256, 288, 304, 320, 8192} <= set(allowed)
-    fast._sizes[down] = gemm.CallSizes(allowed, {256: 3.0, 288: 5.0, 304: 5.0, 320: 3.0, 336: 6.0})
+    fast._gemms[down].sizes = gemm.CallSizes(allowed, {256: 3.0, 288: 5.0, 304: 5.0, 320: 3.0, 336: 6.0})
     assert fast.padded_rows(200, layer.down_proj_weight, layer.down_proj_bias) == 256
     assert fast.padded_rows(280, layer.down_proj_weight, layer.down_proj_bias) == 320
     assert fast.padded_rows(330, layer.down_proj_weight, layer.down_proj_bias) == 336
@@ -156,10 +158,11 @@ def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
         return real(x, w, b, sizes, linear)
     monkeypatch.setattr(gemm, "sized_linear", spy)
     pack = pack_prompts(random_specs(md, random.Random(4)), prefixes)
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(ref, pack), readout_logits(backend, pack)))
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(reference_logits(backend, pack),
+                                                            readout_logits(backend, pack)))
     assert worst <= 1e-5, worst
     down_rows = [rows for rows, is_down in calls if is_down]
-    assert down_rows and all(rows in fast._sizes[down] for rows in down_rows), down_rows
+    assert down_rows and all(rows in fast._gemms[down].sizes for rows in down_rows), down_rows
 
 
 def test_mlp_temporaries_are_freed_as_soon_as_used(tiny_model, monkeypatch):
@@ -168,9 +171,10 @@ def test_mlp_temporaries_are_freed_as_soon_as_used(tiny_model, monkeypatch):
     they raised a 17k-token forward's peak by 1.1 GB on the 4.5B preset)."""
     import weakref
 
-    md, backend, prefixes = load_backend(tiny_model, attention="tree")
-    fast = backend.fast
-    fast.linear = fast._verified_linear(1)
+    md, backend, prefixes = load_backend(tiny_model)
+    fast = backend.fwd
+    fast.gemm = "verified"
+    fast.linear = fast._verified()
     downs = {id(L.down_proj_weight) for L in backend.layers}
     qkvs = {id(L.qkv_weight) for L in backend.layers}
     gate_ups, acts, checked = [], [], []
@@ -191,7 +195,7 @@ def test_mlp_temporaries_are_freed_as_soon_as_used(tiny_model, monkeypatch):
     monkeypatch.setattr(twins, "silu_mul", silu)
     monkeypatch.setattr(gemm, "sized_linear", spy)
     batch = pack_prompts(random_specs(md, random.Random(6))[:3], prefixes).batches[0]
-    list(fast.forward_steps(batch))
+    list(backend.forward_steps(batch))
     assert len(checked) == 2 * md.config.num_hidden_layers and all(checked), checked
 
 
@@ -199,20 +203,21 @@ def test_fast_forward_alternative_attention_tiling(tiny_model):
     """Where a device gives the same bits with the alternative attention tiling (checked at load on a GPU), small
     graphs and long eager forwards plan 128-query tiles and the rest 64; a forward planned either way gives the
     same logits (the twins walk whatever table the host built)."""
-    from basal_local.backends.torch.fast import ALT_MAX_TOKENS, ALT_TILING, TOKEN_BUCKETS
+    from basal_local.backends.torch.forward import ALT_MAX_TOKENS, ALT_TILING, TOKEN_BUCKETS
+    from basal_local.backends.torch.graphs import dummy
 
-    md, backend, prefixes = load_backend(tiny_model, attention="tree")
-    fast = backend.fast
+    md, backend, prefixes = load_backend(tiny_model)
+    fast = backend.fwd
     assert fast.alt_tiling is None  # no Triton here: the twins run, nothing to check
     pack = pack_prompts(random_specs(md, random.Random(2)), prefixes)
     before = readout_logits(backend, pack)
     fast.alt_tiling = ALT_TILING
-    assert fast._block_m(ALT_MAX_TOKENS) == 128 and fast._block_m(TOKEN_BUCKETS[-1] + 1) == 128
-    assert fast._block_m(ALT_MAX_TOKENS + 1) == fast._block_m(TOKEN_BUCKETS[-1]) == 64
+    assert fast.block_m(ALT_MAX_TOKENS) == 128 and fast.block_m(TOKEN_BUCKETS[-1] + 1) == 128
+    assert fast.block_m(ALT_MAX_TOKENS + 1) == fast.block_m(TOKEN_BUCKETS[-1]) == 64
     assert pack.batches[0].num_tokens <= ALT_MAX_TOKENS
 
     def tile_sizes(n: int) -> list[int]:  # queries per tile of a one-block forward of n tokens, as uploaded
-        buf, layout = fast._host_inputs(fast._dummy(n, 4), n, n, 4)
+        buf, layout = fast.host_inputs(dummy(n, 4), n, n, 4)
         o, size = layout["tiles"]
         return sorted(buf[o:o + size].reshape(-1, 64)[:buf[layout["nt"][0]], 1].tolist())
     assert tile_sizes(300) == [44, 128, 128] and tile_sizes(1100) == [12] + [64] * 17
@@ -223,11 +228,11 @@ def test_fast_forward_alternative_attention_tiling(tiny_model):
 def test_alternative_tiling_is_dropped_where_it_differs_or_fails():
     """The load-time choice: the alternative tiling only where it gives the same bits; a device that cannot run
     it (a compile or launch error) loads without it, and says so in the plan `bench` prints."""
-    from basal_local.backends.torch.fast import ALT_TILING, FastPath
+    from basal_local.backends.torch.forward import ALT_TILING, Forward
 
-    class Probe(FastPath):
+    class Probe(Forward):
         def __init__(self, outcome):  # only what _pick_alt_tiling needs
-            self.gemm_plan, self.outcome = {}, outcome
+            self.report, self.outcome = {}, outcome
 
         def _alt_tiling_agrees(self, tiling):
             if isinstance(self.outcome, Exception):
@@ -238,7 +243,7 @@ def test_alternative_tiling_is_dropped_where_it_differs_or_fails():
                                   (RuntimeError("out of resource: shared memory"), None, "RuntimeError")):
         probe = Probe(outcome)
         assert probe._pick_alt_tiling() == tiling
-        assert said in probe.gemm_plan["attention_alt_tiling"]
+        assert said in probe.report["attention_alt_tiling"]
 
 
 def test_chunked_linear_twin_is_row_invariant():
@@ -371,3 +376,19 @@ def test_pinned_library_algorithms_agree_and_are_chosen_by_time():
         assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, allowed, call), full[start:start + rows])
     # the 1- and 10-row calls ran the pinned algorithm at 16 rows; the 100-row call the library's own at 128
     assert (16, "same-fast") in fake.calls and all(m in (16, 256) for m, _ in fake.calls)
+
+
+def test_a_dropped_backend_is_freed_without_the_garbage_collector(tiny_model):
+    """No reference cycle holds a backend (its forward, GEMM closures, CUDA graphs): dropped, it is freed at once,
+    never by a later collection that could land inside another backend's CUDA graph capture."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        _, backend, _ = load_backend(tiny_model)
+        refs = [weakref.ref(backend), weakref.ref(backend.fwd)]
+        del backend
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()

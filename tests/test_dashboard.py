@@ -390,3 +390,13 @@ async def test_a_failed_batch_is_cleared_from_the_queue_panel():
         await pilot.press("5")
         await settle(pilot, app)
         assert "ERROR   engine: batch 9 failed in basal-demo/long: RuntimeError: device" in screen_text(app)
+
+
+async def test_ctrl_c_quits_as_the_banner_says():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        assert app.return_code is None
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app.return_code == 0  # the app is leaving (q's action), not showing "press ctrl+q"

@@ -1,4 +1,4 @@
-"""Decision math (PROTOCOL.md §5) against the golden vectors of §9, to the last printed digit."""
+"""Decision math (docs/PROTOCOL.md §5) against the golden vectors of §9, to the last printed digit."""
 
 from basal_local.protocol.answers import answer
 from basal_local.protocol.decision import (

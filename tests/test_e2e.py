@@ -1,6 +1,6 @@
 """End to end over a real socket: the daemon as a subprocess on a free port, checked against transformers.
 
-The reference renders the prompts from PROTOCOL.md and tokenizes them with `tokenizers` itself
+The reference renders the prompts from docs/PROTOCOL.md and tokenizes them with `tokenizers` itself
 (`tests/reference.py`), so a rendering or tokenization bug in the product cannot agree with itself.
 """
 

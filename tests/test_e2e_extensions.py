@@ -1,6 +1,6 @@
 """multi, act, 11-255 options and evidence end to end over HTTP on both endpoints, against transformers f32.
 
-The reference prompts are rendered here from PROTOCOL.md §4 (not through the product; the constants, the
+The reference prompts are rendered here from docs/PROTOCOL.md §4 (not through the product; the constants, the
 tokenizer with the §4.6 fixes and the letter-id rule come from tests/reference.py), run through
 `LlamaForCausalLM` in f32 and pushed through the protocol math
 written out again in NumPy; the Luce fit of the reference is Hunter's MM algorithm (tests/reference.py).

@@ -26,6 +26,9 @@ def body(i: int, questions: int = 2) -> dict:
     return {"model": M, "state": f"Zgłoszenie {i}: paczka uszkodzona.", "questions": dict(list(qs.items())[:questions])}
 
 
+DASHBOARD = {"x-basal-dashboard-token": "test-dashboard-token"}  # the daemon's own dashboards see the details
+
+
 class LiveDaemon:
     """The app with the tiny model, served by uvicorn in a thread on a free port (stoppable, restartable)."""
 
@@ -35,7 +38,7 @@ class LiveDaemon:
         from basal_local.server.settings import Settings
 
         settings = Settings.load({"device": "cpu"}, config_file=Path("/nonexistent"))
-        self.state = AppState(max_inflight=settings.max_inflight)
+        self.state = AppState(max_inflight=settings.max_inflight, dashboard_token="test-dashboard-token")
         load_engines(self.state, settings, [model_dir])
         assert self.state.ready, self.state.load_error
         self.port = free_port()
@@ -204,7 +207,7 @@ def test_trees_are_built_only_while_someone_listens(live):
     for batch in stats["batches"]:
         if batch["batch_id"] in quiet_batches:  # built now, from the tries the record kept
             assert sum(row["tokens"] for row in batch["tree"]) == batch["packed_tokens"]
-    detail = http("GET", live.url + "/api/requests/quiet-2")[2]  # the details are built when asked, too
+    detail = http("GET", live.url + "/api/requests/quiet-2", headers=DASHBOARD)[2]  # the details are built when asked, too
     assert [q["id"] for q in detail["asked"]] == ["kind", "urgent"] and set(detail["answers"]) == {"kind", "urgent"}
 
 
@@ -253,7 +256,7 @@ def test_sse_stream_and_counters_that_add_up(live):
     assert after["version"] and after["backend"] == "torch" and after["device"] == "cpu" and after["dtype"] == "f32"
     assert after["models"][0]["name"] == M and after["limits"]["max_inflight"] == 1024
     assert after["percentiles"]["queue_ms"]["p50"] is not None and after["queues"][M]["main"]["waiting"] == 0
-    detail = http("GET", live.url + "/api/requests/sse-3")[2]
+    detail = http("GET", live.url + "/api/requests/sse-3", headers=DASHBOARD)[2]
     assert [q["id"] for q in detail["asked"]] == ["kind", "urgent"] and set(detail["answers"]) == {"kind", "urgent"}
     assert "Zgłoszenie" not in json.dumps(detail, ensure_ascii=False)  # never the state text
     assert http("GET", live.url + "/api/requests/nope")[0] == 404

@@ -1,4 +1,4 @@
-"""Evidence (PROTOCOL.md §6.8): the safe head loader, the span selection, final hidden states, the 422."""
+"""Evidence (docs/PROTOCOL.md §6.8): the safe head loader, the span selection, final hidden states, the 422."""
 
 from __future__ import annotations
 

@@ -77,9 +77,9 @@ def test_fp8_linear_twin_close_to_f32_and_row_invariant():
 def test_fp8_fast_forward_on_twins_close_to_reference(tiny_model):
     """dtype fp8 on the tree path (here the twins on the CPU) gives letter logits near the f32 reference and
     the same bits for a prompt alone and in a batch."""
-    md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
-    _, quant, _ = load_backend(tiny_model, dtype="fp8", attention="tree")
-    assert quant.fast.gemm == "fp8" and quant.dtype == torch.float16 and quant.fast.fp8_bytes > 0
+    md, ref, prefixes = load_backend(tiny_model)
+    _, quant, _ = load_backend(tiny_model, dtype="fp8")
+    assert quant.fwd.gemm == "fp8" and quant.dtype == torch.float16 and quant.fwd.fp8_bytes > 0
     specs = random_specs(md, random.Random(3))
     pack = pack_prompts(specs, prefixes)
     a, b = readout_logits(ref, pack), readout_logits(quant, pack)
@@ -105,21 +105,20 @@ def test_fp8_refused_where_it_cannot_run(tiny_model):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="NVIDIA"):
             check_dtype("auto", "auto", "fp8")
-    with pytest.raises(ValueError, match="tree path"):
-        load_backend(tiny_model, dtype="fp8", attention="sdpa")
 
 
 def test_fp8_gemms_subset_keeps_the_rest_f16(tiny_model, monkeypatch):
-    """BASAL_LOCAL_FP8_GEMMS narrows the route: only those projections get float8 copies; the others run f16 at
+    """The fp8_gemms option narrows the route: only those projections get float8 copies; the others run f16 at
     their own verified sizes, and the forward keeps its decisions."""
-    monkeypatch.setenv("BASAL_LOCAL_FP8_GEMMS", "gate_up,down")
-    md, ref, prefixes = load_backend(tiny_model, attention="sdpa")
-    _, quant, _ = load_backend(tiny_model, dtype="fp8", attention="tree")
+    from basal_local.backends.torch.options import TorchOptions
+
+    md, ref, prefixes = load_backend(tiny_model)
+    _, quant, _ = load_backend(tiny_model, dtype="fp8", options=TorchOptions.from_settings(fp8_gemms="gate_up,down"))
     cfg = md.config
     per_layer = 3 * cfg.intermediate_size * cfg.hidden_size + 2 * cfg.intermediate_size * 4 + cfg.hidden_size * 4
-    assert quant.fast.fp8_bytes == cfg.num_hidden_layers * per_layer
-    assert quant.fast.gemm_plan["fp8_gemms"] == "gate_up,down"
-    assert any(k.endswith("-f16") for k in quant.fast.gemm_plan)
+    assert quant.fwd.fp8_bytes == cfg.num_hidden_layers * per_layer
+    assert quant.fwd.report["fp8_gemms"] == "gate_up,down"
+    assert any(k.endswith("-f16") for k in quant.fwd.report)
     specs = random_specs(md, random.Random(4))
     pack = pack_prompts(specs, prefixes)
     a, b = readout_logits(ref, pack), readout_logits(quant, pack)
@@ -127,9 +126,8 @@ def test_fp8_gemms_subset_keeps_the_rest_f16(tiny_model, monkeypatch):
     # bitwise row invariance is the GPU's contract (test_cuda.py); the CPU's f16 GEMMs only come close
     alone = readout_logits(quant, pack_prompts(specs[:1], prefixes))[0]
     assert float(np.abs(alone - b[0]).max()) <= 1e-5
-    monkeypatch.setenv("BASAL_LOCAL_FP8_GEMMS", "gate,down")
     with pytest.raises(ValueError, match="unknown projection 'gate'"):
-        load_backend(tiny_model, dtype="fp8", attention="tree")
+        TorchOptions.from_settings(fp8_gemms="gate,down")
 
 
 def test_cli_bench_fp8_on_cpu_is_a_user_error(tiny_model, capsys):

@@ -1,5 +1,5 @@
-"""The layers of DESIGN.md "Layout", as imports: protocol knows no HTTP, api or engine; the engine knows no HTTP
-and no wire dialect (its errors are protocol exceptions the api maps, PROTOCOL.md §2.1)."""
+"""The layers of docs/ARCHITECTURE.md "Layout and namespace", as imports: protocol knows no HTTP, api or engine; the engine knows no HTTP
+and no wire dialect (its errors are protocol exceptions the api maps, docs/PROTOCOL.md §2.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Letter ids (PROTOCOL.md §4.6) against ids computed here with `tokenizers`, not through the product.
+"""Letter ids (docs/PROTOCOL.md §4.6) against ids computed here with `tokenizers`, not through the product.
 
 The generated tokenizer gives A-J scattered, unsorted ids (like A=31928, B=31936, C=31935 of the real one), so
 deriving them from the bare letters, sorting them or shifting them by one cannot agree with the reference.

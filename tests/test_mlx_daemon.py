@@ -117,9 +117,9 @@ def test_without_torch_make_test_model_and_auto_backend_run_on_mlx(tmp_path):
     assert out.returncode == 0, out.stderr
     code = block + (
         "import numpy as np; from basal_local.backends.select import make_backend; "
-        "from basal_local.backends.mlx.llama import _single_prompt; "
+        "from basal_local.backends.base import PackedBatch; "
         "b = make_backend('auto', 'cpu'); b.load(sys.argv[1], 'auto'); "
-        "x = b.forward(_single_prompt([1, 3, 50, 60, 70])); "
+        "x = b.forward(PackedBatch.single([1, 3, 50, 60, 70])); "
         "print(b.name, b.device, x.shape, bool(np.isfinite(x).all()))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True,
                          timeout=120)

@@ -1,4 +1,4 @@
-"""Model directory load checks (PROTOCOL.md §4.7): every refusal names the file and the field."""
+"""Model directory load checks (docs/PROTOCOL.md §4.7): every refusal names the file and the field."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Queue order and batch formation as pure functions with an injected clock (ENGINE.md §3, DESIGN.md "Scheduling").
+"""Queue order and batch formation as pure functions with an injected clock (docs/ARCHITECTURE.md, docs/ARCHITECTURE.md "Scheduling").
 
-Expected values come from DESIGN.md's formulas written out here: priority = (wait + est) / est, with
+Expected values come from the formulas of docs/ARCHITECTURE.md "Scheduling" written out here: priority = (wait + est) / est, with
 est = fixed batch overhead + tokens / rate; a batch takes the first job and each later one whose packed growth
 (shared prefixes counted once) still fits `max_batch_tokens`.
 """

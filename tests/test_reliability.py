@@ -50,7 +50,7 @@ def stats(port: int) -> dict:
 
 
 def assert_dialect_error(path: str, status: int, body) -> None:
-    """The error shape of each dialect: System One's (PROTOCOL.md §2.1) or `{"error": str}` (§8)."""
+    """The error shape of each dialect: System One's (docs/PROTOCOL.md §2.1) or `{"error": str}` (§8)."""
     assert 400 <= status < 500, (status, body)
     if path == "/v1/basal":
         assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body
@@ -347,7 +347,7 @@ def keyed(tiny_model):
     daemon = LoggedDaemon(["--model", str(tiny_model), "--device", "cpu", "--log-bodies", "--drain", "2",
                            "--body-timeout", "60"], {"BASAL_LOCAL_API_KEY": KEY})
     deadline = time.time() + 300
-    while True:  # /health needs the key too
+    while True:  # the key shows the details (/health without it says only the status)
         try:
             if rawhttp.get(daemon.port, "/health", {"authorization": f"Bearer {KEY}"}, deadline_s=2)[0] == 200:
                 break
@@ -368,9 +368,14 @@ def test_an_api_key_is_required_when_set(keyed):
             assert_dialect_error(path, status, body)
         assert rawhttp.post(keyed.port, path, SMALL, {"authorization": f"Bearer {KEY}"})[0] == 200
         assert rawhttp.post(keyed.port, path, SMALL, {"x-api-key": KEY})[0] == 200
-    for path in ("/api/stats", "/health", "/v1/models"):
+    for path in ("/api/stats", "/v1/models"):
         status, _, body = rawhttp.get(keyed.port, path)
         assert status == 401 and body["code"] == "UNAUTHORIZED"
+    # liveness probes carry no key: /health answers the status word only, the details need the key
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        assert rawhttp.get(keyed.port, "/health", headers)[::2] == (200, {"status": "ok"})
+    status, _, body = rawhttp.get(keyed.port, "/health", {"x-api-key": KEY})
+    assert status == 200 and body["status"] == "ok" and body["models"] and "version" in body
 
 
 def test_the_key_flag_and_the_environment_both_set_the_key(monkeypatch):

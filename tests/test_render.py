@@ -1,4 +1,4 @@
-"""Prompt rendering (PROTOCOL.md §4): byte-exact prompts for every type, both dialects."""
+"""Prompt rendering (docs/PROTOCOL.md §4): byte-exact prompts for every type, both dialects."""
 
 import pytest
 
@@ -32,7 +32,7 @@ def prompts(raw_body: str, dialect="systemone"):
 
 
 def test_golden_structured_state_prompt():
-    """PROTOCOL.md §9, byte for byte."""
+    """docs/PROTOCOL.md §9, byte for byte."""
     raw = ('{"model": "m", "state": {"ticket": "Paczka nr 77 dotarła uszkodzona 🙁", "amount": 129.99, "vip": true, '
            '"notes": null, "tags": ["dostawa", "reklamacja"], "nested": {"a": [1, 2.5, -3e-07], "b": {}}}, '
            '"questions": {"q": {"type": "choice", "instructions": "Jaki jest rodzaj zgłoszenia?", "criteria": '

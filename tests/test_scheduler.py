@@ -1,4 +1,4 @@
-"""Scheduling with a fake backend whose forward time grows with tokens (ENGINE.md §3, DESIGN.md "Scheduling")."""
+"""Scheduling with a fake backend whose forward time grows with tokens (docs/ARCHITECTURE.md, docs/ARCHITECTURE.md "Scheduling")."""
 
 from __future__ import annotations
 
@@ -170,10 +170,12 @@ def test_long_lane_runs_one_request_at_a_time(model):
 def test_cancelled_requests_cost_no_forward(model):
     engine, backend = make_engine(model, long_tokens=0)
     try:
+        backend.hold()  # the lane holds the blocker's forward until the others are queued behind it
         blocker = engine.submit(plan(engine, model, 1200, "blocker"))
-        time.sleep(0.02)
+        assert backend.running.wait(timeout=30)
         gone = [engine.submit(plan(engine, model, 5, f"g{i}"), is_cancelled=lambda: True) for i in range(5)]
         kept = engine.submit(plan(engine, model, 5, "kept"))
+        backend.release()
         kept.future.result(timeout=30)
         blocker.future.result(timeout=30)
         for job in gone:

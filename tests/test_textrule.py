@@ -1,4 +1,4 @@
-"""The JSON text rule (PROTOCOL.md §4.3) against Python's own json.dumps, and what must be rejected."""
+"""The JSON text rule (docs/PROTOCOL.md §4.3) against Python's own json.dumps, and what must be rejected."""
 
 import json
 

@@ -1,57 +1,49 @@
-"""The tree-attention kernel (FlexAttention) against its plain twin (dense-mask SDPA), STYLE.md habit 5.
-
-On the CPU the kernel runs FlexAttention's eager reference path; `tests/test_cuda.py` compares the compiled
-CUDA kernel with the twin.
-"""
+"""Tree attention through the whole forward: a prompt packed with others (sharing template and state blocks)
+gets the logits it gets alone (the CPU twins: within 1e-5; bitwise is the CUDA contract, tests/test_cuda.py),
+and the tile plan's visibility equals the dense rule of tests/dense_reference.py for every packed batch."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
-import pytest
 
-from basal_local.backends.torch.tree_attention import flex_available, flex_fallbacks
+from basal_local.cuda_kernels import plan as tplan
 from basal_local.engine.packer import pack_prompts
-from basal_local.model import load_model_dir
 
-from .conftest import load_backend
+from . import dense_reference
+from .conftest import load_backend, readout_logits
 from .test_packer import random_specs
 
-pytestmark = pytest.mark.skipif(not flex_available(), reason="torch without FlexAttention")
+
+def test_packed_equals_one_prompt_at_a_time(tiny_model):
+    md, backend, prefixes = load_backend(tiny_model)
+    specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
+    packed = readout_logits(backend, pack_prompts(specs, prefixes))
+    for spec, got in zip(specs[::4], packed[::4]):
+        alone = readout_logits(backend, pack_prompts([spec], prefixes))[0]
+        assert float(np.abs(alone - got).max()) <= 1e-5
 
 
-def test_flex_kernel_matches_sdpa_twin(tiny_model):
-    backends = {}
-    for impl in ("sdpa", "flex"):
-        md, backends[impl], prefixes = load_backend(tiny_model, attention=impl)
-    for seed in range(3):
-        specs = random_specs(md, random.Random(seed))
-        pack = pack_prompts(specs, prefixes)
-        twin = [backends["sdpa"].forward(b) for b in pack.batches]
-        kernel = [backends["flex"].forward(b) for b in pack.batches]
-        diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(twin, kernel)])
-        print(f"flex vs sdpa twin: max {diffs.max():.3g}, mean {diffs.mean():.3g}")
-        assert diffs.max() <= 1e-5
-    assert flex_fallbacks() == 0, "the kernel fell back to the twin: the comparison compared the twin with itself"
-
-
-def test_subtree_split_equals_dense_twin(tiny_model):
-    """Independent subtrees attending alone give the dense result, on random q/k/v of a real packed batch."""
-    import torch
-
-    from basal_local.backends.torch.tree_attention import TreeAttention
-
-    md = load_model_dir(tiny_model)
-    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+def test_tile_plan_visibility_is_the_dense_rule(tiny_model):
+    """Every query's keys in the plan (prefix rows, then forward tokens of its ranges, up to its position) are
+    exactly the keys the dense mask lets it see."""
+    md, backend, prefixes = load_backend(tiny_model)
     specs = [s for seed in range(4) for s in random_specs(md, random.Random(seed))]
     batch = pack_prompts(specs, prefixes).batches[0]
     lengths = [len(prefixes[name]) for name in batch.prefixes]
-    split = TreeAttention(batch, lengths, "cpu")
-    dense = TreeAttention(batch, lengths, "cpu", segment=False)
-    assert split.grouped and not dense.grouped
-    gen = torch.Generator().manual_seed(0)
-    n, s = batch.num_tokens, sum(lengths) + batch.num_tokens
-    q, k, v = (torch.randn(shape, generator=gen) for shape in ((4, n, 16), (2, s, 16), (2, s, 16)))
-    diff = (split(q, k, v) - dense(q, k, v)).abs().max().item()
-    assert diff <= 1e-5, diff
+    rows = [(sum(lengths[:j]), n) for j, n in enumerate(lengths)]
+    mask = dense_reference.dense_mask(batch, lengths).numpy()
+    p = sum(lengths)
+    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 16)
+    seen = np.zeros_like(mask)
+    for rec in plan.tiles:
+        q_off, n_q, _, n_pre, pre_off, n_r = (int(x) for x in rec[:6])
+        for t in plan.q_rows[q_off:q_off + n_q]:
+            pos = batch.positions[t]
+            seen[t, pre_off:pre_off + min(n_pre, pos + 1)] = True
+            for r in range(n_r):
+                ps, ts, ln = (int(x) for x in rec[8 + 3 * r: 11 + 3 * r])
+                keys = np.arange(ts, ts + ln)[np.arange(ps, ps + ln) <= pos]
+                seen[t, p + keys] = True
+    assert np.array_equal(seen, mask)

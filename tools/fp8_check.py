@@ -14,7 +14,6 @@ Prints one JSON line per step and writes them all to OUT.json.
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import sys
@@ -25,7 +24,9 @@ import torch
 
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.torch import TorchBackend
-from basal_local.backends.torch.fast import FP8_GEMMS, FastPath
+from basal_local.backends.torch.forward import Forward
+from basal_local.backends.torch.graphs import Graphs
+from basal_local.backends.torch.options import FP8_GEMMS, TorchOptions
 from basal_local.bench import sample_requests
 from basal_local.cuda_kernels import fp8, triton_kernels
 from basal_local.engine.packer import PromptSpec, pack_prompts
@@ -136,15 +137,17 @@ def invariance(backend, specs, prefixes, trials: int = 8) -> tuple[int, float]:
 
 
 def fp8_run(backend, dev: str, prefixes, specs, decisions, ref, f16_single: float, subset: str) -> None:
-    backend.fast = None
+    backend.fwd = backend.graphs = None
     if dev == "cuda":
         torch.cuda.empty_cache()
     t = time.perf_counter()
-    backend.fast = FastPath(backend, use_triton=dev == "cuda", gemm="fp8")
+    backend.dtype_name, backend.options = "fp8", TorchOptions.from_settings(fp8_gemms=subset)
+    backend.fwd = Forward(backend, backend.options, kernels=dev == "cuda")
+    backend.graphs = Graphs(backend.fwd) if dev == "cuda" else None
     for lang, ids in prefixes.items():
         backend.add_prefix(lang, ids)
     emit(step="load_fp8", fp8_gemms=subset, s=round(time.perf_counter() - t, 1),
-         fp8_gb=round(backend.fast.fp8_bytes / 1e9, 2), gemm_plan=backend.fast.gemm_plan)
+         fp8_gb=round(backend.fwd.fp8_bytes / 1e9, 2), gemm_plan=backend.fwd.report)
     got = logits_of(backend, specs, prefixes)
     dlogit = max(float(np.abs(a - b).max()) for a, b in zip(ref, got))
     dp = max(max(abs(x - y) for x, y in zip(calibrate(softmax(a.tolist()), 1.3), calibrate(softmax(b.tolist()), 1.3)))
@@ -168,21 +171,20 @@ def main(model_dir: str, out: str, *flags: str) -> None:
         micro(md.config)
         torch.cuda.empty_cache()
     dev = "cpu" if "--cpu" in flags else "cuda"  # --cpu: a dry run of the logic on the twins (tiny models)
-    backend = TorchBackend(dev, attention="tree")
+    backend = TorchBackend(dev)
     t = time.perf_counter()
     backend.load(md.path, "f16")
     prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
     for lang, ids in prefixes.items():
         backend.add_prefix(lang, ids)
-    emit(step="load_f16", s=round(time.perf_counter() - t, 1), gemm_plan=backend.fast.gemm_plan)
+    emit(step="load_f16", s=round(time.perf_counter() - t, 1), gemm_plan=backend.fwd.report)
     specs, decisions = prompt_specs(md)
     ref = logits_of(backend, specs, prefixes)
     f16_single = single_ms(backend, specs, decisions, prefixes)
     emit(step="f16", prompts=len(specs), single_ms=round(f16_single, 3))
-    # --subsets "qkv,o,gate_up,down;gate_up,down": one fp8 run per BASAL_LOCAL_FP8_GEMMS value (default: all)
+    # --subsets "qkv,o,gate_up,down;gate_up,down": one fp8 run per fp8_gemms option value (default: all)
     subsets = next((f.split("=", 1)[1] for f in flags if f.startswith("--subsets=")), ",".join(FP8_GEMMS))
     for subset in subsets.split(";"):
-        os.environ["BASAL_LOCAL_FP8_GEMMS"] = subset
         fp8_run(backend, dev, prefixes, specs, decisions, ref, f16_single, subset)
     with open(out, "w") as fh:
         json.dump(RESULTS, fh, indent=1)

@@ -85,7 +85,7 @@ def graph_sweep(result: dict, model_dir: str) -> None:
     backend = TorchBackend("cuda")
     backend.load(md.path, "auto")
     engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
-    fast = backend.fast
+    fast = backend.graphs
     requests = [validate_systemone(r, md.name) for r in single_question_requests(md.name)]
     sizes = []
     for r in requests:

@@ -1,7 +1,7 @@
 """Where the wall time of one single decision goes on the host (issue 9: ~1.5-2 ms above the kernel time).
 
 Runs the sample set's single decisions through the engine path of `bench` (plan -> pack -> forward) and splits
-each into: planning, packing, FastPath input building + upload, graph replay launch, and the wait for the GPU (the
+each into: planning, packing, the graph's input building + upload, and the graph replay with the wait for the GPU (the
 letter logits are part of the graph) and the logits back; then cProfile's top functions over the same loop. Usage: host_profile.py MODEL_DIR OUT.txt
 """
 
@@ -31,26 +31,24 @@ def main() -> None:
     backend = TorchBackend("cuda")
     backend.load(md.path, "auto")
     engine = ModelEngine(md, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
-    fast = backend.fast
+    graphs = backend.graphs
     requests = [validate_systemone(r, md.name) for r in single_question_requests(md.name)]
-    parts: dict[str, list[float]] = {k: [] for k in ("plan", "pack", "upload", "replay", "gpu_wait_logits", "total")}
-    upload, logits = fast._upload, fast._graph_logits
+    parts: dict[str, list[float]] = {k: [] for k in ("plan", "pack", "upload", "replay_and_wait", "total")}
+    graph_for, forward = graphs._graph_for, graphs.forward
 
     def timed_upload(*a, **k):
         t = time.perf_counter()
-        out = upload(*a, **k)
+        out = graph_for(*a, **k)
         parts["upload"].append(time.perf_counter() - t)
-        timed_upload.end = time.perf_counter()
         return out
 
-    def timed_logits(*a, **k):
-        parts["replay"].append(time.perf_counter() - timed_upload.end)
+    def timed_forward(*a, **k):
         t = time.perf_counter()
-        out = logits(*a, **k)
-        parts["gpu_wait_logits"].append(time.perf_counter() - t)
+        out = forward(*a, **k)
+        parts["replay_and_wait"].append(time.perf_counter() - t - parts["upload"][-1])
         return out
 
-    fast._upload, fast._graph_logits = timed_upload, timed_logits
+    graphs._graph_for, graphs.forward = timed_upload, timed_forward
 
     def decide(r):
         t0 = time.perf_counter()

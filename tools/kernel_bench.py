@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from basal_local.backends.base import PackedBatch
-from basal_local.backends.torch.tree_attention import TreeAttention
+from basal_local.backends.torch.options import DEFAULT_TILING
 from basal_local.cuda_kernels import plan as tplan
 from basal_local.cuda_kernels import triton_kernels, twins
 from basal_local.engine.packer import PromptSpec, pack_prompts
@@ -60,7 +60,7 @@ def split(qkv):
 def run_kernel(batch, qkv, pk, pv, n_prefix, rows=None):
     q, k, v = split(qkv)
     p = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix,
-                        [(0, n_prefix)], K.ATTN_BLOCK_M, rows=rows)
+                        [(0, n_prefix)], DEFAULT_TILING[0], rows=rows)
     tiles = torch.from_numpy(p.tiles).to(DEV)
     q_rows = torch.from_numpy(p.q_rows).to(DEV)
     nt = torch.tensor([p.num_tiles], dtype=torch.int32, device=DEV)
@@ -69,7 +69,8 @@ def run_kernel(batch, qkv, pk, pv, n_prefix, rows=None):
     out = torch.full((n_out, HQ * D), float("nan"), dtype=qkv.dtype, device=DEV)
 
     def go():
-        return K.tree_attention(q, k, v, pk, pv, pos, tiles, q_rows, nt, out, compact=rows is not None)
+        return K.tree_attention(q, k, v, pk, pv, pos, tiles, q_rows, nt, out, compact=rows is not None,
+                                  tiling=DEFAULT_TILING)
     return go, p, pos
 
 
@@ -90,18 +91,9 @@ def attention_checks(result):
                      "unwritten": int(torch.isnan(got).sum().item())}
             if dtype != torch.float32:
                 entry["kernel_ms"] = ms(go)
-                # the landed path: f32 copies, concatenated prefix, dense-mask SDPA per subtree group
-                ta = TreeAttention(batch, [len(prefix)], DEV)
-                qf = q.float().transpose(0, 1).contiguous()
-
-                def twin():
-                    keys = torch.cat([pk.float().transpose(0, 1), k.float().transpose(0, 1)], 1)
-                    values = torch.cat([pv.float().transpose(0, 1), v.float().transpose(0, 1)], 1)
-                    return ta(qf, keys, values)
-                entry["landed_sdpa_f32_ms"] = ms(twin)
             result[f"attention_{name}_{str(dtype)[6:]}"] = entry
             rows_out.append(f"attn {name:8s} {str(dtype)[6:]:8s} T={batch.num_tokens:5d} err {err:.2e} "
-                            f"kernel {entry.get('kernel_ms', 0):.3f} ms landed {entry.get('landed_sdpa_f32_ms', 0):.3f} ms")
+                            f"kernel {entry.get('kernel_ms', 0):.3f} ms")
     # bitwise: a prompt alone vs amid 31 other states (readout rows and every row of the prompt)
     for dtype in (torch.float16, torch.bfloat16):
         equal, trials = 0, 5

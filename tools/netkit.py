@@ -23,10 +23,10 @@ def free_port() -> int:
 class Daemon:
     """`basal-local serve` on a free port; its output is drained into `lines`."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], python: str = sys.executable, cwd: str | None = None) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--port", str(self.port),
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen([python, "-m", "basal_local.cli", "serve", "--port", str(self.port),
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
 

@@ -13,6 +13,7 @@ import torch
 
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.torch import TorchBackend
+from basal_local.backends.torch.options import TorchOptions
 from basal_local.bench import single_question_requests
 from basal_local.engine.packer import PromptSpec, pack_prompts
 from basal_local.model import load_model_dir
@@ -35,7 +36,7 @@ def family(name: str) -> str:
 
 
 def profile(md, attention: str, gemm: str, batches) -> str:
-    backend = TorchBackend("cuda", attention=attention, cuda_graphs=False, gemm=gemm)
+    backend = TorchBackend("cuda", attention=attention, options=TorchOptions(cuda_graphs=False, gemm=gemm))
     backend.load(md.path, "f16")
     prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
     for lang, ids in prefixes.items():

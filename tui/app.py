@@ -38,6 +38,7 @@ class DashboardApp(App):
     DEFAULT_MODE = "overview"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),  # what the banner and every terminal say
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("p", "pause", "Pause"),
         Binding("1", "switch_mode('overview')", "Overview"),

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import httpx
 
 from .. import __version__
+from ..telemetry.privacy import TOKEN_HEADER, read_token
 
 USER_AGENT = f"basal-local-top/{__version__}"
 
@@ -62,12 +63,18 @@ async def iter_sse(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
 
 
 class DaemonClient:
-    def __init__(self, url: str, stats_every_s: float = 1.0, retry_s: float = 1.0) -> None:
+    def __init__(self, url: str, stats_every_s: float = 1.0, retry_s: float = 1.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.stats_every_s = stats_every_s
         self.retry_s = retry_s
         self.last_seq: int | None = None
-        self._http = httpx.AsyncClient(base_url=self.url, headers={"user-agent": USER_AGENT},
+        headers = {"user-agent": USER_AGENT}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        token = read_token(self.url)  # the daemon's own dashboards see questions and answers (SECURITY.md)
+        if token:
+            headers[TOKEN_HEADER] = token
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
                                        timeout=httpx.Timeout(5.0, read=None))
 
     async def stats(self) -> dict[str, Any]:
@@ -129,5 +136,7 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, httpx.ConnectError):
         return "connection refused (is the daemon running?)"
     if isinstance(exc, httpx.HTTPStatusError):
+        if exc.response.status_code == 401:
+            return "HTTP 401: the daemon wants its API key (--api-key KEY or BASAL_LOCAL_API_KEY)"
         return f"HTTP {exc.response.status_code}"
     return str(exc) or type(exc).__name__

@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .. import host
 from ..base import ModelInfo, PackedBatch
 from .ported import fuse
 from .quantize import QUANTIZED, Quantized, quantized_layers
@@ -40,8 +41,7 @@ def resolve_device(device: str) -> str:
 
 
 class _Layer:
-    __slots__ = ("input_layernorm", "post_attention_layernorm", "qkv_weight", "qkv_bias", "o_proj_weight",
-                 "o_proj_bias", "gate_up_weight", "gate_up_bias", "down_proj_weight", "down_proj_bias")
+    __slots__ = host.LAYER_SLOTS
 
 
 def _linear(x: mx.array, weight: mx.array | Quantized, bias: mx.array | None) -> mx.array:
@@ -76,10 +76,7 @@ class MLXBackend:
 
         model_dir = Path(model_dir)
         cfg = self.config = LlamaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-        if dtype == "auto":
-            dtype = "f32" if self.device == "cpu" else "f16"
-        if dtype not in DTYPES and dtype not in QUANTIZED:
-            raise ValueError(f"unknown dtype {dtype!r} for the MLX backend (f32, f16, bf16, q8 or q4)")
+        dtype = host.resolve_dtype(dtype, self.device == "cpu", (*DTYPES, *QUANTIZED), "MLX")
         self.dtype_name = dtype
         # quantized weights compute in f16 on Metal and f32 on the CPU
         self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
@@ -111,30 +108,17 @@ class MLXBackend:
             self.lm_head = take("lm_head.weight")  # only its letter rows are used, as f32 dot products
             self.layers: list[_Layer] = []
             for i in range(cfg.num_hidden_layers):
-                p = f"model.layers.{i}."
                 layer = _Layer()
-                layer.input_layernorm = take(p + "input_layernorm.weight")
-                layer.post_attention_layernorm = take(p + "post_attention_layernorm.weight")
-                qkv = fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-                layer.qkv_bias = (mx.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                                  if cfg.attention_bias else None)
-                o_proj = take(p + "self_attn.o_proj.weight")
-                layer.o_proj_bias = take(p + "self_attn.o_proj.bias") if cfg.attention_bias else None
-                gate_up = fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-                layer.gate_up_bias = (mx.concatenate([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-                                      if cfg.mlp_bias else None)
-                down = take(p + "mlp.down_proj.weight")
-                layer.down_proj_bias = take(p + "mlp.down_proj.bias") if cfg.mlp_bias else None
-                fused = {"qkv": qkv, "o_proj": o_proj, "gate_up": gate_up, "down_proj": down}
-                for name, dense in fused.items():
-                    setattr(layer, f"{name}_weight", quantized.get(f"{p}{name}", dense))
+                for slot, tensor in host.load_layer(take, fuse, cfg, i).items():
+                    name = slot.removesuffix("_weight")
+                    setattr(layer, slot, quantized.get(f"model.layers.{i}.{name}", tensor)
+                            if slot.endswith("_weight") and name in host.FUSED else tensor)
                 self.layers.append(layer)
                 mx.eval(*self._layer_tensors(layer))  # one layer at a time in memory twice, not the model
             if weights:
                 raise ValueError(f"model.safetensors: unknown tensor {next(iter(weights))!r}")
             mx.eval(self.embed_tokens, self.norm, self.lm_head)
-        half = cfg.head_dim // 2
-        self.inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
+        self.inv_freq = host.inv_freq(cfg)
         tensors = list(self._tensors())
         params = sum(t.parameters for t in tensors)
         return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, dtype, self.device, params,
@@ -189,11 +173,9 @@ class MLXBackend:
 
     # ---- pieces --------------------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
-        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
-        angles = np.concatenate([angles, angles], axis=1)
-        cos = mx.array(np.cos(angles).astype(np.float32))[:, None, :]
-        sin = mx.array(np.sin(angles).astype(np.float32))[:, None, :]
-        return cos, sin  # [T, 1, D]
+        cos, sin = host.rope_angles(positions, self.inv_freq)
+        return (mx.array(np.concatenate([cos, cos], axis=1))[:, None, :],
+                mx.array(np.concatenate([sin, sin], axis=1))[:, None, :])  # [T, 1, D]
 
     @staticmethod
     def _apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -268,14 +250,14 @@ class MLXBackend:
     def add_prefix(self, key: str, token_ids: list[int]) -> None:
         n = len(token_ids)
         captured: list[tuple[mx.array, mx.array]] = []
-        for _ in self.forward_steps(_single_prompt(token_ids), _capture=captured):
+        for _ in self.forward_steps(PackedBatch.single(token_ids), _capture=captured):
             pass
         mx.eval(*[a for kv in captured for a in kv])
         self.prefix_kv[key] = (n, captured)
 
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
         """The hidden states after the final RMSNorm of one prompt (plain causal forward), f32 [T, hidden]."""
-        batch = _single_prompt(list(np.asarray(token_ids).tolist()))
+        batch = PackedBatch.single(token_ids)
         with mx.stream(self.mx_device):
             attention = TreeAttention(batch, [], "sdpa")
             cos, sin = self._rope(batch.positions)
@@ -304,12 +286,3 @@ class _Sized:
 
     def __init__(self, nbytes: int, parameters: int) -> None:
         self.nbytes, self.parameters = int(nbytes), int(parameters)
-
-
-def _single_prompt(token_ids: list[int]) -> PackedBatch:
-    n = len(token_ids)
-    return PackedBatch(
-        token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
-        token_block=np.zeros(n, dtype=np.int32), block_parent=np.array([-1], dtype=np.int32),
-        block_prefix=np.array([-1], dtype=np.int32), readout_index=np.array([n - 1], dtype=np.int64),
-        letter_ids=np.array([0], dtype=np.int64), prefixes=[])

@@ -1,6 +1,6 @@
 """Tree attention over a packed batch in MLX: the plain twin everywhere, the Metal kernel on Apple GPUs.
 
-Visibility (ENGINE.md §1): query t of block b sees the cached prefix keys of its row, every key of an ancestor
+Visibility (docs/ARCHITECTURE.md): query t of block b sees the cached prefix keys of its row, every key of an ancestor
 block, and the keys of its own block up to itself. The twin evaluates that rule as a boolean mask for
 `mx.fast.scaled_dot_product_attention`: per group of independent subtrees (`subtree_groups`, padded into one
 batched call) where that at least halves the dense [T, S] work, else as one dense [T, S] mask. (On `mlx[cpu]`
@@ -16,6 +16,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 
+from .. import host
 from ..base import PackedBatch, ancestor_matrix, subtree_groups
 
 log = logging.getLogger(__name__)
@@ -28,22 +29,16 @@ def block_key_ranges(batch: PackedBatch, prefix_lengths: list[int]) -> tuple[np.
     [prefix 0 keys, prefix 1 keys, ..., batch tokens]; n_ranges [B]. The own block is the last range
     (the kernel stops it at the query itself).
     """
-    parent = batch.block_parent
-    n_blocks = len(parent)
-    n = batch.num_tokens
-    start = np.searchsorted(batch.token_block, np.arange(n_blocks)).astype(np.int64)
-    end = np.append(start[1:], n)
+    n_blocks = len(batch.block_parent)
+    start, end = host.block_bounds(batch.token_block, n_blocks)
     offsets = np.concatenate([[0], np.cumsum(prefix_lengths)]).astype(np.int64)
     total_prefix = int(offsets[-1])
     chains: list[list[tuple[int, int, int]]] = []
-    for b in range(n_blocks):
-        own = (total_prefix + int(start[b]), total_prefix + int(end[b]), int(batch.positions[start[b]]))
-        if parent[b] >= 0:
-            chains.append(chains[parent[b]] + [own])
-        else:
-            j = int(batch.block_prefix[b])
-            head = [(int(offsets[j]), int(offsets[j + 1]), 0)] if j >= 0 and prefix_lengths[j] > 0 else []
-            chains.append(head + [own])
+    for blocks in host.block_chains(batch.block_parent):
+        j = int(batch.block_prefix[blocks[0]])
+        head = [(int(offsets[j]), int(offsets[j + 1]), 0)] if j >= 0 and prefix_lengths[j] > 0 else []
+        chains.append(head + [(total_prefix + int(start[c]), total_prefix + int(end[c]),
+                               int(batch.positions[min(start[c], batch.num_tokens - 1)])) for c in blocks])
     width = max(len(c) for c in chains)
     ranges = np.zeros((n_blocks, width, 3), dtype=np.int32)
     for b, chain in enumerate(chains):

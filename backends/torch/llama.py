@@ -1,10 +1,7 @@
-"""Llama forward over a packed prefix tree, in PyTorch (CPU reference in f32; CUDA).
+"""The torch backend: loading (Hugging Face names, q/k/v and gate/up fused once), memory, cached prefixes.
 
-Attribute names follow the Hugging Face checkpoint; loading fuses q/k/v and gate/up once. Tree attention
-here is the plain twin: SDPA with a dense boolean mask built from the block tree, which is exactly
-equivalent to one causal forward per prompt. `attention="tree"` (the CUDA default where Triton exists) runs
-the whole forward through `fast.FastPath`: the Triton tree-attention kernel and fused kernels. The last
-layer runs o_proj, MLP, final norm and the letter logits only at the readout rows.
+The forward is `forward.Forward` (its ops chosen at load: the Triton kernels on CUDA, their plain-torch twins
+elsewhere, the CPU f32 reference); on CUDA `graphs.Graphs` captures it per size.
 """
 
 from __future__ import annotations
@@ -18,18 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
+from .. import host
 from ..base import ModelInfo, PackedBatch, Ready
-from .tree_attention import StaticMaskAttention, TreeAttention, flex_available
+from .options import TorchOptions
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # and "fp8": f16 + fp8 GEMMs
-# token counts a CUDA graph is captured for; a forward is padded up to the next one
-GRAPH_BUCKETS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-GRAPH_EAGER_ABOVE = 768  # a forward of several subtrees above this many tokens runs eagerly
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float16}  # fp8: f16
+# activations, float8 e4m3 GEMMs (cuda_kernels/fp8.py)
 
 
 def resolve_device(device: str) -> str:
@@ -38,57 +33,58 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _on_device(fn):
+def _on_device(fn=None, inference: bool = True):
     """Run a backend method with its own GPU current (one replica per GPU: CUDA graphs, streams and Triton
-    launches use the thread's current device, which is cuda:0 unless set)."""
+    launches use the thread's current device, which is cuda:0 unless set); `inference`: in inference mode too
+    (not at load: the GEMM checks capture CUDA graphs of the weights as ordinary tensors)."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        with self._device_scope():
+        with self._device_scope(), (torch.inference_mode() if inference else contextlib.nullcontext()):
             return fn(self, *args, **kwargs)
     return wrapper
 
 
 def _on_device_steps(fn):
-    """`_on_device` for a generator: the device stays current while its steps run."""
+    """`_on_device` for a generator: each step runs with the device current and in inference mode (a mode
+    held across a yield would leak into whatever the thread runs between the steps)."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         with self._device_scope():
-            yield from fn(self, *args, **kwargs)
+            yield from torch.inference_mode()(fn)(self, *args, **kwargs)
     return wrapper
 
 
 class _Layer:
-    __slots__ = ("input_layernorm", "post_attention_layernorm", "qkv_weight", "qkv_bias", "o_proj_weight",
-                 "o_proj_bias", "gate_up_weight", "gate_up_bias", "down_proj_weight", "down_proj_bias")
+    __slots__ = host.LAYER_SLOTS
 
 
 class TorchBackend:
-    """Backend protocol implementation for torch (see backends/base.py)."""
+    """Backend protocol implementation for torch (see backends/base.py).
+
+    attention: "tree" (the Triton kernels; CUDA with Triton), "sdpa" (the plain-torch twins, any device) or
+    "auto" (tree where it can run)."""
 
     name = "torch"
 
-    def __init__(self, device: str = "auto", attention: str = "auto", cuda_graphs: bool = True,
-                 gemm: str = "auto", memory_limit: str | float | None = None) -> None:
+    def __init__(self, device: str = "auto", attention: str = "auto", memory_limit: str | float | None = None,
+                 options: TorchOptions | None = None) -> None:
         self.device = resolve_device(device)
-        self.gemm = gemm
+        self.options = options or TorchOptions()
         # --gpu-memory (backends/memory.py): the value as given, and in bytes once the device is known (load)
         self.memory_limit = memory_limit
         self.memory_limit_bytes: int | None = None
-        self.fast = None  # the FastPath of attention "tree", made at load
-        # one CUDA graph per bucket replays layers 0..L-2 with a single launch; the last layer runs eagerly
-        self.cuda_graphs = cuda_graphs and self.device.startswith("cuda")
-        self._graphs: dict[tuple, tuple] = {}
-        self._graph_pool = None
-        if attention == "auto":
-            # CUDA: the Triton tree kernel and fused path (docs/PERFORMANCE.md); CPU: the f32 reference twin
-            from basal_local.cuda_kernels import triton_available
+        from basal_local.cuda_kernels import triton_available
 
-            attention = "tree" if self.device.startswith("cuda") and triton_available() else "sdpa"
-        if attention == "flex" and not flex_available():
-            raise ValueError("attention 'flex' needs a torch with FlexAttention")
-        if attention not in ("sdpa", "flex", "tree"):
-            raise ValueError(f"unknown attention {attention!r} (tree, sdpa or flex)")
+        kernels = self.device.startswith("cuda") and triton_available()
+        if attention == "auto":
+            attention = "tree" if kernels else "sdpa"
+        if attention not in ("sdpa", "tree"):
+            raise ValueError(f"unknown attention {attention!r} for the torch backend (tree or sdpa)")
+        if attention == "tree" and not kernels:
+            raise ValueError("attention 'tree' (the Triton kernels) needs CUDA and Triton; use sdpa")
         self.attention = attention
+        self.fwd = None  # forward.Forward, made at load
+        self.graphs = None  # graphs.Graphs on CUDA with the kernels
         self.prefix_kv: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def _device_scope(self):
@@ -97,80 +93,65 @@ class TorchBackend:
         return contextlib.nullcontext()
 
     # ---- loading -------------------------------------------------------------------------------------------
-    @_on_device
+    @functools.partial(_on_device, inference=False)
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
-        model_dir = Path(model_dir)
-        raw = json.loads((model_dir / "config.json").read_text())
         from basal_local.model.config import LlamaConfig
 
-        cfg = self.config = LlamaConfig.from_dict(raw)
-        if dtype == "auto":
-            dtype = "f32" if self.device == "cpu" else "f16"
-        if dtype == "fp8":
-            # f16 activations, float8 e4m3 GEMMs (fast.FastPath route "fp8", cuda_kernels/fp8.py)
-            if self.attention != "tree":
-                raise ValueError("dtype fp8 runs on the tree path only (CUDA with Triton); use f16 or bf16 here")
-            self.gemm = "fp8"
-        elif dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r} for the torch backend (f16, bf16, f32 or fp8)")
-        self.dtype_name = dtype
-        self.dtype = DTYPES.get(dtype, torch.float16)
-        dev = self.device
+        from .forward import Forward
+        from .graphs import Graphs
+
+        model_dir = Path(model_dir)
+        cfg = self.config = LlamaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        self.dtype_name = host.resolve_dtype(dtype, self.device == "cpu", tuple(DTYPES), "torch")
+        self.dtype = DTYPES[self.dtype_name]
         weights: dict[str, torch.Tensor] = {}
         from basal_local.model.formats import detect_format, torch_tensors
 
-        self.format = detect_format(model_dir, raw)
+        self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
         if self.format.family != "safetensors":
             # GGUF and ModelOpt FP8 are dequantized at load to the run dtype (model/formats.py)
             for key, t in torch_tensors(self.format, cfg):
-                weights[key] = t.to(device=dev, dtype=self.dtype)
+                weights[key] = t.to(device=self.device, dtype=self.dtype)
         else:
             # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
             with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
                 self._apply_memory_limit(fh)
                 try:
                     for key in fh.keys():
-                        weights[key] = fh.get_tensor(key).to(device=dev, dtype=self.dtype)
+                        weights[key] = fh.get_tensor(key).to(device=self.device, dtype=self.dtype)
                 except torch.OutOfMemoryError as exc:
                     raise self._out_of_memory(exc, "loading the weights") from None
-        self.embed_tokens = weights.pop("model.embed_tokens.weight")
-        self.norm = weights.pop("model.norm.weight")
-        # letter logits are f32 dot products with the lm_head rows
-        self.lm_head = weights.pop("lm_head.weight")
+
+        def take(key: str) -> torch.Tensor:
+            if key not in weights:
+                raise ValueError(f"model.safetensors: missing tensor {key!r}")
+            return weights.pop(key)
+
+        self.embed_tokens = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        self.lm_head = take("lm_head.weight")  # letter logits: f32 dot products with its letter rows
         self.layers: list[_Layer] = []
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
             layer = _Layer()
-            layer.input_layernorm = weights.pop(p + "input_layernorm.weight")
-            layer.post_attention_layernorm = weights.pop(p + "post_attention_layernorm.weight")
-            qkv = [weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            layer.qkv_weight = torch.cat(qkv, 0)
-            layer.qkv_bias = (torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
-                              if cfg.attention_bias else None)
-            layer.o_proj_weight = weights.pop(p + "self_attn.o_proj.weight")
-            layer.o_proj_bias = weights.pop(p + "self_attn.o_proj.bias") if cfg.attention_bias else None
-            layer.gate_up_weight = torch.cat([weights.pop(p + "mlp.gate_proj.weight"),
-                                              weights.pop(p + "mlp.up_proj.weight")], 0)
-            layer.gate_up_bias = (torch.cat([weights.pop(p + "mlp.gate_proj.bias"), weights.pop(p + "mlp.up_proj.bias")])
-                                  if cfg.mlp_bias else None)
-            layer.down_proj_weight = weights.pop(p + "mlp.down_proj.weight")
-            layer.down_proj_bias = weights.pop(p + "mlp.down_proj.bias") if cfg.mlp_bias else None
+            for slot, tensor in host.load_layer(take, lambda ts: torch.cat(ts, 0), cfg, i).items():
+                setattr(layer, slot, tensor)
             self.layers.append(layer)
         if weights:
             raise ValueError(f"model.safetensors: unknown tensor {next(iter(weights))!r}")
-        # RoPE frequencies in float64 on the host; cos/sin are sent as f32
-        half = cfg.head_dim // 2
-        self.inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
         params = sum(t.numel() for t in self._tensors())
-        if self.attention == "tree":
-            from .fast import FastPath
-
-            try:
-                self.fast = FastPath(self, use_triton=self.device.startswith("cuda"), gemm=self.gemm)
-            except torch.OutOfMemoryError as exc:
-                raise self._out_of_memory(exc, "checking the GEMMs") from None
-        return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, dtype, self.device, params,
+        try:
+            self.fwd = Forward(self, self.options, kernels=self.attention == "tree")
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(exc, "checking the GEMMs") from None
+        if self.fwd.use_triton and self.options.cuda_graphs:
+            self.graphs = Graphs(self.fwd)
+        return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, self.dtype_name, self.device, params,
                          sum(t.numel() * t.element_size() for t in self._tensors()))
+
+    def describe(self) -> dict:
+        """What runs (for /api/stats and the bench): the ops, the options, what load chose."""
+        return {"attention": self.attention, "gemm": self.fwd.gemm if self.fwd else "", "cuda_graphs":
+                self.graphs is not None, "options": self.options.product(), "plan": self.fwd.report if self.fwd else {}}
 
     def _apply_memory_limit(self, fh) -> None:
         """--gpu-memory: refuse weights that cannot fit, then cap torch's allocator on this device."""
@@ -215,7 +196,7 @@ class TorchBackend:
     def memory(self) -> dict[str, int]:
         # with dtype fp8 the float8 GEMM weights are held beside the f16 ones (cuda_kernels/fp8.py)
         out = {"weights_bytes": sum(t.numel() * t.element_size() for t in self._tensors())
-               + (self.fast.fp8_bytes if self.fast is not None else 0)}
+               + (self.fwd.fp8_bytes if self.fwd is not None else 0)}
         if self.device.startswith("cuda"):
             out["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
@@ -223,227 +204,46 @@ class TorchBackend:
             out["device_limit_bytes"] = self.memory_limit_bytes
         return out
 
-    # ---- pieces --------------------------------------------------------------------------------------------
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
-
-    def _rope(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
-        angles = np.concatenate([angles, angles], axis=1)
-        cos = torch.from_numpy(np.cos(angles).astype(np.float32)).to(self.device)
-        sin = torch.from_numpy(np.sin(angles).astype(np.float32)).to(self.device)
-        return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
-
-    @staticmethod
-    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-    @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
-
     # ---- forward -------------------------------------------------------------------------------------------
-    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefixes: list, attention,
-               rows: torch.Tensor | None = None, capture: list | None = None) -> torch.Tensor:
-        """One decoder layer; with `rows`, only those rows leave the attention (the last layer)."""
-        cfg = self.config
-        layer = self.layers[i]
-        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_dim, kv_dim = n_heads * d, n_kv * d
-        h = self._rms_norm(x, layer.input_layernorm)
-        q, k, v = self._linear(h, layer.qkv_weight, layer.qkv_bias).split([q_dim, kv_dim, kv_dim], dim=-1)
-        # attention in f32: q, k, v after RoPE
-        q = self._apply_rope(q.float().view(-1, n_heads, d), cos, sin)
-        k = self._apply_rope(k.float().view(-1, n_kv, d), cos, sin)
-        v = v.float().view(-1, n_kv, d)
-        if capture is not None:
-            capture.append((k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()))
-        keys = torch.cat([p[1][i][0] for p in prefixes] + [k.transpose(0, 1)], dim=1)  # [Hkv, S, D]
-        values = torch.cat([p[1][i][1] for p in prefixes] + [v.transpose(0, 1)], dim=1)
-        if rows is not None:
-            attn = attention(q.transpose(0, 1), keys, values, rows=rows)
-            x = x[rows]
-        else:
-            attn = attention(q.transpose(0, 1).contiguous(), keys, values)  # [Hq, T, D]
-        attn = attn.transpose(0, 1).reshape(-1, q_dim).to(x.dtype)
-        x = x + self._linear(attn, layer.o_proj_weight, layer.o_proj_bias)
-        h = self._rms_norm(x, layer.post_attention_layernorm)
-        gate, up = self._linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, layer.down_proj_weight, layer.down_proj_bias)
-
-    def _letter_logits(self, x: torch.Tensor, letter_ids: np.ndarray) -> np.ndarray:
-        h = self._rms_norm(x, self.norm).float()
-        letters = torch.from_numpy(letter_ids.astype(np.int64)).to(self.device)
-        logits = h @ self.lm_head[letters].float().T  # [R, L]
-        if not torch.isfinite(logits).all():
-            raise FloatingPointError("non-finite letter logit")
-        return logits.cpu().numpy()
-
     @_on_device
     def forward(self, batch: PackedBatch) -> np.ndarray:
-        if self.fast is not None:
-            with torch.inference_mode():
-                return self.fast.forward(batch)
-        attention = None
-        if self.cuda_graphs and self.attention == "sdpa" and batch.num_tokens <= GRAPH_BUCKETS[-1]:
-            # small forwards are launch-bound: graphs; bigger ones that split into independent subtree
-            # groups are attention-bound: eager, per-group attention
-            if batch.num_tokens <= GRAPH_EAGER_ABOVE:
-                return self._forward_graphed(batch)
-            attention = TreeAttention(batch, [self.prefix_kv[n][0] for n in batch.prefixes], self.device)
-            if not attention.grouped:
-                return self._forward_graphed(batch)
-        *_, logits = self.forward_steps(batch, _attention=attention)
-        if logits is None:
-            raise RuntimeError("forward_steps ended without letter logits")
+        if self.graphs is not None:
+            return self.graphs.forward(batch)
+        *_, logits = self.fwd.steps(batch)
         return logits
 
     @_on_device
     def launch(self, batch: PackedBatch):
-        """`forward` without waiting for the device where a CUDA graph runs it (`fast.Launched`: `done()`,
+        """`forward` without waiting for the device where a CUDA graph runs it (`graphs.Launched`: `done()`,
         `result()`, `device_s()`); anything else computes here and comes back ready (`base.Ready`)."""
-        if self.fast is not None and self.cuda_graphs:
-            with torch.inference_mode():
-                return self.fast.launch(batch)
+        if self.graphs is not None:
+            return self.graphs.launch(batch)
         return Ready(self.forward(batch))
 
     @_on_device_steps
-    @torch.inference_mode()
-    def forward_steps(self, batch: PackedBatch, _capture: list | None = None,
-                      _attention: TreeAttention | None = None) -> Iterator[np.ndarray | None]:
-        if self.fast is not None:
-            yield from self.fast.forward_steps(batch, capture=_capture)
-            return
-        prefixes = [self.prefix_kv[name] for name in batch.prefixes]
-        attention = _attention or TreeAttention(batch, [p[0] for p in prefixes], self.device, self.attention)
-        cos, sin = self._rope(batch.positions)
-        ids = torch.from_numpy(batch.token_ids.astype(np.int64)).to(self.device)
-        readout = torch.from_numpy(batch.readout_index.astype(np.int64)).to(self.device)
-        x = self.embed_tokens[ids]  # [T, H]
-        last = len(self.layers) - 1
-        for i in range(last):
-            x = self._layer(i, x, cos, sin, prefixes, attention, capture=_capture)
-            if x.is_cuda:
-                # the device is idle at a yield, so a parked long lane really hands it over
-                torch.cuda.synchronize()
-            yield None
-        x = self._layer(last, x, cos, sin, prefixes, attention, rows=readout, capture=_capture)
-        yield self._letter_logits(x, batch.letter_ids)
-
-    # ---- CUDA graphs ---------------------------------------------------------------------------------------
-    def _padded(self, batch: PackedBatch, size: int, names: list[str]) -> PackedBatch:
-        """The batch padded to `size` tokens in one extra block that nothing sees, with every cached prefix."""
-        pad = size - batch.num_tokens
-        n_blocks = len(batch.block_parent)
-        block_prefix = batch.block_prefix.copy()
-        if batch.prefixes:
-            remap = np.array([names.index(p) for p in batch.prefixes], dtype=np.int32)
-            block_prefix = np.where(block_prefix >= 0, remap[np.maximum(block_prefix, 0)], -1).astype(np.int32)
-        return PackedBatch(
-            token_ids=np.concatenate([batch.token_ids, np.zeros(pad, dtype=np.int64)]),
-            positions=np.concatenate([batch.positions, np.zeros(pad, dtype=np.int64)]),
-            token_block=np.concatenate([batch.token_block, np.full(pad, n_blocks, dtype=np.int32)]),
-            block_parent=np.append(batch.block_parent, np.int32(-1)).astype(np.int32),
-            block_prefix=np.append(block_prefix, np.int32(-1)).astype(np.int32),
-            readout_index=batch.readout_index, letter_ids=batch.letter_ids, prefixes=list(names))
-
-    def _graph_body(self, static: dict[str, torch.Tensor], prefixes: list) -> torch.Tensor:
-        x = self.embed_tokens[static["ids"]]
-        attention = StaticMaskAttention(static["mask"])
-        for i in range(len(self.layers) - 1):
-            x = self._layer(i, x, static["cos"], static["sin"], prefixes, attention)
-        return x
-
-    def _graph(self, size: int, names: list[str]) -> tuple:
-        key = (size, tuple(names))
-        if key not in self._graphs:
-            dev, d = self.device, self.config.head_dim
-            keys = sum(self.prefix_kv[n][0] for n in names) + size
-            static = {"ids": torch.zeros(size, dtype=torch.long, device=dev),
-                      "cos": torch.ones(size, 1, d, device=dev), "sin": torch.zeros(size, 1, d, device=dev),
-                      "mask": torch.ones(size, keys, dtype=torch.bool, device=dev)}
-            prefixes = [self.prefix_kv[n] for n in names]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the capture (allocator, cuBLAS handles)
-                for _ in range(2):
-                    self._graph_body(static, prefixes)
-            torch.cuda.current_stream().wait_stream(side)
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # a capture stream of this backend's device (torch's default one lives on the first device used)
-            with torch.cuda.graph(graph, pool=self._graph_pool, stream=torch.cuda.Stream()):
-                out = self._graph_body(static, prefixes)
-            self._graphs[key] = (graph, static, out, prefixes)
-        return self._graphs[key]
+    def forward_steps(self, batch: PackedBatch, _capture: list | None = None) -> Iterator[np.ndarray | None]:
+        yield from self.fwd.steps(batch, capture=_capture)
 
     @_on_device
-    @torch.inference_mode()
-    def warmup(self, max_tokens: int = GRAPH_BUCKETS[-1]) -> None:
+    def warmup(self, max_tokens: int = 8192) -> None:
         """Capture the CUDA graphs of every bucket up to `max_tokens` now, not on the first request."""
-        if self.fast is not None:
-            if self.cuda_graphs:
-                try:
-                    self.fast.warmup(max_tokens)
-                except torch.OutOfMemoryError as exc:
-                    raise self._out_of_memory(exc, "warming up (CUDA graphs, a long-document forward)") from None
-            return
-        if self.cuda_graphs and self.attention == "sdpa":
-            for size in GRAPH_BUCKETS:
-                if size <= max(max_tokens, GRAPH_BUCKETS[0]):
-                    self._graph(size, list(self.prefix_kv))
-
-    @torch.inference_mode()
-    def _forward_graphed(self, batch: PackedBatch) -> np.ndarray:
-        size = next(b for b in GRAPH_BUCKETS if b >= batch.num_tokens)
-        names = list(self.prefix_kv)
-        padded = self._padded(batch, size, names)
-        attention = TreeAttention(padded, [self.prefix_kv[n][0] for n in names], self.device, "sdpa", segment=False)
-        graph, static, out, prefixes = self._graph(size, names)
-        cos, sin = self._rope(padded.positions)
-        static["ids"].copy_(torch.from_numpy(padded.token_ids).to(self.device))
-        static["cos"].copy_(cos)
-        static["sin"].copy_(sin)
-        static["mask"].copy_(attention.dense_mask())
-        graph.replay()
-        readout = torch.from_numpy(batch.readout_index.astype(np.int64)).to(self.device)
-        x = self._layer(len(self.layers) - 1, out, cos, sin, prefixes, attention, rows=readout)
-        return self._letter_logits(x, batch.letter_ids)
+        if self.graphs is not None:
+            try:
+                self.graphs.warmup(max_tokens)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc, "warming up (CUDA graphs, a long-document forward)") from None
 
     @_on_device
     def add_prefix(self, key: str, token_ids: list[int]) -> None:
-        n = len(token_ids)
-        batch = PackedBatch(
-            token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
-            token_block=np.zeros(n, dtype=np.int32), block_parent=np.array([-1], dtype=np.int32),
-            block_prefix=np.array([-1], dtype=np.int32), readout_index=np.array([n - 1], dtype=np.int64),
-            letter_ids=np.array([0], dtype=np.int64), prefixes=[])
         captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for _ in self.forward_steps(batch, _capture=captured):
+        for _ in self.fwd.steps(PackedBatch.single(token_ids), capture=captured):
             pass
-        self.prefix_kv[key] = (n, captured)
-        if self.fast is not None:
-            self.fast.set_prefixes(self.prefix_kv)
+        self.prefix_kv[key] = (len(token_ids), captured)
+        self.fwd.set_prefixes(self.prefix_kv)
+        if self.graphs is not None:
+            self.graphs.clear()
 
     @_on_device
-    @torch.inference_mode()
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
         """One plain causal forward of a single prompt; float32 hidden states after the final RMSNorm [T, H]."""
-        n = int(token_ids.shape[0])
-        batch = PackedBatch(
-            token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
-            token_block=np.zeros(n, dtype=np.int32), block_parent=np.array([-1], dtype=np.int32),
-            block_prefix=np.array([-1], dtype=np.int32), readout_index=np.array([n - 1], dtype=np.int64),
-            letter_ids=np.array([0], dtype=np.int64), prefixes=[])
-        # the plain twin: one prompt, no tree (the evidence forward is not on the hot path)
-        attention = TreeAttention(batch, [], self.device, "flex" if self.attention == "flex" else "sdpa")
-        cos, sin = self._rope(batch.positions)
-        x = self.embed_tokens[torch.from_numpy(batch.token_ids).to(self.device)]
-        for i in range(len(self.layers)):
-            x = self._layer(i, x, cos, sin, [], attention)
-        return self._rms_norm(x, self.norm).float().cpu().numpy()
+        return self.fwd.hidden(PackedBatch.single(token_ids, readout="all")).float().cpu().numpy()

@@ -1,4 +1,4 @@
-"""`POST /v1/basal`: the lenient upstream dialect (PROTOCOL.md §8). Every failure is 422 {"error": ...}."""
+"""`POST /v1/basal`: the lenient upstream dialect (docs/PROTOCOL.md §8). Every failure is 422 {"error": ...}."""
 
 from __future__ import annotations
 
@@ -6,13 +6,25 @@ from dataclasses import replace
 from typing import Any
 
 from ..protocol.act import ActError, ActSpec, act_base, check_max_error, parse_costs
-from ..protocol.constants import MAX_OPTIONS
+from ..protocol.constants import MAX_CHOICES, MAX_OPTIONS
 from ..protocol.facts import inject as inject_facts
 from ..protocol.multi import MultiSpec, labels_of, selection_options, truncate_count
-from ..protocol.questions import DecisionRequest, Question
+from ..protocol.questions import DecisionRequest, Question, detect_language
 from ..protocol.render import named_option_texts
 from ..protocol.textrule import to_text
-from .errors import basal_error
+from ..protocol.tools import tool_options
+from .errors import basal_error, unknown_model, unsupported
+from .refusals import (
+    MAX_PROMPTS,
+    MAX_QUESTIONS,
+    SUPPORTED_TYPES,
+    count_prompts,
+    field_refusal,
+    top_level_refusal,
+    type_refusal,
+)
+
+KNOWN_TYPES = ("choice", "noul", "score", "multi", "act", "tool")
 
 
 def _options(qid: str, q: dict, qtype: str) -> tuple[list[str], list[str], str]:
@@ -93,20 +105,40 @@ def _noul(qid: str, criteria: dict, instructions: str) -> Question:
                     default_yes_no=(not descs[0], not descs[1]))
 
 
-def _question(qid: str, q: Any) -> Question:
-    question = _typed_question(qid, q)
+def _tool(qid: str, q: dict, instructions: str, lang: str) -> Question:
+    try:
+        options, spec = tool_options(q, lang)
+        selection = selection_options(q, list(options)) if spec.multi else {}
+    except ValueError as exc:
+        raise ValueError(f"question '{qid}': {exc}") from None
+    if spec.multi:
+        threshold = _number(qid, q, "threshold")
+        multi = MultiSpec(0.5 if threshold is None else float(threshold), truncate_count(_number(qid, q, "max")),
+                          truncate_count(_number(qid, q, "min")), **selection)
+        labels = [k if d is None else f"{k}: {d}" for k, d in options.items()]
+        return Question(qid, "multi", instructions, tuple(options), tuple(labels), "noul", spec=multi, tool=spec)
+    keys, shown = named_option_texts(options, "show")
+    if not 2 <= len(keys) <= MAX_CHOICES:
+        raise ValueError(f"question '{qid}': {len(keys)} options, tools and extra together (supported: 2..{MAX_CHOICES})")
+    return Question(qid, "choice", instructions, tuple(keys), tuple(shown), "choice", tool=spec)
+
+
+def _question(qid: str, q: Any, state_text: str = "") -> Question:
+    question = _typed_question(qid, q, state_text)
     if isinstance(q, dict) and q.get("evidence"):
         question = replace(question, evidence=True)
     return question
 
 
-def _typed_question(qid: str, q: Any) -> Question:
+def _typed_question(qid: str, q: Any, state_text: str) -> Question:
     if not isinstance(q, dict):
         raise ValueError(f"question '{qid}' must be a JSON object")
     raw_type = q.get("type")
     qtype = raw_type if raw_type in ("choice", "noul", "score") else "choice"
     calibration_key = qtype if raw_type in ("choice", "noul", "score") else None
     instructions = to_text(q["instructions"]) if "instructions" in q else ""
+    if raw_type == "tool":
+        return _tool(qid, q, instructions, detect_language(state_text, instructions))
     if raw_type == "multi":
         return _multi(qid, q, instructions)
     if raw_type == "act":
@@ -115,6 +147,9 @@ def _typed_question(qid: str, q: Any) -> Question:
         return _noul(qid, q.get("criteria") if isinstance(q.get("criteria"), dict) else {}, instructions)
     keys, shown, _ = _options(qid, q, qtype)
     if not 2 <= len(keys) <= MAX_OPTIONS:
+        if raw_type is not None and raw_type not in KNOWN_TYPES:  # read as choice (§8), but say what it was
+            raise ValueError(f"question '{qid}': unknown type {to_text(raw_type)!r} read as a choice: {len(keys)} "
+                             f"options (supported: 2..{MAX_OPTIONS}; types: {SUPPORTED_TYPES['basal']})")
         raise ValueError(f"question '{qid}': {len(keys)} options (supported: 2..{MAX_OPTIONS})")
     legend = dict(zip(keys, shown)) if qtype == "score" else None
     return Question(qid, qtype, instructions, tuple(keys), tuple(shown), calibration_key, legend=legend)
@@ -129,29 +164,49 @@ def validate_basal(body: Any, model_name: str) -> DecisionRequest:
     questions = body.get("questions")
     if not isinstance(questions, dict):
         raise basal_error("'questions' must be a JSON object")
-    messages: list[str] = []
-    parsed: list[Question] = []
-    for qid, q in questions.items():
-        try:
-            parsed.append(_question(qid, q))
-        except ValueError as exc:
-            messages.append(str(exc))
-    facts = body.get("facts")  # lenient: anything but "auto" means no facts
-    if messages:
-        raise basal_error("; ".join(messages))
+    _check_counts(questions)
     state_text = to_text(body["state"])
-    limit = None
-    if facts == "auto":
+    limit, facts_error = None, None
+    if body.get("facts") == "auto":  # lenient: anything but "auto" means no facts
         try:
             state_text, limit = inject_facts(state_text), len(state_text)
         except (ArithmeticError, ValueError) as exc:
-            raise basal_error(str(exc)) from None
+            facts_error = str(exc)
+    messages: list[str] = []
+    parsed: list[Question] = []
+    refused = [top_level_refusal(body)]
+    for qid, q in questions.items():
+        if isinstance(q, dict):
+            refusal = type_refusal(qid, q.get("type"), "basal") or field_refusal(qid, q.get("type"), q, "basal")
+            if refusal is not None:
+                refused.append(refusal)
+                continue
+        try:
+            parsed.append(_question(qid, q, state_text))  # the state decides the language of tool extras
+        except ValueError as exc:
+            messages.append(str(exc))
+    if messages:
+        raise basal_error("; ".join(messages))
+    if facts_error is not None:
+        raise basal_error(facts_error)
+    first = next((r for r in refused if r is not None), None)
+    if first is not None:
+        raise unsupported(*first)
     return DecisionRequest("basal", model_name, state_text, parsed, limit)
+
+
+def _check_counts(questions: dict) -> None:
+    """The per-request limits (api/refusals.py), before any question is looked at."""
+    if len(questions) > MAX_QUESTIONS:
+        raise basal_error(f"too many questions: {len(questions)} (at most {MAX_QUESTIONS} per request)")
+    prompts = count_prompts(questions)
+    if prompts > MAX_PROMPTS:
+        raise basal_error(f"too many prompts: these questions need {prompts} (at most {MAX_PROMPTS} per request)")
 
 
 def route_basal(body: Any, served: dict[str, Any], default: str) -> str:
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         if body["model"] not in served:
-            raise basal_error(f"Unknown model: {body['model']} (served: {', '.join(served)})")
+            raise unknown_model(basal_error(f"Unknown model: {body['model']}"), served)
         return body["model"]
     return default

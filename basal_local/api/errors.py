@@ -1,4 +1,4 @@
-"""Error bodies of both dialects (PROTOCOL.md §1.2, §2.1, §8)."""
+"""Error bodies of both dialects (docs/PROTOCOL.md §1.2, §2.1, §8)."""
 
 from __future__ import annotations
 
@@ -55,19 +55,30 @@ def unsupported(kind: str, loc: list[Any], msg: str) -> ApiError:
     return ApiError(422, {"error": "unsupported", "detail": [{"type": kind, "loc": loc, "msg": msg}]})
 
 
+SERVED_MODELS_HEADER = "x-basal-served-models"
+
+
+def unknown_model(err: ApiError, served: Any) -> ApiError:
+    """The dialect's exact unknown-model error (docs/PROTOCOL.md §1.1); the served names ride in a header."""
+    names = ", ".join(served).encode("ascii", "backslashreplace").decode("ascii")
+    err.headers = {**(err.headers or {}), SERVED_MODELS_HEADER: names}
+    return err
+
+
 def json_invalid(msg: str, pos: int) -> ApiError:
     ctx_msg = msg[:1].upper() + msg[1:]
     return ApiError(422, {"detail": [field_error("json_invalid", ["body", pos], "JSON decode error", {},
                                                  {"error": ctx_msg})]})
 
 
-def overloaded(dialect: str) -> ApiError:
+def overloaded(dialect: str, headers: dict[str, str] | None = None) -> ApiError:
+    """529 with the retry slot's headers (engine/gate.py `Admission`; §1.2's `Retry-After: 1` by default)."""
     if dialect == "systemone":
         body: Any = {"detail": {"error_type": "overloaded_error",
                                 "message": "Too many requests in flight. Retry after a short delay."}}
     else:
         body = {"error": "overloaded: too many requests in flight"}
-    return ApiError(529, body, {"retry-after": "1", "retry-after-ms": "1000"})
+    return ApiError(529, body, headers or {"retry-after": "1", "retry-after-ms": "1000"})
 
 
 def basal_error(message: str) -> ApiError:
@@ -75,7 +86,7 @@ def basal_error(message: str) -> ApiError:
 
 
 def internal(detail: str, dialect: str | None = "systemone") -> ApiError:
-    """A failure of ours (PROTOCOL.md §2.1 shape on /v1/systemone; `{"error"}` on /v1/basal)."""
+    """A failure of ours (docs/PROTOCOL.md §2.1 shape on /v1/systemone; `{"error"}` on /v1/basal)."""
     if dialect == "basal":
         return ApiError(500, {"error": f"internal: {detail}"})
     if dialect == "systemone":
@@ -98,7 +109,7 @@ def refusal_error(exc: AnswerRefused, dialect: str) -> ApiError:
     return basal_error(f"question '{exc.qid}': {exc.message}")
 
 
-# TypeSafe's direct API errors name their class (CLIENTS.md: `{"detail":{"error_type","message"}}`).
+# TypeSafe's direct API errors name their class (docs/WIRE.md: `{"detail":{"error_type","message"}}`).
 SYSTEMONE_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                          408: "timeout_error", 413: "request_too_large", 503: "unavailable_error"}
 
@@ -108,7 +119,7 @@ def http_error(status: int, code: str, message: str, dialect: str | None,
     """An error of the HTTP layer (encoding, size, auth, host, content type...) in the dialect's shape.
 
     `/v1/systemone`: `{"detail": {"error_type", "message"}}`; `/v1/basal`: `{"error": message}` (§8);
-    every other path: `{"error": message, "code": CODE}` (CLIENTS.md A.6).
+    every other path: `{"error": message, "code": CODE}` (docs/WIRE.md).
     """
     if dialect == "systemone":
         kind = SYSTEMONE_ERROR_TYPES.get(status, "api_usage_error")

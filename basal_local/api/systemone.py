@@ -1,4 +1,4 @@
-"""`POST /v1/systemone`: the strict TypeSafe dialect (PROTOCOL.md §2, §2.1, §3).
+"""`POST /v1/systemone`: the strict TypeSafe dialect (docs/PROTOCOL.md §2, §2.1, §3).
 
 All schema errors (422) of a request are collected into one `detail` list; usage errors (400) are
 reported only when there is no schema error, and only the first; "unsupported" errors (422) come last,
@@ -23,9 +23,18 @@ from .errors import (
     field_error,
     missing,
     union_errors,
+    unknown_model,
     unsupported,
     usage_error,
     validation_error,
+)
+from .refusals import (
+    MAX_PROMPTS,
+    MAX_QUESTIONS,
+    count_prompts,
+    field_refusal,
+    top_level_refusal,
+    type_refusal,
 )
 
 KNOWN_TYPES = ("choice", "noul", "score")
@@ -258,6 +267,10 @@ def _question(qid: str, q: Any, out: _Collector) -> Question | None:
     if not isinstance(qtype, str):
         out.usage.append(f"Invalid request. Question type {to_text(qtype)} is not a string: {qid}")
         return None
+    refused = type_refusal(qid, qtype, "systemone") or field_refusal(qid, qtype, q, "systemone")
+    if refused is not None:
+        out.unsupported.append(refused)
+        return None
     if qtype not in KNOWN_TYPES and qtype not in EXTENSION_TYPES:
         out.usage.append(f'Invalid request. Unknown question type "{qtype}" ({", ".join(KNOWN_TYPES)}): {qid}')
         return None
@@ -306,10 +319,14 @@ def validate_systemone(body: Any, model_name: str) -> DecisionRequest:
                                       "Dictionary should have at least 1 item after validation, not 0", questions_raw,
                                       {"field_type": "Dictionary", "min_length": 1, "actual_length": 0}))
     else:
+        check_counts(questions_raw)
         for qid, q in questions_raw.items():
             question = _question(qid, q, out)
             if question is not None:
                 questions.append(question)
+    refused = top_level_refusal(body)
+    if refused is not None:
+        out.unsupported.insert(0, refused)
     facts = body.get("facts")
     if facts is not None and facts not in ("off", "auto"):
         out.schema.append(field_error("literal_error", ["body", "facts"], 'facts must be "off" or "auto"', facts))
@@ -331,12 +348,25 @@ def validate_systemone(body: Any, model_name: str) -> DecisionRequest:
     return DecisionRequest("systemone", model_name, state_text, questions, limit)
 
 
+def check_counts(questions: dict) -> None:
+    """The per-request limits (api/refusals.py), checked before any question is looked at: a 400 like §2's
+    "Too many choices"."""
+    if len(questions) > MAX_QUESTIONS:
+        raise usage_error(f"Too many questions. Must have at most {MAX_QUESTIONS} questions per request "
+                          f"(got {len(questions)}).")
+    prompts = count_prompts(questions)
+    if prompts > MAX_PROMPTS:
+        raise usage_error(f"Too many prompts. A request may need at most {MAX_PROMPTS} prompts (these "
+                          f"questions need {prompts}).")
+
+
 def check_model_field(body: Any, served: dict[str, Any], default: str) -> str:
-    """§1.1 routing: a string naming no served model is a 400; anything else goes to the default."""
+    """§1.1 routing: a string naming no served model is a 400 with TypeSafe's exact message (the served names
+    go to a header); anything else goes to the default."""
     if isinstance(body, dict) and isinstance(body.get("model"), str):
         name = body["model"]
         if name not in served:
-            raise usage_error(f"Unknown model: {name} (served: {', '.join(served)})")
+            raise unknown_model(usage_error(f"Unknown model: {name}"), served)
         return name
     return default
 

@@ -43,19 +43,41 @@ def check_url(url: str, flag: str = "--url") -> str:
         parsed.port  # noqa: B018 -- raises on a port that is not a number
     except ValueError:
         raise UserError(f"{flag} {url!r} has an invalid port", f"e.g. {flag} {DEFAULT_URL}") from None
+    if parsed.path not in ("", "/") or parsed.query:
+        root = f"{parsed.scheme}://{parsed.netloc}"
+        raise UserError(f"{flag} {url!r} has a path: the tools add the endpoint themselves",
+                        f"give the daemon's root address: {flag} {root}")
     return url
 
 
-def get_json(url: str, path: str, timeout: float = 10.0, flag: str = "--url") -> Any:
+KEY_HINT = "give it with --api-key KEY or BASAL_LOCAL_API_KEY=KEY (the key the daemon was started with)"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header our tools send a daemon started with --api-key (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def key_refused(url: str, api_key: str | None) -> UserError:
+    """A 401 said as what it is: no key sent, or the wrong one."""
+    if api_key:
+        return UserError(f"the daemon at {url} refused the API key (401)", KEY_HINT)
+    return UserError(f"the daemon at {url} requires an API key (401)", KEY_HINT)
+
+
+def get_json(url: str, path: str, timeout: float = 10.0, flag: str = "--url", api_key: str | None = None) -> Any:
     """GET a daemon endpoint; an unreachable daemon is a UserError that says how to start one."""
     try:
-        with urllib.request.urlopen(url + path, timeout=timeout) as resp:
+        req = urllib.request.Request(url + path, headers=auth_headers(api_key))
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:
         try:
             body = json.loads(err.read())
         except Exception:
             body = {}
+        if err.code == 401:
+            raise key_refused(url, api_key) from None
         if err.code == 503:
             what = body.get("error") or "it is still loading its models"
             raise UserError(f"the daemon at {url} is not ready: {what}",

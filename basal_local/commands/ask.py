@@ -10,14 +10,22 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from . import UserError
+from . import UserError, auth_headers, key_refused
 
 BAR = 32
+MAX_OPTIONS = 10  # /v1/basal: one letter A-J per option
 
 
 def read_state(text: str) -> str:
+    """--state TEXT, @FILE, or @- for standard input."""
     if not text.startswith("@"):
         return text
+    if text == "@-":
+        try:
+            return sys.stdin.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--state @-: cannot read standard input ({exc.__class__.__name__})",
+                            "pipe UTF-8 text into basal-local ask, or give --state the text itself") from None
     path = Path(text[1:]).expanduser()
     try:
         return path.read_text(encoding="utf-8")
@@ -46,9 +54,11 @@ def build_question(args: argparse.Namespace) -> dict[str, Any]:
     return {"type": "score", "instructions": args.score, "criteria": list(args.level)}
 
 
-def post(url: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+def post(url: str, path: str, body: dict[str, Any], timeout: float = 120.0,
+         api_key: str | None = None) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of a POST; connection failures are UserErrors naming the daemon."""
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **auth_headers(api_key)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -101,23 +111,48 @@ def chart(question: str, answer: dict[str, Any], color: bool) -> str:
     return "\n".join(lines)
 
 
+def refusal(url: str, status: int, answer: dict[str, Any], api_key: str | None) -> UserError:
+    """The daemon's refusal as two lines whose second fits the cause."""
+    text = error_text(answer)
+    if status == 401:
+        return key_refused(url, api_key)
+    if status == 503:
+        return UserError(f"the daemon at {url} is not ready: {text}",
+                         "wait for `ready:` in its output (`basal-local ps` shows it), then ask again", status=1)
+    if text.lower().startswith("unknown model"):
+        return UserError(f"the daemon answered {status}: {text}",
+                         "name a served model with --model (`basal-local ps` lists them), or drop --model", status=1)
+    if status in (404, 405):
+        return UserError(f"the daemon answered {status}: {text}",
+                         "give --url the daemon's root address, e.g. http://127.0.0.1:8000", status=1)
+    return UserError(f"the daemon answered {status}: {text}",
+                     "check the question and options (`basal-local ask -h`)", status=1)
+
+
 def ask_command(args: argparse.Namespace) -> int:
-    from .serving import daemon_url
+    from . import get_json
+    from .serving import client_key, daemon_url
 
     url = daemon_url(args)
+    key = client_key(args)
     question = build_question(args)
     body: dict[str, Any] = {"state": read_state(args.state), "questions": {"q": question}}
+    path = "/v1/basal"
+    if len(question.get("criteria") or ()) > MAX_OPTIONS:
+        # /v1/basal stops at 10 options (one letter each); /v1/systemone runs a large choice in rounds
+        path = "/v1/systemone"
+        body["model"] = args.model or get_json(url, "/health", api_key=key).get("default_model")
     if args.model:
         body["model"] = args.model
-    status, answer = post(url, "/v1/basal", body)
+    status, answer = post(url, path, body, api_key=key)
     if status != 200:
-        raise UserError(f"the daemon answered {status}: {error_text(answer)}",
-                        "check the question and options (`basal-local ask -h`)", status=1)
+        raise refusal(url, status, answer, key)
     if args.json:
         print(json.dumps(answer, ensure_ascii=False, indent=1))
         return 0
     text = args.noul or args.choice or args.score
     color = sys.stdout.isatty()
     print(chart(text, answer["answers"]["q"], color))
-    print(f"  model {answer.get('model')}, {answer.get('usage', {}).get('latency_ms', 0):.0f} ms")
+    via = ", through /v1/systemone (more than 10 options)" if path == "/v1/systemone" else ""
+    print(f"  model {answer.get('model')}, {answer.get('usage', {}).get('latency_ms', 0):.0f} ms{via}")
     return 0

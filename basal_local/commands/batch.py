@@ -8,18 +8,20 @@ options make it a choice, none a yes/no (noul) question. With `gold`, the summar
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import queue
 import statistics
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import UserError
+from . import UserError, auth_headers
 
 RETRIES = 6
 
@@ -71,12 +73,13 @@ def is_correct(item: dict[str, Any], body: dict[str, Any]) -> bool | None:
     return answer.get("choice") == gold
 
 
-def send(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
+def send(url: str, body: dict[str, Any], api_key: str | None = None) -> tuple[int, dict[str, Any], float]:
     """(status, body, seconds); 503/529 are retried after the daemon's retry-after-ms."""
     data = json.dumps(body).encode()
     started = time.perf_counter()
     for attempt in range(RETRIES):
-        req = urllib.request.Request(url + "/v1/systemone", data, {"Content-Type": "application/json"})
+        req = urllib.request.Request(url + "/v1/systemone", data,
+                                     {"Content-Type": "application/json", **auth_headers(api_key)})
         try:
             with urllib.request.urlopen(req, timeout=600) as resp:
                 return resp.status, json.loads(resp.read()), time.perf_counter() - started
@@ -95,75 +98,168 @@ def send(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
     return 0, {"error": "gave up"}, time.perf_counter() - started
 
 
+def failure_reason(status: int, body: Any) -> str:
+    """A short reason for the summary: the status and the daemon's message (cut), or the connection error."""
+    from .ask import error_text
+
+    text = error_text(body) if isinstance(body, dict) else str(body)
+    text = text if len(text) <= 90 else text[:89] + "\u2026"
+    return f"HTTP {status}: {text}" if status else text
+
+
 class Progress:
     """A one-line progress bar on stderr when it is a terminal (else silent until the summary)."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.started = total, 0, time.perf_counter()
+    def __init__(self, total: int, done: int = 0) -> None:
+        self.total, self.done, self.started, self.first = total, done, time.perf_counter(), done
         self.tty = sys.stderr.isatty()
-        self.lock = threading.Lock()
 
     def step(self) -> None:
-        with self.lock:
-            self.done += 1
-            if self.tty:
-                rate = self.done / max(time.perf_counter() - self.started, 1e-9)
-                filled = int(30 * self.done / self.total)
-                sys.stderr.write(f"\r  [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                                 f"{rate:.1f} items/s")
-                sys.stderr.flush()
+        self.done += 1
+        if self.tty:
+            rate = (self.done - self.first) / max(time.perf_counter() - self.started, 1e-9)
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                             f"{rate:.1f} items/s")
+            sys.stderr.flush()
 
     def close(self) -> None:
         if self.tty:
             sys.stderr.write("\n")
 
 
+def same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def read_done(out_path: Path, total: int) -> dict[int, dict[str, Any]]:
+    """--resume: the answered rows (status 200) of an earlier run's output, by index; failures are redone."""
+    done: dict[int, dict[str, Any]] = {}
+    if not out_path.exists():
+        return done
+    try:
+        lines = out_path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--output {out_path}: cannot be read to resume ({exc.__class__.__name__})",
+                        "drop --resume to start over") from None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the interruption: redone
+        if isinstance(row, dict) and row.get("status") == 200 and isinstance(row.get("index"), int):
+            if not 0 <= row["index"] < total:
+                raise UserError(f"--output {out_path} holds answers for another input (index {row['index']})",
+                                "resume with the input of that run, or drop --resume")
+            done[row["index"]] = row
+    return done
+
+
+def make_record(i: int, item: dict[str, Any], status: int, body: Any, seconds: float) -> dict[str, Any]:
+    record: dict[str, Any] = {"index": i, "status": status, "latency_ms": round(seconds * 1000, 2)}
+    if status == 200:
+        record["answers"] = body.get("answers", {})
+        record["usage"] = body.get("usage", {})
+        verdict = is_correct(item, body)
+        if verdict is not None:
+            record["gold"], record["correct"] = item["gold"], verdict
+    else:
+        record["error"] = body
+        record["reason"] = failure_reason(status, body)
+    return record
+
+
 def run_command(args: argparse.Namespace) -> int:
     from . import get_json
-    from .serving import daemon_url
+    from .serving import client_key, daemon_url
 
     url = daemon_url(args)
-    items = read_items(Path(args.input).expanduser())
-    out_path = Path(args.output).expanduser()
+    key = client_key(args)
+    in_path, out_path = Path(args.input).expanduser(), Path(args.output).expanduser()
+    if same_file(in_path, out_path):
+        raise UserError(f"--output {out_path} is the input file: it would be overwritten",
+                        "write the answers to another file, e.g. --output answers.jsonl")
+    items = read_items(in_path)
     if not out_path.parent.is_dir():
         raise UserError(f"--output {out_path}: folder {out_path.parent} does not exist", "create it, or pick another")
-    get_json(url, "/health")  # a missing or loading daemon is one clear line, before anything is sent
+    get_json(url, "/health", api_key=key)  # a missing or loading daemon is one clear line, before anything is sent
+    get_json(url, "/v1/models", api_key=key)  # and a missing key (/health answers without one)
     model = args.model or "jev-latest"
-    results: list[Any] = [None] * len(items)
-    progress = Progress(len(items))
+    done = read_done(out_path, len(items)) if args.resume else {}
+    todo = [i for i in range(len(items)) if i not in done]
+    rows = dict(done)
+    progress = Progress(len(items), len(done))
+    jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    results: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    stop = threading.Event()
+    for i in todo:
+        jobs.put(i)
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                i = jobs.get_nowait()
+            except queue.Empty:
+                return
+            status, body, seconds = send(url, to_request(items[i], model), key)
+            results.put(make_record(i, items[i], status, body, seconds))
+
+    # daemon threads: on Ctrl-C the answers so far are kept and nobody waits for the requests still in flight
+    for _ in range(min(args.concurrency, len(todo))):
+        threading.Thread(target=worker, daemon=True).start()
     started = time.perf_counter()
-
-    def one(i: int) -> None:
-        status, body, seconds = send(url, to_request(items[i], model))
-        results[i] = (status, body, seconds)
-        progress.step()
-
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        list(pool.map(one, range(len(items))))
+    try:
+        # answers are written as they come (an `index` column gives the input order); sorted at the end
+        with open(out_path, "a" if args.resume else "w", encoding="utf-8") as out:
+            for _ in todo:
+                record = _next(results)
+                rows[record["index"]] = record
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.flush()
+                progress.step()
+    except KeyboardInterrupt:
+        stop.set()
+        progress.close()
+        answered = sum(1 for r in rows.values() if r["status"] == 200)
+        print(f"basal-local: interrupted: {answered} of {len(items)} answered, kept in {out_path}\n"
+              f"  continue with the same command and --resume", file=sys.stderr)
+        return 130
     elapsed = time.perf_counter() - started
     progress.close()
-    correct = graded = failed = 0
-    latencies = []
-    with open(out_path, "w", encoding="utf-8") as out:
-        for i, (status, body, seconds) in enumerate(results):
-            record: dict[str, Any] = {"index": i, "status": status, "latency_ms": round(seconds * 1000, 2)}
-            if status == 200:
-                latencies.append(seconds)
-                record["answers"] = body.get("answers", {})
-                record["usage"] = body.get("usage", {})
-                verdict = is_correct(items[i], body)
-                if verdict is not None:
-                    graded += 1
-                    correct += verdict
-                    record["gold"], record["correct"] = items[i]["gold"], verdict
-            else:
-                failed += 1
-                record["error"] = body
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    median = statistics.median(latencies) * 1000 if latencies else float("nan")
-    line = (f"basal-local: {len(items)} items in {elapsed:.1f} s ({len(items) / elapsed:.1f} items/s), "
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        for i in range(len(items)):
+            out.write(json.dumps(rows[i], ensure_ascii=False) + "\n")
+    os.replace(tmp, out_path)
+    return summary(items, rows, todo, elapsed, out_path)
+
+
+def _next(results: queue.SimpleQueue) -> dict[str, Any]:
+    while True:  # a timed wait, so that Ctrl-C reaches the main thread at once
+        try:
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+
+
+def summary(items: list, rows: dict[int, dict[str, Any]], todo: list[int], elapsed: float, out_path: Path) -> int:
+    """The run's line (rate, latency, failures by reason, accuracy); non-zero when any item failed."""
+    latencies = [rows[i]["latency_ms"] for i in todo if rows[i]["status"] == 200]
+    graded = [r for r in rows.values() if "correct" in r]
+    correct = sum(r["correct"] for r in graded)
+    reasons = collections.Counter(r["reason"] for r in rows.values() if r["status"] != 200)
+    failed = sum(reasons.values())
+    median = statistics.median(latencies) if latencies else float("nan")
+    line = (f"basal-local: {len(todo)} items in {elapsed:.1f} s ({len(todo) / max(elapsed, 1e-9):.1f} items/s), "
             f"median latency {median:.0f} ms, {failed} failed")
+    if len(todo) < len(items):
+        line += f" ({len(items) - len(todo)} answered before, resumed)"
     if graded:
-        line += f", accuracy {correct / graded:.3f} ({correct}/{graded})"
+        line += f", accuracy {correct / len(graded):.3f} ({correct}/{len(graded)})"
     print(line + f"\n  answers: {out_path}")
+    for reason, count in reasons.most_common():
+        print(f"  {count} failed: {reason}")
     return 1 if failed else 0

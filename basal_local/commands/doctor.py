@@ -74,9 +74,13 @@ def run_checks(port: int | None = None) -> list[Check]:
             checks.append(Check("cuda", "ok", f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), "
                                 f"{human_bytes(free)} free of {human_bytes(total)}"))
         else:
-            why = "this PyTorch build has no CUDA" if torch.version.cuda is None else "no NVIDIA GPU visible"
+            if torch.version.cuda is None:
+                why, fix = "this PyTorch build has no CUDA", "for an NVIDIA GPU install a CUDA build of PyTorch (pytorch.org)"
+            else:  # the build is right; the GPU or its driver is what is missing
+                why = f"this PyTorch has CUDA {torch.version.cuda} but sees no NVIDIA GPU"
+                fix = "on a machine with an NVIDIA GPU, install or update its driver (`nvidia-smi` should list it)"
             checks.append(Check("cuda", "warn", f"{why}: models run on the CPU (fine for the demo, slow for "
-                                "real models)", "for an NVIDIA GPU install a CUDA build of PyTorch (pytorch.org)"))
+                                "real models)", fix))
     except Exception as exc:
         checks.append(Check("torch", "fail", f"PyTorch does not import ({type(exc).__name__})",
                             'pip install "torch>=2.4"'))
@@ -142,15 +146,29 @@ def run_checks(port: int | None = None) -> list[Check]:
         except UserError:
             checks.append(Check("port", "warn", f"port {port} is used by another program",
                                 f"serve on another port: basal-local serve --port {port + 1}"))
-    logs = home_dirs()["logs"]
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-        writable = os.access(logs, os.W_OK)
-    except OSError:
-        writable = False
-    checks.append(Check("logs", "ok" if writable else "warn", str(logs),
-                        "" if writable else "make the folder writable (or set BASAL_LOCAL_HOME)"))
+    checks.append(log_check(home_dirs()["logs"] / "basal-local.log"))
     return checks
+
+
+def log_check(path: Path) -> Check:
+    """The daemon's log file takes a line: a folder that is writable but a file that stays empty is no log."""
+    import logging
+
+    fix = "make the folder writable (or set BASAL_LOCAL_HOME)"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        before = path.stat().st_size if path.exists() else 0
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.emit(logging.LogRecord("basal_local.doctor", logging.INFO, __file__, 0,
+                                       "doctor: the log file takes a line", None, None))
+        handler.close()
+        grew = path.stat().st_size > before
+    except OSError as exc:
+        return Check("logs", "warn", f"{path}: cannot be written ({exc.strerror or exc})", fix)
+    if not grew:
+        return Check("logs", "warn", f"{path} did not grow when written to", fix)
+    return Check("logs", "ok", f"{path} (written to)")
 
 
 def doctor_command(args: argparse.Namespace) -> int:

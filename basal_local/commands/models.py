@@ -187,10 +187,10 @@ def rm(args: argparse.Namespace) -> int:
 
 
 def ps(args: argparse.Namespace) -> int:
-    from .serving import daemon_url
+    from .serving import client_key, daemon_url
 
     url = daemon_url(args)
-    info = get_json(url, "/api/ps")
+    info = get_json(url, "/api/ps", api_key=client_key(args))
     if args.json:
         print(json.dumps(info, indent=1))
         return 0

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from . import UserError
+from . import UserError, model_path
 
 UNIT = "basal-local.service"
 LABEL = "dev.basal-local.daemon"
@@ -60,7 +60,9 @@ def render(kind: str, argv: list[str], log_file: Path) -> str:
         env_lines = "".join(f"Environment={_quote(f'{k}={v}')}\n" for k, v in env.items())
         return ("[Unit]\nDescription=basal-local: Basal decision models on localhost\nAfter=network.target\n\n"
                 f"[Service]\nExecStart={' '.join(_quote(a) for a in argv)}\n{env_lines}"
-                "Environment=PYTHONUNBUFFERED=1\nRestart=on-failure\nRestartSec=5\n\n"
+                "Environment=PYTHONUNBUFFERED=1\nRestart=on-failure\nRestartSec=5\n"
+                # exit 2 is a user mistake (a model not downloaded, a bad setting): restarting cannot fix it
+                "RestartPreventExitStatus=2\n\n"
                 "[Install]\nWantedBy=default.target\n")
     args_xml = "".join(f"    <string>{escape(a)}</string>\n" for a in argv)
     env_xml = "".join(f"    <key>{escape(k)}</key><string>{escape(v)}</string>\n"
@@ -84,12 +86,14 @@ def service_command(args: argparse.Namespace) -> int:
     log_file = home_dirs()["logs"] / "basal-local.log"
     if args.action == "install":
         argv = serve_argv(args)
-        if not args.model:
-            from .serving import load_settings
+        from .serving import load_settings
 
-            if not load_settings(argparse.Namespace(), keys=()).models:
-                raise UserError("no model for the service to serve",
-                                "give one: basal-local service install --model mini (or set models in config.toml)")
+        models = args.model or load_settings(argparse.Namespace(), keys=()).models
+        if not models:
+            raise UserError("no model for the service to serve",
+                            "give one: basal-local service install --model mini (or set models in config.toml)")
+        for ref in models:  # a service whose model is missing would only fail at every start
+            model_path(ref)
         text = render(kind, argv, log_file)
         if args.dry_run:
             print(text, end="")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from .. import __version__
 from . import UserError, port_free
 
 SERVE_KEYS = ("host", "port", "backend", "device", "devices", "replicas",
-              "replica_processes", "dtype", "gpu_memory", "default_model", "max_inflight",
+              "replica_processes", "dtype", "gpu_memory", "default_model", "max_inflight", "admission_wait_ms",
               "max_batch_tokens", "schedule", "long_tokens", "long_slice_ms", "coalesce_ms", "pipeline", "prefix_cache",
               "metrics", "api_key",
               "body_timeout_s", "drain_s", "allowed_hosts", "allowed_origins")
@@ -50,8 +51,21 @@ def daemon_url(args: argparse.Namespace) -> str:
     return f"http://{host}:{settings.port}"
 
 
-def check_device(device: str) -> None:
-    """Refuse --device cuda/mps on a machine without it, before anything loads."""
+def client_key(args: argparse.Namespace) -> str | None:
+    """The API key our tools send: --api-key, else BASAL_LOCAL_API_KEY, else the config's api_key."""
+    if getattr(args, "api_key", None):
+        return args.api_key
+    if os.environ.get("BASAL_LOCAL_API_KEY"):
+        return os.environ["BASAL_LOCAL_API_KEY"]
+    try:
+        return load_settings(argparse.Namespace(), keys=()).api_key or None
+    except UserError:  # a broken config is reported by the command that needs it, not here
+        return None
+
+
+def check_device(device: str, flag: str = "") -> None:
+    """Refuse --device cuda/mps on a machine without it, before anything loads (`flag`: the option named)."""
+    flag = flag or f"--device {device}"
     if device not in ("cuda", "mps"):
         return
     try:
@@ -59,11 +73,57 @@ def check_device(device: str) -> None:
     except ImportError:
         raise UserError("PyTorch is not installed", 'install it: pip install "torch>=2.4"') from None
     if device == "cuda" and not torch.cuda.is_available():
-        why = "this PyTorch has no CUDA support" if torch.version.cuda is None else "no NVIDIA GPU is visible"
-        raise UserError(f"--device cuda, but {why} (torch {torch.__version__})",
-                        "use --device cpu (or auto), or install a CUDA build of PyTorch (https://pytorch.org)")
+        if torch.version.cuda is None:
+            raise UserError(f"{flag}, but this PyTorch has no CUDA support (torch {torch.__version__})",
+                            "use --device cpu (or auto), or install a CUDA build of PyTorch (https://pytorch.org)")
+        raise UserError(f"{flag}, but no NVIDIA GPU is visible (torch {torch.__version__} has CUDA "
+                        f"{torch.version.cuda})", "use --device cpu (or auto); a GPU needs its driver "
+                        "(`nvidia-smi` should list it)")
     if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise UserError("--device mps, but Metal is not available here", "use --device cpu (or auto)")
+        raise UserError(f"{flag}, but Metal is not available here", "use --device cpu (or auto)")
+
+
+def check_devices(spec: str | None, device: str) -> None:
+    """--devices as one sentence when a name is not a device or a GPU is not there (not torch's paragraphs)."""
+    import re
+
+    from ..backends.select import expand_devices
+
+    if not spec:
+        return
+    try:
+        devices = expand_devices(spec, device)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    for name in devices:
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+            raise UserError(f"--devices {spec}: {name!r} is not a device",
+                            "name devices as cpu, mps, cuda or cuda:N (e.g. --devices cuda:0,cuda:1), or all")
+    wanted = [n for n in devices if n.startswith("cuda")]
+    if not wanted:
+        return
+    check_device("cuda", f"--devices {spec}")
+    import torch
+
+    count = torch.cuda.device_count()
+    for name in wanted:
+        if ":" in name and int(name.split(":")[1]) >= count:
+            raise UserError(f"--devices {spec}: there is no {name} (this machine has {count} CUDA "
+                            f"GPU{'s' if count != 1 else ''}: cuda:0..cuda:{count - 1})",
+                            "name the GPUs that exist, or use --devices all")
+
+
+def bind_ephemeral(host: str) -> socket.socket:
+    """A listening socket on a port the system picks (--port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}: {exc.strerror or exc}", "check --host") from None
+    sock.listen(2048)
+    return sock
 
 
 def check_gpu_memory(value, device: str, source: str = "") -> None:
@@ -82,6 +142,13 @@ def check_gpu_memory(value, device: str, source: str = "") -> None:
                         "drop --gpu-memory, or use --device cuda (or mps)")
 
 
+def _is_stderr(path: Path) -> bool:
+    try:
+        return path.exists() and os.path.samestat(os.fstat(sys.stderr.fileno()), path.stat())
+    except (OSError, ValueError, AttributeError):  # no real stderr (captured, closed)
+        return False
+
+
 def log_file_handler() -> Path | None:
     """Also log to basal-local.log in the platformdirs log folder; None when that folder cannot be written."""
     from ..server.settings import home_dirs
@@ -90,6 +157,9 @@ def log_file_handler() -> Path | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "basal-local.log"
+        if _is_stderr(path):  # `serve --detach`: the output already goes to this file; once is enough
+            logging.getLogger("basal_local.daemon").setLevel(logging.INFO)
+            return path
         handler = logging.FileHandler(path, encoding="utf-8")
     except OSError:
         return None
@@ -108,7 +178,18 @@ def serve_command(args: argparse.Namespace) -> int:
     from ..server.security import public_bind_refusal
     from ..server.settings import config_path
 
+    ephemeral = getattr(args, "port", None) == 0
+    if ephemeral:  # the settings take ports 1-65535; 0 is the command line's "pick one"
+        args.port = None
     settings = load_settings(args)
+    if ephemeral:
+        settings.port = 0
+    if getattr(args, "detach", False):
+        from .background import detach
+
+        raw = list(getattr(args, "argv", None) or [])
+        argv = [a for a in raw[raw.index("serve") + 1:] if a != "--detach"] if "serve" in raw else []
+        return detach(_without_port(argv), settings.host, settings.port)
     if not settings.models and not args.demo:
         print(NO_MODEL_HINT(), file=sys.stderr)
         return 2
@@ -119,10 +200,15 @@ def serve_command(args: argparse.Namespace) -> int:
     refusal = public_bind_refusal(settings.host, settings.api_key, settings.insecure_public)
     if refusal:
         raise UserError(refusal)
+    if settings.api_key and not all("!" <= c <= "~" for c in settings.api_key):
+        # HTTP headers carry ASCII; a key with other characters or spaces could never be sent back intact
+        raise UserError("the API key must be printable ASCII without spaces (it travels in an HTTP header)",
+                        "choose another with --api-key KEY (or BASAL_LOCAL_API_KEY)")
     ray_mode = bool(getattr(args, "ray", False))
     check_ray_flags(args, ray_mode)
     if not ray_mode:  # with --ray the engines run on the cluster's nodes, not here
         check_device(settings.device)
+        check_devices(settings.devices, settings.device)
     check_gpu_memory(settings.gpu_memory, settings.device, "" if args.gpu_memory is not None else
                      "BASAL_LOCAL_GPU_MEMORY" if "BASAL_LOCAL_GPU_MEMORY" in os.environ else
                      f"gpu_memory of {args.config or config_path()}")
@@ -137,7 +223,14 @@ def serve_command(args: argparse.Namespace) -> int:
             raise UserError(f"{ref} is not a model basal-local can serve: {exc}",
                             "give --model a Basal model directory, or a name from `basal-local list`") from None
         dirs.append(path)
-    if not port_free(settings.host, settings.port) and not getattr(args, "ray_address", None):
+    sock = None
+    if settings.port == 0:  # an ephemeral port: bound now, so the banner names the port the daemon listens on
+        sock = bind_ephemeral(settings.host)
+        settings.port = sock.getsockname()[1]
+        if ray_mode or getattr(args, "tui", False):
+            sock.close()  # those bind it themselves; the port was free a moment ago
+            sock = None
+    elif not port_free(settings.host, settings.port) and not getattr(args, "ray_address", None):
         raise UserError(f"port {settings.port} on {settings.host} is already in use (another program, or a "
                         "basal-local already running: `basal-local ps`)",
                         f"choose another with --port, e.g. --port {settings.port + 1}")
@@ -149,26 +242,40 @@ def serve_command(args: argparse.Namespace) -> int:
     log_path = log_file_handler()
     where = "\n".join(f"  model: {d}" for d in dirs)
     footer = f"{where}\n  {cfg_note}" + (f"\n  log: {log_path}" if log_path else "")
-    if args.demo:
+    banner = (f"basal-local {__version__}: serving on http://{settings.host}:{settings.port} "
+              f"(loading models...)\n{footer}")
+    ready_text = ""
+    if args.demo:  # the "try it" text once the demo model answers; a failed start shows only the error
         from ..cli import DEMO_BANNER
 
-        banner = DEMO_BANNER.format(host=settings.host, port=settings.port, version=__version__) + "\n" + footer
-    else:
-        banner = (f"basal-local {__version__}: serving on http://{settings.host}:{settings.port} "
-                  f"(loading models...)\n{footer}")
+        ready_text = DEMO_BANNER.format(host=settings.host, port=settings.port, version=__version__)
     if ray_mode:
         return serve_ray_command(args, settings, banner)
     if getattr(args, "tui", False) or getattr(args, "demo_traffic", False):
         from ..server.tuimode import serve_with_options
 
-        return serve_with_options(settings, dirs, banner, args.tui, args.demo_traffic)
-    code = serve(settings, dirs, banner)
+        return serve_with_options(settings, dirs, banner + ("\n" + ready_text if ready_text else ""), args.tui,
+                                  args.demo_traffic)
+    code = serve(settings, dirs, banner, ready_text, sock)
     # Everything is stopped and flushed; the interpreter's final garbage collection of a loaded model can take
     # seconds, which would stretch a SIGTERM past its drain deadline. Leave now, with the status.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _without_port(argv: list[str]) -> list[str]:
+    """serve's arguments minus --port (the detached daemon is given the port chosen here)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--port":
+            skip = True
+        elif not arg.startswith("--port="):
+            out.append(arg)
+    return out
 
 
 def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:

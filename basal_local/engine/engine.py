@@ -358,7 +358,7 @@ class ModelEngine:
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str = "") -> Job:
         job = Job(plan, plan.packed_tokens, plan.prompt_specs(), is_cancelled=is_cancelled, arrival=plan.arrival,
-                  request_id=request_id)
+                  request_id=request_id, background=plan.background)
         if not plan.questions:  # every question fixed: nothing to compute
             body = finish(plan, [], self.model.calibration, 0.0)
             job.resolve(JobResult(body, 0.0, 0.0, 1, 0))

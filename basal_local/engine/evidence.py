@@ -1,4 +1,4 @@
-"""Evidence forwards (PROTOCOL.md §6.8): one plain causal forward per question that asked for spans.
+"""Evidence forwards (docs/PROTOCOL.md §6.8): one plain causal forward per question that asked for spans.
 
 They run on arrival, after planning and before the request is queued: the spans do not depend on the
 letter logits, so `finish` only appends them. The forward takes the device gate like a main-lane batch.

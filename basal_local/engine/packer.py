@@ -1,4 +1,4 @@
-"""Prefix-tree packing (ENGINE.md §1): prompts -> compressed tries -> rows -> forwards (PackedBatch).
+"""Prefix-tree packing: prompts -> compressed tries -> rows -> forwards (PackedBatch).
 
 Pure Python/NumPy. Each row is one compressed trie over token ids, laid out depth-first (parent before
 children, children in order of first appearance). A prompt reads out at the last token of its block, so

@@ -26,6 +26,7 @@ from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
 from ..protocol.questions import DecisionRequest, Question, detect_language
 from ..protocol.render import orders, render_prompt, render_question
+from ..protocol.tools import tool_answer
 from .packer import PromptSpec, TrieSizer
 
 UnitKey = tuple[str, str, int]  # (question id, role, index)
@@ -63,6 +64,7 @@ class RequestPlan:
     evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     error: AnswerRefused | None = None  # set by finish when an answer refuses (act max_error without defer)
     context: tuple[BasalTokenizer, int, dict[str, Sequence[int]]] | None = None
+    background: bool = False  # batch work: computed only when no interactive request waits (scheduler)
 
     def prompt_specs(self) -> list[PromptSpec]:
         return [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
@@ -141,7 +143,7 @@ def check_size_cheaply(request: DecisionRequest, tokenizer: BasalTokenizer, max_
     """Refuse a request far over the context before rendering and tokenizing every question's prompts.
 
     No token stands for more than `tokenizer.max_token_chars` characters (the tokenizer has no normalizer,
-    PROTOCOL.md §4.6), so a prompt of C characters has at least C / that many tokens.
+    docs/PROTOCOL.md §4.6), so a prompt of C characters has at least C / that many tokens.
     """
     per_token = tokenizer.max_token_chars
     state = len(request.state_text)
@@ -188,7 +190,8 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
         units.append((q, lang, perms, prompts, "final", 0, chosen))
     plans, tokens = _tokenize_units(request, units, tokenizer, max_positions)
     follow = RequestPlan(request, plans, plan.input_tokens + tokens, 0, arrival=plan.arrival, round=2,
-                         carried=dict(plan.carried), evidence=plan.evidence, context=plan.context)
+                         carried=dict(plan.carried), evidence=plan.evidence, context=plan.context,
+                         background=plan.background)
     follow.packed_tokens = packed_size(follow.prompt_specs(), prefixes)
     follow.planning_s = plan.planning_s + time.perf_counter() - started
     return follow
@@ -196,6 +199,12 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
 
 def _answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
             unit: QuestionPlan | None) -> dict[str, Any]:
+    base = _typed_answer(q, results, calibration, plan, unit)
+    return base if q.tool is None else tool_answer(q.tool, base, calibration.thresholds)
+
+
+def _typed_answer(q: Question, results: dict[UnitKey, list[float]], calibration: Calibration, plan: RequestPlan,
+                  unit: QuestionPlan | None) -> dict[str, Any]:
     request = plan.request
     temperature = calibration.temperature(q.calibration_key)
     if q.fixed:

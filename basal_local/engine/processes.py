@@ -531,7 +531,7 @@ class ProcessReplicaSet:
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str = "") -> Job:
         job = Job(plan, plan.packed_tokens, [], is_cancelled=is_cancelled, arrival=plan.arrival,
-                  request_id=request_id)
+                  request_id=request_id, background=plan.background)
         if not plan.questions:  # every question fixed: nothing to compute
             job.resolve(JobResult(finish(plan, [], self.model.calibration, 0.0), 0.0, 0.0, 1, 0))
             return job

@@ -1,4 +1,4 @@
-"""Several engine replicas of one model behind one name (DESIGN.md "More than one device").
+"""Several engine replicas of one model behind one name (docs/ARCHITECTURE.md "More than one device").
 
 Each replica is a ModelEngine on its own device with its own gate and lanes. A request goes to the live
 replica with the least queued work, counted in packed tokens (a long document weighs what it costs, not one

@@ -1,4 +1,4 @@
-"""Queue order and batch formation (ENGINE.md §3): HRRN or FIFO, trie-growth budget per batch."""
+"""Queue order and batch formation: HRRN or FIFO, trie-growth budget per batch."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class Job:
     is_cancelled: Callable[[], bool] = lambda: False
     arrival: float = field(default_factory=time.perf_counter)
     request_id: str = ""
+    background: bool = False  # batch work (the Batch API): after every interactive job, never beside one
 
     def gone(self) -> bool:
         """Whether nobody waits for the answer: the client disconnected or the awaiting task was cancelled."""
@@ -63,20 +64,24 @@ class Job:
             pass
 
 
+BACKGROUND_SHARE = 4  # a background batch holds at most this fraction (1/4) of max_batch_tokens
+
+
 def estimate_s(tokens: int, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> float:
     """Estimated compute time of a job alone: the fixed batch cost plus its tokens at the measured rate."""
     return overhead_s + max(tokens, 1) / rate
 
 
 def response_ratio(job: Job, now: float, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> float:
-    """DESIGN.md's priority (wait + est) / est."""
+    """docs/ARCHITECTURE.md's priority (wait + est) / est."""
     est = estimate_s(job.tokens, rate, overhead_s)
     return (max(now - job.arrival, 0.0) + est) / est
 
 
 def hrrn_order(jobs: list[Job], now: float, rate: float, overhead_s: float = BATCH_OVERHEAD_S) -> list[Job]:
-    """Highest response ratio first (see `response_ratio`); ties keep queue order."""
-    return sorted(jobs, key=lambda j: -response_ratio(j, now, rate, overhead_s))
+    """Interactive jobs first, then background ones; each by highest response ratio (`response_ratio`);
+    ties keep queue order."""
+    return sorted(jobs, key=lambda j: (j.background, -response_ratio(j, now, rate, overhead_s)))
 
 
 def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequence[int]],
@@ -89,7 +94,23 @@ def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequ
     A job larger than the budget runs alone; a budget of 0 makes every batch one job (the long lane).
     """
     now = time.perf_counter() if now is None else now
-    ordered = hrrn_order(queue, now, rate, overhead_s) if schedule == "hrrn" else list(queue)
+    if schedule == "hrrn":
+        ordered = hrrn_order(queue, now, rate, overhead_s)
+    else:
+        ordered = sorted(queue, key=lambda j: j.background)  # stable: FIFO within each class
+    if ordered and not ordered[0].background:  # background work never rides in an interactive batch
+        waiting = [j for j in ordered if j.background]
+        ordered = [j for j in ordered if not j.background]
+    else:
+        # background batches stay small: an interactive request arriving meanwhile waits for one of them at most
+        waiting = []
+        max_batch_tokens = max(1, max_batch_tokens // BACKGROUND_SHARE) if max_batch_tokens else 0
+    batch, rest = _fill(ordered, max_batch_tokens, prefixes)
+    return batch, rest + waiting
+
+
+def _fill(ordered: list[Job], max_batch_tokens: int,
+          prefixes: dict[str, Sequence[int]]) -> tuple[list[Job], list[Job]]:
     if len(ordered) <= 1:  # nothing to size against (a job larger than the budget runs alone anyway)
         return ordered, []
     batch = [ordered[0]]

@@ -1,4 +1,4 @@
-"""A Basal model directory: load checks (PROTOCOL.md §4.7), config, tokenizer, calibration, weights."""
+"""A Basal model directory: load checks (docs/PROTOCOL.md §4.7), config, tokenizer, calibration, weights."""
 
 from .directory import ModelDir, ModelLoadError, load_model_dir
 

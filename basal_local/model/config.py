@@ -1,4 +1,4 @@
-"""`config.json` as a dataclass, with the architecture checks of PROTOCOL.md §4.7."""
+"""`config.json` as a dataclass, with the architecture checks of docs/PROTOCOL.md §4.7."""
 
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
-"""Open a model directory and refuse anything with a different prompt contract (PROTOCOL.md §4.7)."""
+"""Open a model directory and refuse anything with a different prompt contract (docs/PROTOCOL.md §4.7)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,13 @@ from .tokenizer import BasalTokenizer, TokenizerError
 log = logging.getLogger(__name__)
 REQUIRED_FILES = ("config.json", "basal.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json")
 CALIBRATION_KEYS = {"choice", "noul", "score", "multi", "act"}
+# beyond these a temperature makes log(p) / T overflow or flattens every answer: a damaged file, not a calibration
+TEMPERATURE_RANGE = (1e-3, 1e3)
+# real files are far smaller (tokenizer.json ~20 MB); a bigger one is refused before it is read whole
+MAX_JSON_BYTES = {"tokenizer.json": 256 << 20}
+MAX_SMALL_JSON_BYTES = 16 << 20
+SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}  # what the backends convert from
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 
 class ModelLoadError(ValueError):
@@ -59,11 +69,32 @@ class ModelDir:
     format: WeightFormat | None = None
 
 
-def _read_json(path: Path) -> Any:
+@contextmanager
+def reading(name: str) -> Iterator[None]:
+    """Whatever a damaged file makes its reader raise becomes one sentence that names the file."""
     try:
+        yield
+    except ModelLoadError:
+        raise
+    except (ConfigError, TokenizerError, EvidenceHeadError) as exc:
+        message = str(exc)
+        named = any(file in message for file in (*REQUIRED_FILES, "CALIBRATION.json", HEAD_FILE))
+        raise ModelLoadError(message if named else f"{name}: {message}") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # a Rust panic in tokenizers is a BaseException
+        raise ModelLoadError(f"{name}: damaged or not in the expected format ({type(exc).__name__})") from None
+
+
+def _read_json(path: Path) -> Any:
+    limit = MAX_JSON_BYTES.get(path.name, MAX_SMALL_JSON_BYTES)
+    try:
+        if path.stat().st_size > limit:
+            raise ModelLoadError(f"{path.name}: {path.stat().st_size} bytes, more than the {limit} allowed")
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path.name}: cannot be read as JSON ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or bad UTF-8
+        raise ModelLoadError(f"{path.name}: cannot be read as JSON ({type(exc).__name__}: "
+                             f"{str(exc)[:120]})") from None
 
 
 def _check_basal_json(raw: Any) -> tuple[str, str | None]:
@@ -100,12 +131,23 @@ def load_calibration(path: Path, fmt: WeightFormat | None = None) -> Calibration
         if key not in CALIBRATION_KEYS:
             raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim.{key}" is not a question type '
                                  f"(allowed: {', '.join(sorted(CALIBRATION_KEYS))})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim.{key}" must be a positive number')
+        low, high = TEMPERATURE_RANGE
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not low <= value <= high):
+            raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim.{key}" must be a number from '
+                                 f"{low:g} to {high:g} (got {value!r})")
+    raw_thresholds = raw.get("thresholds") or {}
+    if not isinstance(raw_thresholds, dict):
+        raise ModelLoadError(f'{calibration_path.name}: field "thresholds" must be an object')
     thresholds = {}
-    for key, value in (raw.get("thresholds") or {}).items():
+    for key, value in raw_thresholds.items():
         if isinstance(value, dict) and isinstance(value.get("confidence"), (int, float)):
-            thresholds[key] = float(value["confidence"])
+            confidence = value["confidence"]
+            if isinstance(confidence, bool) or not (isinstance(confidence, (int, float))
+                                                    and math.isfinite(confidence) and 0 <= confidence <= 1):
+                raise ModelLoadError(f'{calibration_path.name}: field "thresholds.{key}.confidence" must be a number '
+                                     "from 0 to 1")
+            thresholds[key] = float(confidence)
     return Calibration({k: float(v) for k, v in temps.items()}, thresholds, True, calibration_path.name, inherited)
 
 
@@ -123,7 +165,7 @@ def check_weight_names(config: LlamaConfig, names_shapes: dict[str, tuple[int, .
                                  f"config.json implies {shape}")
 
 
-def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+def read_safetensors_header(path: Path, itemsize: dict[str, int] = SAFETENSORS_ITEMSIZE) -> dict[str, tuple[int, ...]]:
     """Names and shapes from the safetensors header; a truncated or corrupt file is refused, named.
 
     The header is JSON data, never code; the data itself is not read, but the file must be exactly as
@@ -132,15 +174,23 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     file_size = path.stat().st_size
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
-        if file_size < 8 or size <= 0 or 8 + size > file_size:
+        if file_size < 8 or size <= 0 or 8 + size > file_size or size > MAX_HEADER_BYTES:
             raise ModelLoadError(f"{path.name}: not a safetensors file or truncated ({file_size} bytes, the header "
                                  f"says {size} bytes of header)")
         try:
             header = json.loads(fh.read(size))
-            shapes = {k: tuple(int(n) for n in v["shape"]) for k, v in header.items() if k != "__metadata__"}
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
+            shapes = {k: tuple(int(n) for n in v["shape"]) for k, v in entries}
+            spans = {k: (int(v["data_offsets"][0]), int(v["data_offsets"][1]), v["dtype"]) for k, v in entries}
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
             raise ModelLoadError(f"{path.name}: the safetensors header is corrupt ({type(exc).__name__})") from None
+    for key, (begin, stop, dtype) in spans.items():
+        numel = math.prod(shapes[key]) if all(n >= 0 for n in shapes[key]) else -1
+        if dtype not in itemsize or not 0 <= begin <= stop or stop - begin != numel * itemsize.get(
+                dtype, 0):
+            raise ModelLoadError(f"{path.name}: tensor {str(key)[:80]!r} is corrupt in the header (dtype {dtype!r} "
+                                 f"of {', '.join(itemsize)}, shape and byte range must agree)")
+    end = max((stop for _, stop, _ in spans.values()), default=0)
     if 8 + size + end != file_size:
         raise ModelLoadError(f"{path.name}: truncated or corrupt: the header describes {8 + size + end} bytes, "
                              f"the file has {file_size}")
@@ -154,37 +204,42 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
     for name in REQUIRED_FILES:
         if not (path / name).exists():
             raise ModelLoadError(f"{name}: missing from {path}")
-    name, version = _check_basal_json(_read_json(path / "basal.json"))
-    if (path / "chat_template.jinja").read_text(encoding="utf-8") != CHAT_TEMPLATE:
+    with reading("basal.json"):
+        name, version = _check_basal_json(_read_json(path / "basal.json"))
+    with reading("chat_template.jinja"):
+        same = (path / "chat_template.jinja").read_bytes() == CHAT_TEMPLATE.encode("utf-8")
+    if not same:
         raise ModelLoadError("chat_template.jinja: differs from the Basal chat template (byte comparison)")
-    try:
+    with reading("config.json"):
         config = LlamaConfig.from_dict(_read_json(path / "config.json"))
-    except ConfigError as exc:
-        raise ModelLoadError(str(exc)) from None
-    tok_config = _read_json(path / "tokenizer_config.json")
-    bos = tok_config.get("bos_token") if isinstance(tok_config, dict) else None
-    if isinstance(bos, dict):  # older files store AddedToken objects
-        bos = bos.get("content")
+    with reading("tokenizer_config.json"):
+        tok_config = _read_json(path / "tokenizer_config.json")
+        bos = tok_config.get("bos_token") if isinstance(tok_config, dict) else None
+        if isinstance(bos, dict):  # older files store AddedToken objects
+            bos = bos.get("content")
     if not isinstance(bos, str):
         raise ModelLoadError('tokenizer_config.json: field "bos_token" must be a string')
-    try:
+    with reading("tokenizer.json"):
+        if (path / "tokenizer.json").stat().st_size > MAX_JSON_BYTES["tokenizer.json"]:
+            raise ModelLoadError(f"tokenizer.json: larger than the {MAX_JSON_BYTES['tokenizer.json']} bytes allowed")
         tokenizer = BasalTokenizer(path / "tokenizer.json", bos)
-    except TokenizerError as exc:
-        raise ModelLoadError(str(exc)) from None
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"tokenizer.json: {tokenizer.vocab_size} tokens, more than config.json field "
                              f"'vocab_size' ({config.vocab_size})")
-    try:
+    try:  # the port formats (model/formats.py) name the file and tensor themselves
         fmt = detect_format(path, _read_json(path / "config.json"))
         if check_weights:
-            check_format_weights(fmt, config)
+            with reading(fmt.weights_file.name):  # anything else a damaged file raises: one sentence too
+                try:
+                    check_format_weights(fmt, config)
+                except FormatError as exc:
+                    raise ModelLoadError(str(exc)) from None
     except FormatError as exc:
         raise ModelLoadError(str(exc)) from None
     head = None
     if (path / HEAD_FILE).exists():
-        try:
+        with reading(HEAD_FILE):
             head = EvidenceHead.load(path / HEAD_FILE, config.hidden_size)
-        except EvidenceHeadError as exc:
-            raise ModelLoadError(str(exc)) from None
-    return ModelDir(path, name, version, config, tokenizer, load_calibration(path, fmt), fmt.weights_file,
-                    head, fmt)
+    with reading("CALIBRATION.json"):
+        calibration = load_calibration(path, fmt)
+    return ModelDir(path, name, version, config, tokenizer, calibration, fmt.weights_file, head, fmt)

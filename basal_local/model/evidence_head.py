@@ -1,4 +1,4 @@
-"""The evidence head (`evidence_head.pt`, PROTOCOL.md §6.8): a safe loader and its scores, in NumPy.
+"""The evidence head (`evidence_head.pt`, docs/PROTOCOL.md §6.8): a safe loader and its scores, in NumPy.
 
 A `.pt` file is a zip archive holding a pickle (`data.pkl`) whose tensors point at raw storages
 (`data/<key>`). Unpickling arbitrary files runs arbitrary code, so this reader allows exactly the globals a
@@ -31,17 +31,42 @@ class EvidenceHeadError(ValueError):
     """An evidence_head.pt that is not a plain state_dict of the expected tensors."""
 
 
+# a real head is 4·k·d + 2·d floats (k ≈ 16–256, d ≤ 16384): far below these; a file above them is refused
+MAX_PICKLE_BYTES = 1 << 20
+MAX_STORAGE_BYTES = 256 << 20
+MAX_TOTAL_BYTES = 512 << 20
+MAX_TENSORS = 64
+
+
 @dataclass(frozen=True)
 class _StorageType:
     dtype: Any
 
 
-def _rebuild_tensor(storage: np.ndarray, offset: int, size: tuple, stride: tuple, *_rest: Any) -> np.ndarray:
+def _index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << 62)
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> np.ndarray:
+    """The tensor `storage[offset + Σ i_k·stride_k]`, refused unless every element lies inside the storage."""
+    if not isinstance(storage, np.ndarray) or storage.ndim != 1:
+        raise EvidenceHeadError(f"{HEAD_FILE}: a tensor does not point at a storage")
+    if (not _index(offset) or not isinstance(size, tuple) or not isinstance(stride, tuple)
+            or len(size) != len(stride) or len(size) > 8 or not all(_index(n) for n in size + stride)):
+        raise EvidenceHeadError(f"{HEAD_FILE}: a tensor has an invalid size, stride or offset")
+    numel = 1
+    for n in size:
+        numel *= n
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if numel else offset - 1
+    if last >= storage.size or numel * storage.itemsize > MAX_STORAGE_BYTES:
+        raise EvidenceHeadError(f"{HEAD_FILE}: a tensor of size {size} reaches outside its storage of "
+                                f"{storage.size} elements")
     if not size:
         return storage[offset:offset + 1].reshape(()).copy()
     itemsize = storage.itemsize
-    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
-                                           strides=tuple(s * itemsize for s in stride))
+    # every index was checked against the storage above, so the strided view stays inside it
+    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
+                                           strides=tuple(s * itemsize for s in stride), writeable=False)
     return np.array(view, copy=True)
 
 
@@ -50,6 +75,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self._archive = archive
         self._root = root
+        self._storages: dict[str, np.ndarray] = {}
+        self._read = 0
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "collections" and name == "OrderedDict":
@@ -62,16 +89,47 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType)):
-            raise EvidenceHeadError(f"{HEAD_FILE}: unexpected storage reference {pid!r}")
+                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and _index(pid[4])):
+            raise EvidenceHeadError(f"{HEAD_FILE}: unexpected storage reference")
         _, kind, key, _location, numel = pid
-        raw = self._archive.read(f"{self._root}/data/{key}")
-        array = np.frombuffer(raw, dtype=np.dtype(kind.dtype).newbyteorder("<"))
-        return array[:numel].astype(kind.dtype)
+        if key in self._storages:  # views of one storage share it
+            return self._storages[key]
+        if len(self._storages) >= MAX_TENSORS:
+            raise EvidenceHeadError(f"{HEAD_FILE}: more than {MAX_TENSORS} storages")
+        dtype = np.dtype(kind.dtype).newbyteorder("<")
+        raw = _read_member(self._archive, f"{self._root}/data/{key}", min(MAX_STORAGE_BYTES,
+                                                                          MAX_TOTAL_BYTES - self._read))
+        self._read += len(raw)
+        if numel * dtype.itemsize > len(raw):
+            raise EvidenceHeadError(f"{HEAD_FILE}: storage {key!r} holds {len(raw)} bytes, its tensor needs "
+                                    f"{numel * dtype.itemsize}")
+        array = np.frombuffer(raw, dtype=dtype, count=numel).astype(kind.dtype)
+        self._storages[key] = array
+        return array
+
+
+def _read_member(archive: zipfile.ZipFile, name: str, limit: int) -> bytes:
+    """One zip entry, refused before inflating when it says it is larger than `limit` (and cut there if it lies)."""
+    try:
+        info = archive.getinfo(name)
+    except KeyError:
+        raise EvidenceHeadError(f"{HEAD_FILE}: entry {name!r} is missing") from None
+    if info.file_size > limit:
+        raise EvidenceHeadError(f"{HEAD_FILE}: entry {name!r} inflates to {info.file_size} bytes, more than the "
+                                f"{limit} an evidence head may hold")
+    with archive.open(info) as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise EvidenceHeadError(f"{HEAD_FILE}: entry {name!r} inflates to more than {limit} bytes")
+    return data
 
 
 def read_state_dict(path: Path) -> dict[str, np.ndarray]:
-    """Tensors of a torch zip checkpoint as NumPy arrays, without executing anything in the pickle."""
+    """Tensors of a torch zip checkpoint as NumPy arrays, without executing anything in the pickle.
+
+    Model directories are data from elsewhere: every size, stride and offset is checked against its storage and
+    every entry's inflated size is capped, so a crafted file is refused in one sentence instead of reading out of
+    bounds or filling the memory."""
     try:
         with zipfile.ZipFile(path) as archive:
             pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
@@ -79,12 +137,17 @@ def read_state_dict(path: Path) -> dict[str, np.ndarray]:
                 raise EvidenceHeadError(f"{path.name}: not a torch zip checkpoint (no single data.pkl)")
             root = pickles[0][: -len("/data.pkl")]
             order = f"{root}/byteorder"
-            if order in archive.namelist() and archive.read(order).strip() != b"little":
+            if order in archive.namelist() and _read_member(archive, order, 64).strip() != b"little":
                 raise EvidenceHeadError(f"{path.name}: big-endian checkpoints are not supported")
-            state = _RestrictedUnpickler(archive.read(pickles[0]), archive, root).load()
-    except (zipfile.BadZipFile, OSError, pickle.UnpicklingError, EOFError) as exc:
-        raise EvidenceHeadError(f"{path.name}: cannot be read ({exc})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
+            state = _RestrictedUnpickler(_read_member(archive, pickles[0], MAX_PICKLE_BYTES), archive, root).load()
+    except EvidenceHeadError as exc:
+        raise EvidenceHeadError(f"{path.name}: {str(exc).removeprefix(HEAD_FILE + ': ')}") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # a damaged archive or pickle raises almost anything (zlib, struct, TypeError...)
+        raise EvidenceHeadError(f"{path.name}: cannot be read ({type(exc).__name__}: {str(exc)[:120]})") from None
+    if (not isinstance(state, dict) or not all(isinstance(k, str) for k in state)
+            or not all(isinstance(v, np.ndarray) for v in state.values())):
         raise EvidenceHeadError(f"{path.name}: must hold a state_dict of tensors")
     return dict(state)
 
@@ -97,6 +160,12 @@ class EvidenceHead:
         if missing:
             raise EvidenceHeadError(f"{HEAD_FILE}: missing tensor {missing[0]!r}")
         t = {k: np.asarray(tensors[k], dtype=np.float32) for k in HEAD_KEYS}
+        for name, tensor in t.items():
+            if not np.isfinite(tensor).all():
+                raise EvidenceHeadError(f"{HEAD_FILE}: tensor {name!r} holds NaN or infinite values")
+        if t["ws.weight"].ndim != 2 or not 0 < t["ws.weight"].shape[0] <= 4096:
+            raise EvidenceHeadError(f"{HEAD_FILE}: tensor 'ws.weight' has shape {t['ws.weight'].shape}, "
+                                    f"expected (k, {hidden_size}) with 0 < k <= 4096")
         k_dim = t["ws.weight"].shape[0]
         for name in ("ws.weight", "us.weight", "we.weight", "ue.weight"):
             if t[name].shape != (k_dim, hidden_size):

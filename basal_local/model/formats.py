@@ -217,10 +217,10 @@ def check_weights(fmt: WeightFormat, config) -> None:
 
 def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{name: (dtype, shape)}; the truncation and corruption checks are directory.read_safetensors_header's."""
-    from .directory import ModelLoadError, read_safetensors_header
+    from .directory import SAFETENSORS_ITEMSIZE, ModelLoadError, read_safetensors_header
 
-    try:
-        read_safetensors_header(path)
+    try:  # the ports add packed words, scale bytes and float8 to the dtypes a safetensors file may hold
+        read_safetensors_header(path, {**SAFETENSORS_ITEMSIZE, "U32": 4, "U8": 1, "F8_E4M3": 1})
     except ModelLoadError as exc:
         raise FormatError(str(exc)) from None
     with open(path, "rb") as fh:

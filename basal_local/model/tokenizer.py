@@ -1,4 +1,4 @@
-"""The model's tokenizer with the fixes of PROTOCOL.md §4.6 and the letter-id rule."""
+"""The model's tokenizer with the fixes of docs/PROTOCOL.md §4.6 and the letter-id rule."""
 
 from __future__ import annotations
 

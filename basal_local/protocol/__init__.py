@@ -1,1 +1,1 @@
-"""The Basal prompt and decision contract (PROTOCOL.md §3-§5): no HTTP, no tensors."""
+"""The Basal prompt and decision contract (docs/PROTOCOL.md §3-§5): no HTTP, no tensors."""

@@ -1,4 +1,4 @@
-"""`act` questions (PROTOCOL.md §6.5): outcomes read like noul or choice, then a cost-minimising action.
+"""`act` questions (docs/PROTOCOL.md §6.5): outcomes read like noul or choice, then a cost-minimising action.
 
 `parse_act` turns the question's `criteria`, `base`, `costs`, `defer_action` and `max_error` into an ActSpec
 or raises ActError (each dialect words the error its own way); `act_answer` applies the decision rule to

@@ -1,4 +1,4 @@
-"""Answer objects of both dialects (PROTOCOL.md §3) and the `usage` block (§1.4)."""
+"""Answer objects of both dialects (docs/PROTOCOL.md §3) and the `usage` block (§1.4)."""
 
 from __future__ import annotations
 

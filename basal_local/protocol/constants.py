@@ -1,4 +1,4 @@
-"""Wire and prompt constants of the Basal contract (PROTOCOL.md §4.1, §4.5). Exact bytes."""
+"""Wire and prompt constants of the Basal contract (docs/PROTOCOL.md §4.1, §4.5). Exact bytes."""
 
 LETTERS = "ABCDEFGHIJ"
 MAX_OPTIONS = len(LETTERS)

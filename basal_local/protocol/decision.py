@@ -1,4 +1,4 @@
-"""Decision math of PROTOCOL.md §5, host side, in float64 with libm (`math`) for exact digits."""
+"""Decision math of docs/PROTOCOL.md §5, host side, in float64 with libm (`math`) for exact digits."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ class ProtocolError(ValueError):
 
 
 class NoEvidenceHead(ProtocolError):
-    """Evidence was asked of a model directory without `evidence_head.pt` (PROTOCOL.md §2.1)."""
+    """Evidence was asked of a model directory without `evidence_head.pt` (docs/PROTOCOL.md §2.1)."""
 
     same_body_on_both_dialects = True
 
@@ -44,7 +44,7 @@ class ContextTooLong(ProtocolError):
 
 
 class AnswerRefused(ValueError):
-    """An answer the decision rule refuses to give (act `max_error` without a defer action, PROTOCOL.md §6.5):
+    """An answer the decision rule refuses to give (act `max_error` without a defer action, docs/PROTOCOL.md §6.5):
     a 422 `value_error` located at the question on `/v1/systemone`, `{"error"}` naming it on `/v1/basal`."""
 
     def __init__(self, qid: str, message: str) -> None:

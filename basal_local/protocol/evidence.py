@@ -1,4 +1,4 @@
-"""Evidence spans (PROTOCOL.md §6.8): where the state sits in the prompt, and the span selection.
+"""Evidence spans (docs/PROTOCOL.md §6.8): where the state sits in the prompt, and the span selection.
 
 The head itself (model/evidence_head.py) turns hidden states into per-token start/end log-probabilities;
 this module only works with character offsets and those scores.

@@ -1,4 +1,4 @@
-"""choice with 11-255 options: the grouped `luce2-1o` strategy (PROTOCOL.md §6.7).
+"""choice with 11-255 options: the grouped `luce2-1o` strategy (docs/PROTOCOL.md §6.7).
 
 Round 1 asks 2g groups of at most 10 options (blocks and round-robin, every option in two groups) in one
 order each; a joint Luce (Plackett-Luce of one pick) fit of their probabilities picks 10 finalists; round 2

@@ -1,4 +1,4 @@
-"""`multi` questions (PROTOCOL.md §6.4): one yes/no branch per label and the selection rule.
+"""`multi` questions (docs/PROTOCOL.md §6.4): one yes/no branch per label and the selection rule.
 
 Each label becomes an ordinary two-option question (MULTI_Q text, default yes/no options, both orders,
 noul temperature); its P(label) is the calibrated probability of "yes". The branches are just more

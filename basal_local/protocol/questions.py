@@ -1,4 +1,4 @@
-"""The normalized question model both dialects validate into (PROTOCOL.md §2, §4.4, §8)."""
+"""The normalized question model both dialects validate into (docs/PROTOCOL.md §2, §4.4, §8)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ class Question:
     # multi: MultiSpec (keys = labels, options = label texts); act: ActSpec (keys = outcomes)
     spec: Any = None
     evidence: bool = False
+    # tool questions (protocol/tools.py): asked as this choice or multi, answered as a tool answer
+    tool: Any = None
 
     @property
     def fixed(self) -> bool:

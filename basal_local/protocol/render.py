@@ -1,4 +1,4 @@
-"""Prompt rendering (PROTOCOL.md §4.4-§4.5): option texts, the two orders and the chat template."""
+"""Prompt rendering (docs/PROTOCOL.md §4.4-§4.5): option texts, the two orders and the chat template."""
 
 from __future__ import annotations
 

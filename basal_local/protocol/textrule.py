@@ -1,4 +1,4 @@
-"""JSON parsing and the Python-compatible text rule (PROTOCOL.md §4.3).
+"""JSON parsing and the Python-compatible text rule (docs/PROTOCOL.md §4.3).
 
 Python's own `json` gives exactly the text the models were trained on (`json.dumps(ensure_ascii=False)`,
 float repr, literal int digits, duplicate keys: last value at the first position). What it accepts but

@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,12 +30,16 @@ from ..api import parse_body, route, validate
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error, refusal_error
 from ..engine.engine import JobResult, ModelEngine
 from ..engine.evidence import attach_evidence
+from ..engine.gate import Admission, Entry
 from ..engine.plan import RequestPlan, next_round
 from ..engine.scheduler import Cancelled, EngineStopped, Job
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..telemetry import Telemetry
+from ..telemetry.privacy import PRIVATE, error_summary
+from .batch_routes import BATCH_ROUTES, batch_summary, start_batches, stop_batches
 from .body import BodyError, BodyLimits, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail, stats_snapshot
+from .security import UNAUTHENTICATED
 
 log = logging.getLogger("basal_local.server")
 DESCRIPTION = "basal typed-decision model (choice / noul / score / act / multi), Polish and English"
@@ -60,12 +65,18 @@ class AppState:
     ready: bool = False
     load_error: str | None = None
     stopping: bool = False
+    closing: bool = False  # shutdown began: event streams end now (server/events.py close_streams)
+    event_streams: set[Callable[[], None]] = field(default_factory=set)  # one wake-up per open /api/events
     access_log: bool = False
     log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)
+    dashboard_token: str = ""  # shown by the daemon's own dashboards to see request content (SECURITY.md)
+    api_key_set: bool = False
+    token_port: int = 0  # the port whose token file this daemon wrote (removed at shutdown)
     limits: BodyLimits = field(default_factory=BodyLimits)
     metrics: bool = False
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name (server/aliases.py)
-    inflight: int = 0
+    inflight: int = 0  # mirrors admission.inflight for the stats
+    admission: Admission = field(default_factory=Admission)
     lock: threading.Lock = field(default_factory=threading.Lock)
     planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "basal-plan"))
     big_planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "basal-plan-big"))
@@ -100,12 +111,14 @@ class _Call:
     model_name: str = ""
     status: int = 500
     timing: str = ""
-    admitted: bool = False
+    admission: Entry | None = None
     error: str = ""
+    client_id: str = ""  # the client's X-Request-Id, echoed even when its record needed a fresh id
 
     @property
     def id_headers(self) -> dict[str, str]:
-        return {"x-request-id": self.request_id, "x-typesafe-request-id": self.request_id}
+        reply = self.client_id or self.request_id
+        return {"x-request-id": reply, "x-typesafe-request-id": reply}
 
     def pool(self, size: int) -> ThreadPoolExecutor:
         return self.state.big_planner if size > BIG_BODY_BYTES else self.state.planner
@@ -123,48 +136,79 @@ async def _read(call: _Call) -> bytes:
     raw = await read_body(call.request.receive, headers.get("content-length"), headers.get("content-encoding"),
                           call.state.limits, call.state.big_planner)
     if call.state.log_bodies:
-        log.info("request %s body: %s", call.request_id, raw[:LOGGED_BODY_BYTES].decode("utf-8", "replace"))
+        log.info("request %s body: %s", call.request_id, raw[:LOGGED_BODY_BYTES].decode("utf-8", "replace"),
+                 extra={PRIVATE: True})
     return raw
 
 
-def _admit(call: _Call) -> None:
-    """Take an in-flight slot; 529 when all are taken (PROTOCOL.md §1.2). `_release` gives it back."""
-    state = call.state
-    with state.lock:
-        if state.inflight >= state.max_inflight:
-            raise overloaded(call.dialect)
-        state.inflight += 1
-        call.admitted = True
+def _admit(call: _Call) -> Entry:
+    """Take an in-flight place, or wait a bounded moment for one (engine/gate.py `Admission`); 529 with a kept
+    retry slot when none comes (docs/PROTOCOL.md §1.2). `_release` gives it back."""
+    retry = (call.request.headers.get("x-typesafe-retry-count") or "0").strip() not in ("", "0")
+    entry = call.state.admission.enter(call.state.max_inflight, retry)
+    _admitted(call, entry)
+    return entry
+
+
+def _admitted(call: _Call, entry: Entry) -> None:
+    if entry.state == "rejected":
+        raise overloaded(call.dialect, entry.headers)
+    if entry.admitted:
+        call.admission = entry
+        call.state.inflight = call.state.admission.inflight
+
+
+async def _wait_for_place(call: _Call, entry: Entry) -> None:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(entry.future), entry.wait_s)  # type: ignore[arg-type]
+        entry.state = "admitted"
+    except TimeoutError:
+        entry = call.state.admission.give_up(entry, call.state.max_inflight)
+    except asyncio.CancelledError:  # shutdown: a place handed over meanwhile is released by `_release`
+        entry = call.state.admission.give_up(entry, call.state.max_inflight)
+        if entry.admitted:
+            call.admission = entry
+        raise
+    _admitted(call, entry)
 
 
 def _release(call: _Call) -> None:
-    if call.admitted:
-        with call.state.lock:
-            call.state.inflight -= 1
-        call.admitted = False
+    if call.admission is not None:
+        call.state.admission.leave(call.admission)
+        call.state.inflight = call.state.admission.inflight
+        call.admission = None
 
 
 async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tuple[ModelEngine, RequestPlan, Job]:
     """Parse, take an in-flight slot, route, validate, plan and queue the job in ONE hop to a planner thread
     (each hop costs the event loop a wake-up and the request a thread hand-off; the job reaches its lane
-    straight from the planner); the checks keep their order (PROTOCOL.md §1.1: overload before the
+    straight from the planner); the checks keep their order (docs/PROTOCOL.md §1.1: overload before the
     unknown-model error)."""
     dialect = call.dialect
 
-    def work() -> tuple[ModelEngine, RequestPlan, Job]:
-        body = parse_body(raw, dialect)
-        _admit(call)
+    def work(body: Any = None) -> Any:
+        if body is None:
+            body = parse_body(raw, dialect)
+            entry = _admit(call)
+            if not entry.admitted:  # wait for a place on the event loop, then come back
+                return body, entry
         call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "",
                                 call.state.aliases)
         engine = call.state.engines[call.model_name]
         planned = engine.plan(validate(body, dialect, call.model_name))
         attach_evidence(planned, engine)
         planned.arrival = call.arrived
+        planned.background = call.request.headers.get("x-basal-priority") == "batch"  # the Batch API's lines
         call.state.telemetry.emit("planned", **planned_event(call.request_id, call.model_name, planned))
         return engine, planned, engine.submit(planned, gone.is_set, call.request_id)
 
+    loop = asyncio.get_running_loop()
     try:
-        return await asyncio.get_running_loop().run_in_executor(call.pool(len(raw)), work)
+        out = await loop.run_in_executor(call.pool(len(raw)), work)
+        if isinstance(out[-1], Entry):
+            await _wait_for_place(call, out[-1])
+            out = await loop.run_in_executor(call.pool(len(raw)), work, out[0])
+        return out
     except RuntimeError:
         if call.state.stopping:  # the planner pools are shut down
             raise EngineStopped() from None
@@ -216,7 +260,7 @@ def _answer(call: _Call, planned: RequestPlan, result: JobResult) -> Response:
 
 def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
     call.status = err.status
-    call.error = json.dumps(err.body, ensure_ascii=False)
+    call.error = error_summary(err.body)  # the record keeps codes only: a message may quote the request
     headers = {**call.id_headers, **(err.headers or {})}
     if close:
         headers["connection"] = "close"
@@ -232,7 +276,7 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
                           "(with fewer or shorter questions), or start the daemon with a lower "
                           "--max-batch-tokens", call.dialect, {"retry-after": "1"})
     if call.state.log_bodies:
-        log.exception("request %s failed", call.request_id)
+        log.exception("request %s failed", call.request_id, extra={PRIVATE: True})
     else:  # the exception's text may quote the request: the type and the frames only
         frames = "".join(traceback.format_tb(exc.__traceback__))
         log.error("request %s failed: %s (text withheld; --log-bodies shows it)\n%s", call.request_id,
@@ -242,8 +286,10 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
 
 async def _decide(request: Request, dialect: str) -> Response:
     call = _Call(request, dialect, request.app.state.basal)
-    call.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    call.state.telemetry.request_received(call.request_id, dialect, request.headers.get("user-agent", ""))
+    # a client's id names its record only if no recent request holds it: nobody overwrites another's record
+    call.client_id = request.headers.get("x-request-id") or ""
+    call.request_id = call.state.telemetry.request_received(call.client_id or uuid.uuid4().hex, dialect,
+                                                            request.headers.get("user-agent", ""))
     try:
         _check_ready(call)
         raw = await _read(call)
@@ -321,6 +367,9 @@ def replicas(state: AppState) -> list[dict[str, Any]]:
 @get("/health")
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
+    if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
+        word = "ok" if state.ready else ("error" if state.load_error else "loading")
+        return _json_response(200 if state.ready else 503, {"status": word})
     if not state.ready:
         body: dict[str, Any] = {"status": "loading", "version": __version__}
         if state.load_error:
@@ -338,6 +387,8 @@ async def stats(request: Request) -> Response:
     state: AppState = request.app.state.basal
     snap = stats_snapshot(state)
     snap["replicas"] = replicas(state)
+    snap["batch_jobs"] = batch_summary(request.app)  # the Batch API's ("batches" are the forwards)
+    snap["admission"] = state.admission.snapshot()
     return _json_response(200, snap)
 
 
@@ -359,8 +410,11 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 def create_app(state: AppState) -> Litestar:
     from .extras import extra_handlers, stamp_request_id, wrap_asgi
 
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state)],
+    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state),
+                                   *BATCH_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
-                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id])
+                   exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
+                   on_startup=[start_batches], on_shutdown=[stop_batches],
+                   logging_config=None)  # litestar's would replace the root handlers: the log file, -v
     app.state.basal = state
     return app

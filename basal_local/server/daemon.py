@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from basal_local.backends.select import expand_devices, make_backend
 
+from ..api.errors import dialect_of, http_error
 from ..engine.engine import ModelEngine, freeze_heap
-from ..engine.gate import DeviceGate
+from ..engine.gate import Admission, DeviceGate
 from ..engine.processes import ProcessReplicaSet, WorkerSpec
 from ..engine.replicas import ReplicaSet
 from ..model.directory import load_model_dir
+from ..telemetry.privacy import remove_token, write_token
 from .aliases import resolve_aliases
 from .app import AppState, create_app
 from .body import BodyLimits
-from .events import BusLogHandler
+from .events import BusLogHandler, close_streams
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 
 log = logging.getLogger("basal_local.daemon")
-KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (CLIENTS.md A.6)
+KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (tests/test_clients.py)
 
 
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
@@ -111,11 +117,20 @@ class _Server(uvicorn.Server):
     signal stops at once.
     """
 
+    def __init__(self, config: uvicorn.Config, state: AppState | None = None) -> None:
+        super().__init__(config)
+        self.state = state
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
             self.force_exit = True
         else:
             self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.state is not None:
+            close_streams(self.state)  # dashboards' streams end first: the drain is for requests
+        await super().shutdown(sockets)
 
 
 def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_s: float) -> type:
@@ -124,6 +139,7 @@ def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_
     - A client that half-closes after a complete request is answered: asyncio closes the transport on EOF
       unless `eof_received` returns True, so `printf 'POST ...' | nc -N` would never read its answer. EOF in
       the middle of a body is still the client going away.
+    - Malformed HTTP gets a JSON 400 (`{"error", "code"}`), as every other error outside the dialects.
     - A connection must start a request (complete headers) within `header_timeout_s` of opening, or of its
       last answer plus the keep-alive time, else it is closed: uvicorn has no header timeout, so a client
       sending half a header line would hold a connection forever.
@@ -160,6 +176,14 @@ def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_
                 return True  # keep the write side open for the answer
             return super().eof_received()
 
+        def send_400_response(self, msg: str) -> None:
+            # malformed HTTP: the JSON error shape of every path outside the dialects, not the parser's plain text
+            body = json.dumps({"error": f"malformed HTTP request ({msg.rstrip('.')})", "code": "BAD_REQUEST"})
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (len(body), body.encode("ascii")))
+            self.transport.close()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.transport.is_closing():
@@ -181,15 +205,55 @@ def _http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
     return _guarded_protocol(base, header_timeout_s, keep_alive_s)
 
 
+class DrainGuard:
+    """When `--drain` runs out, uvicorn cancels the requests still running and would answer each with a plain-text
+    500 and a traceback: answer them 503 + Retry-After in the dialect's shape instead, with one log line each."""
+
+    def __init__(self, app: Any, drain_s: float) -> None:
+        self.app = app
+        self.drain_s = drain_s
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            request_id = headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+            log.warning("request %s %s: still running when the drain (%.0f s) ran out, answered 503", request_id,
+                        scope.get("path", ""), self.drain_s)
+            if started:
+                return  # half an answer is already out: the connection closes
+            err = http_error(503, "SHUTTING_DOWN", "the daemon is shutting down; retry (on its next start)",
+                             dialect_of(scope.get("path", "")), {"retry-after": "5"})
+            body = json.dumps(err.body, ensure_ascii=False).encode("utf-8")
+            out = {**(err.headers or {}), "content-type": "application/json", "content-length": str(len(body)),
+                   "connection": "close", "x-request-id": request_id}
+            await send({"type": "http.response.start", "status": err.status,
+                        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.items()]})
+            await send({"type": "http.response.body", "body": body})
+
+
 def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tuple[AppState, uvicorn.Config]:
     """The daemon's state and its guarded app in a uvicorn config; `start_loading` then loads the models in the
     background (/health answers 503 until then). `quiet`: print nothing (the dashboard owns the screen)."""
     limits = BodyLimits(settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
     state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
                      access_log=settings.access_log, log_bodies=settings.log_bodies, limits=limits,
-                     metrics=settings.metrics)
+                     metrics=settings.metrics, admission=Admission(wait_s=settings.admission_wait_ms / 1000.0),
+                     api_key_set=bool(settings.api_key))
+    state.dashboard_token = write_token(settings.port)
+    state.token_port = settings.port
     policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
-    app = Guard(create_app(state), policy)
+    app = DrainGuard(Guard(create_app(state), policy), settings.drain_s)
     # INFO: the access log, disconnects mid-body, and the bodies when asked
     logging.getLogger("basal_local.server").setLevel(logging.INFO)
     if settings.insecure_public and not is_loopback(settings.host) and not settings.api_key:
@@ -209,32 +273,39 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
 
 
 def start_loading(state: AppState, settings: Settings, model_dirs: list[Path],
-                  on_failure: Callable[[], None] | None = None, freeze: bool = False) -> threading.Thread:
-    """Load the models in a background thread; `on_failure` runs when one fails (serve stops then)."""
+                  on_failure: Callable[[], None] | None = None, freeze: bool = False,
+                  on_ready: Callable[[], None] | None = None) -> threading.Thread:
+    """Load the models in a background thread; `on_failure` runs when one fails (serve stops then), `on_ready`
+    when all are loaded."""
 
     def load() -> None:
         load_engines(state, settings, model_dirs, freeze)
         if state.load_error and on_failure is not None:
             on_failure()
+        elif state.ready and on_ready is not None:
+            on_ready()
 
     loader = threading.Thread(target=load, name="basal-local-loader", daemon=True)
     loader.start()
     return loader
 
 
-def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
-    """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503)."""
+def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_text: str = "",
+          sock: socket.socket | None = None) -> int:
+    """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503).
+    `ready_text` is printed once the models are loaded; `sock`: an already bound socket (--port 0)."""
     state, config = build(settings, model_dirs)
-    server = _Server(config)
+    server = _Server(config, state)
 
     def stop() -> None:
         server.should_exit = True
 
-    start_loading(state, settings, model_dirs, stop, freeze=True)
+    start_loading(state, settings, model_dirs, stop, freeze=True,
+                  on_ready=(lambda: print(ready_text, flush=True)) if ready_text else None)
     if banner:
         print(banner, flush=True)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         shutdown(state)
         print("basal-local: stopped", flush=True)
@@ -246,6 +317,8 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "") -> int:
 def shutdown(state: AppState, timeout: float = 30.0) -> None:
     """Stop planning and every engine: queued requests fail with "engine stopped", lane threads are joined."""
     state.stopping = True
+    if state.dashboard_token:
+        remove_token(state.token_port, state.dashboard_token)
     state.planner.shutdown(wait=False, cancel_futures=True)
     state.big_planner.shutdown(wait=False, cancel_futures=True)
     for name, engine in state.engines.items():

@@ -19,7 +19,8 @@ from litestar import Request, Response, get
 from litestar.response import Stream
 
 from .. import __version__
-from ..telemetry import Lazy, resolve
+from ..telemetry import DETAIL_KEYS, Lazy, resolve
+from ..telemetry.privacy import PRIVATE, privileged
 
 if TYPE_CHECKING:
     from .app import AppState
@@ -34,6 +35,8 @@ FLUSH_S = 0.1
 # msgspec encodes the events (a batch tree is hundreds of nested dicts) several times faster than json.dumps,
 # on the daemon's event loop where every millisecond is an HTTP request waiting; a Lazy tree is built here.
 _ENCODER = msgspec.json.Encoder(enc_hook=resolve)
+WITHHELD = ("questions and answers are shown only to the daemon's dashboards (their token) or with the API key "
+            "(SECURITY.md)")
 MAX_TEXT = 300  # instructions and option texts kept for the detail view are cut to this many characters
 
 
@@ -121,15 +124,18 @@ def _sse(event: dict[str, Any]) -> bytes:
     return (b"id: %d\n" % seq if seq else b"") + b"data: " + data + b"\n\n"
 
 
-async def _stream(state: AppState, since: int | None) -> AsyncIterator[bytes]:
+async def _stream(state: AppState, since: int | None, private: bool = False) -> AsyncIterator[bytes]:
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()
     sub = state.telemetry.bus.subscribe(since=since)
     sub.waker = lambda: loop.call_soon_threadsafe(wake.set)
+    state.event_streams.add(sub.waker)
     try:
         yield b": basal-local events\n\n"
-        while True:
+        while not state.closing:
             items, dropped = sub.drain()
+            if not private:  # logged request bodies (--log-bodies) only for the dashboard token or the key
+                items = [e for e in items if not e.get(PRIVATE)]
             if items or dropped:
                 lost = [{"kind": "dropped", "count": dropped, "ts": round(time.time(), 6)}] if dropped else []
                 yield b"".join(_sse(e) for e in lost + items)
@@ -142,7 +148,15 @@ async def _stream(state: AppState, since: int | None) -> AsyncIterator[bytes]:
             except TimeoutError:
                 yield b": keepalive\n\n"
     finally:
+        state.event_streams.discard(sub.waker)
         sub.close()
+
+
+def close_streams(state: AppState) -> None:
+    """Shutdown began: every open event stream ends its response now, so the drain waits for no dashboard."""
+    state.closing = True
+    for wake in list(state.event_streams):
+        wake()
 
 
 @get("/api/events")
@@ -155,7 +169,8 @@ async def events(request: Request) -> Stream:
             since = int(raw)
         except ValueError:
             since = None
-    return Stream(_stream(state, since), media_type="text/event-stream",
+    private = privileged(request.headers, state.dashboard_token, state.api_key_set)
+    return Stream(_stream(state, since, private), media_type="text/event-stream",
                   headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
@@ -165,8 +180,11 @@ async def request_record(request: Request) -> Response:
     request_id = request.path_params["request_id"]
     record = state.telemetry.request(request_id)
     if record is None:
-        return Response(content={"error": f"no request {request_id!r} in the recent history", "code": "NOT_FOUND"},
-                        status_code=404)
+        return Response(content={"error": f"no request {request_id[:128]!r} in the recent history",
+                                 "code": "NOT_FOUND"}, status_code=404)
+    if not privileged(request.headers, state.dashboard_token, state.api_key_set):
+        record = {k: v for k, v in record.items() if k not in DETAIL_KEYS}
+        record["withheld"] = WITHHELD
     return Response(content=record, status_code=200)
 
 
@@ -185,6 +203,8 @@ class BusLogHandler(logging.Handler):
             message = record.getMessage()
             if record.exc_info and record.exc_info[1] is not None:
                 message += f" ({type(record.exc_info[1]).__name__}: {record.exc_info[1]})"
-            self.state.telemetry.emit("log", level=record.levelname, logger=record.name, message=message[:1000])
+            private = {PRIVATE: True} if getattr(record, PRIVATE, False) else {}
+            self.state.telemetry.emit("log", level=record.levelname, logger=record.name, message=message[:1000],
+                                      **private)
         except Exception:  # logging must never raise into the caller
             self.handleError(record)

@@ -1,9 +1,6 @@
 """Server pieces around the decision handlers, registered by `create_app` in a few lines.
 
 - a request id on every response (`x-request-id` and `x-typesafe-request-id`; a client's `x-request-id` is echoed);
-- 529 retries spread out: `retry-after-ms` hands each rejected request its own slot, so typesafe-sdk's clients
-  (which honour `retry-after-ms` first) do not all come back in the same millisecond; `Retry-After` stays an
-  integer number of seconds for clients that read only that;
 - `GET /api/ps` (what is loaded and its memory, for `basal-local ps`), `GET /openapi.json` and `GET /docs`;
 - `GET /metrics` when the daemon runs with `--metrics` (server/metrics.py).
 """
@@ -11,11 +8,8 @@
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 import sys
-import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -29,50 +23,6 @@ if TYPE_CHECKING:
     from .app import AppState
 
 DECISION_PATHS = ("/v1/systemone", "/v1/basal")
-
-
-class RetrySpreader:
-    """Hands out retry slots one service time apart (per admitted request), with a little jitter.
-
-    The service time is an EMA of how long admitted decision requests take; with `max_inflight` slots the
-    daemon can take one request every `service / max_inflight` seconds. The spacing is that times MARGIN and
-    the jitter at most JITTER of a spacing, so a retry that comes at the late end of its slot and takes one
-    service time is done before the next slot opens (MARGIN - JITTER > 1 with room for variance; measured
-    with 1.25 and 0.5: one of 20 typesafe-sdk calls used up its three attempts).
-    """
-
-    MARGIN = 1.6
-    JITTER = 0.15
-
-    def __init__(self, max_inflight: int, service_s: float = 0.05) -> None:
-        self.max_inflight = max(1, max_inflight)
-        self.service_s = service_s
-        self.next_slot = 0.0
-        self.lock = threading.Lock()
-        self.rng = random.Random()
-
-    def observe(self, seconds: float) -> None:
-        with self.lock:
-            self.service_s = 0.8 * self.service_s + 0.2 * min(seconds, 30.0)
-
-    def missed(self) -> None:
-        """A retry was rejected again: the spacing was too tight, so widen it (the EMA brings it back)."""
-        with self.lock:
-            self.service_s = min(self.service_s * 1.5, 30.0)
-
-    def delay_ms(self) -> int:
-        now = time.monotonic()
-        with self.lock:
-            spacing = max(self.service_s * self.MARGIN / self.max_inflight, 0.002)
-            slot = max(self.next_slot, now + spacing)
-            self.next_slot = slot + spacing
-            jitter = self.rng.uniform(0.0, spacing * self.JITTER)
-        return int(min(30.0, slot - now + jitter) * 1000.0) + 1
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        ms = self.delay_ms()
-        return [(b"retry-after", str(max(1, math.ceil(ms / 1000.0))).encode()),
-                (b"retry-after-ms", str(ms).encode())]
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -95,9 +45,8 @@ def stamp_request_id(message: dict, scope: dict) -> None:
 
 
 def wrap_asgi(state: AppState):
-    """The middleware factory for Litestar: spread 529s, metrics when enabled (ids: `stamp_request_id`)."""
-    spreader = RetrySpreader(state.max_inflight)
-    state.retry = spreader  # type: ignore[attr-defined]
+    """The middleware factory for Litestar: metrics when enabled (ids: `stamp_request_id`; 529 retry slots:
+    engine/gate.py `Admission`)."""
     recorder = None
     if state.metrics:
         from .metrics import MetricsRecorder
@@ -121,17 +70,7 @@ def wrap_asgi(state: AppState):
 
             async def send_wrapped(message):
                 if message["type"] == "http.response.start":
-                    status = message["status"]
-                    seen["status"] = status
-                    headers = [(k, v) for k, v in message.get("headers", [])
-                               if not (status == 529 and k.lower() in (b"retry-after", b"retry-after-ms"))]
-                    if status == 529:
-                        if _header(scope, b"x-typesafe-retry-count"):  # typesafe-sdk marks its retries
-                            spreader.missed()
-                        headers.extend(spreader.headers())
-                    elif decision and status == 200:
-                        spreader.observe(time.perf_counter() - started)
-                    message = {**message, "headers": headers}
+                    seen["status"] = message["status"]
                 elif message["type"] == "http.response.body" and recorder is not None and decision:
                     seen.setdefault("body", []).append(message.get("body", b""))
                 await send(message)

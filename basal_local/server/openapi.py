@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 description of both dialects (`GET /openapi.json`) and a `/docs` page that renders it.
 
-Written by hand from PROTOCOL.md: the handlers take raw bytes (the dialects' own error bodies), so a schema
+Written by hand from docs/PROTOCOL.md: the handlers take raw bytes (the dialects' own error bodies), so a schema
 generated from their signatures would say nothing.
 """
 

@@ -9,6 +9,8 @@ lets a page on evil.example reach 127.0.0.1 under its own name. So, before any r
 - Origin, when present, must be a loopback origin (any port) or a configured one (403);
 - with an API key configured (`--api-key`, BASAL_LOCAL_API_KEY), `Authorization: Bearer KEY` or `X-Api-Key`
   must carry it (401), compared in constant time;
+- `GET /health` stays open without the key (liveness probes and supervisors carry none, as under vLLM's key) but
+  then says only `{"status": ...}`: the route reads `scope[UNAUTHENTICATED]`;
 - a request with a body must be JSON (or no content type); curl's `-d` default (form-urlencoded) is taken
   only without an Origin header, i.e. never from a browser (415).
 
@@ -33,6 +35,9 @@ WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 # curl -d sends this by default; a browser sends it only with an Origin header
 CURL_DEFAULT_TYPE = "application/x-www-form-urlencoded"
 BODY_METHODS = {"POST", "PUT", "PATCH"}
+# paths answered without the API key, with their details withheld (the scope key the route reads)
+OPEN_PATHS = {"/health"}
+UNAUTHENTICATED = "basal_unauthenticated"
 
 
 def is_loopback(host: str) -> bool:
@@ -49,13 +54,16 @@ def is_loopback(host: str) -> bool:
 def host_name(value: str) -> str:
     """The name part of a Host header (`[::1]:8000` -> `::1`, `Example.COM.:80` -> `example.com`)."""
     value = value.strip().lower()
+    name, port = value, ""
     if value.startswith("["):
         end = value.find("]")
-        name = value[1:end] if end > 0 else value
+        if end > 0:
+            name, port = value[1:end], value[end + 1:]
     elif value.count(":") == 1:
-        name = value.split(":", 1)[0]
-    else:
-        name = value
+        name, port = value.split(":", 1)
+        port = ":" + port
+    if port and not (port.startswith(":") and port[1:].isdigit()):
+        return value  # `[::1].evil`, `localhost:evil`: not a name and a port, so it matches no allowed name
     return name.rstrip(".")
 
 
@@ -94,7 +102,12 @@ class AccessPolicy:
         if _origin(origin) in self.allowed_origins:
             return True
         parts = urlsplit(origin.strip())
-        return parts.scheme in ("http", "https") and bool(parts.hostname) and is_loopback(parts.hostname or "")
+        try:
+            parts.port  # noqa: B018  (raises on `localhost.:80.evil`: a malformed origin matches nothing)
+        except ValueError:
+            return False
+        return (parts.scheme in ("http", "https") and bool(parts.hostname) and "@" not in parts.netloc
+                and is_loopback(parts.hostname or ""))
 
     def key_ok(self, headers: dict[str, str]) -> bool:
         if not self.api_key:
@@ -122,7 +135,8 @@ class AccessPolicy:
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             json_like = ctype in ("", "application/json") or (ctype.startswith("application/")
                                                                and ctype.endswith("+json"))
-            if not json_like and not (ctype == CURL_DEFAULT_TYPE and origin is None):
+            upload = ctype == "multipart/form-data" and method == "POST" and path.rstrip("/") == "/v1/files"
+            if not json_like and not upload and not (ctype == CURL_DEFAULT_TYPE and origin is None):
                 return http_error(415, "UNSUPPORTED_MEDIA_TYPE", f"Content-Type {ctype!r} is not accepted: "
                                   "send the body as application/json", dialect)
         return None
@@ -159,7 +173,10 @@ class Guard:
                 name = key.decode("latin-1").lower()
                 # a repeated Host/Origin/key header is ambiguous: keep the first (curl, browsers send one)
                 headers.setdefault(name, value.decode("latin-1"))
-            err = self.policy.check(scope.get("method", "GET"), scope.get("path", ""), headers)
+            method, path = scope.get("method", "GET"), scope.get("path", "")
+            err = self.policy.check(method, path, headers)
+            if err is not None and err.status == 401 and method in ("GET", "HEAD") and path in OPEN_PATHS:
+                scope[UNAUTHENTICATED], err = True, None
             if err is not None:
                 # the body (if any) is not read: the connection cannot carry another request
                 await send_error(send, err, close=scope.get("method") in BODY_METHODS,

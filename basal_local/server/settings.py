@@ -1,4 +1,4 @@
-"""Daemon settings: CLI flags > environment > config.toml > defaults (STYLE.md habit 2)."""
+"""Daemon settings: CLI flags > environment > config.toml > defaults."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class Settings:
     gpu_memory: str | None = None
     default_model: str | None = None
     max_inflight: int = 1024
+    admission_wait_ms: float = 100.0  # longest wait for a place before a 529 (engine/gate.py Admission)
     release_date: str = "2026-10-05"
     access_log: bool = False
     # who may call (server/security.py); a key is also read from BASAL_LOCAL_API_KEY

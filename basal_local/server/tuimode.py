@@ -21,10 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import uvicorn
-
 from .app import AppState
-from .daemon import build, shutdown, start_loading
+from .daemon import _Server, build, shutdown, start_loading
 from .events import BusLogHandler
 from .settings import Settings
 
@@ -32,15 +30,17 @@ log = logging.getLogger("basal_local.demo")
 DEMO_AGENT = "demo-traffic"
 
 
-def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: float = 0.3) -> list[threading.Thread]:
+def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: float = 0.3,
+                 api_key: str | None = None) -> list[threading.Thread]:
     """Threads that post the sample requests (whole, then question by question) until `stop` is set."""
     from ..bench import sample_requests
 
     samples = sample_requests()
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def post(body: dict) -> None:
         req = urllib.request.Request(f"{url}/v1/systemone", json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json", "user-agent": DEMO_AGENT})
+                                     headers={"content-type": "application/json", "user-agent": DEMO_AGENT, **auth})
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 resp.read()
@@ -53,7 +53,8 @@ def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: flo
         while not stop.is_set():
             try:
                 if not model:
-                    with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                    health = urllib.request.Request(f"{url}/health", headers=auth)
+                    with urllib.request.urlopen(health, timeout=5) as resp:
                         model = json.load(resp)["default_model"]
                 item = rng.choice(samples)
                 questions = item["questions"]
@@ -104,7 +105,7 @@ def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, 
     from .daemon import serve
 
     stop = threading.Event()
-    demo_traffic(local_url(settings.host, settings.port), stop)
+    demo_traffic(local_url(settings.host, settings.port), stop, api_key=settings.api_key)
     try:
         return serve(settings, model_dirs, banner)
     finally:
@@ -139,7 +140,7 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     state, config = build(settings, model_dirs, quiet=True)
     _route_logging(state)
     start_loading(state, settings, model_dirs)
-    server = uvicorn.Server(config)
+    server = _Server(config, state)
     failed: list[BaseException] = []
 
     def run_server() -> None:
@@ -160,9 +161,9 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     stop = threading.Event()
     url = local_url(settings.host, settings.port)
     if traffic:
-        demo_traffic(url, stop)
+        demo_traffic(url, stop, api_key=settings.api_key)
     try:
-        code = run_top(url, capture_print=True)
+        code = run_top(url, capture_print=True, api_key=settings.api_key)
     finally:
         stop.set()
         server.should_exit = True

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -244,13 +245,18 @@ class Telemetry:
         self._tell("batch", record)
 
     # ---- server side ---------------------------------------------------------------------------------------
-    def request_received(self, request_id: str, endpoint: str, client: str = "") -> None:
-        info = {"id": request_id, "ts": round(time.time(), 6), "endpoint": endpoint, "client": client[:120]}
+    def request_received(self, request_id: str, endpoint: str, client: str = "") -> str:
+        """Start a request's record; returns its id: the given one, or a fresh one when a recent or running
+        request holds it (or it is over 128 characters), so no client overwrites another's record."""
         with self._lock:
+            if len(request_id) > 128 or request_id in self._pending or request_id in self._by_id:
+                request_id = uuid.uuid4().hex
+            info = {"id": request_id, "ts": round(time.time(), 6), "endpoint": endpoint, "client": client[:120]}
             self.totals["received"] += 1
             self.totals["in_flight"] += 1
             self._pending[request_id] = info
         self.bus.emit("received", **info)
+        return request_id
 
     def record_request(self, **info: Any) -> None:
         """Details of an answered request (with questions and answers for the detail view, never the state)."""

@@ -1,0 +1,323 @@
+"""The torch backend's one forward: a fused Llama layer loop over a packed prefix tree, its ops chosen once.
+
+Per layer: residual+RMSNorm, the q/k/v GEMM, RoPE in place (f32 math), tree attention reading q/k/v straight
+from the fused projection (the cached prefix K/V from its own buffer by row), o GEMM, residual+RMSNorm,
+gate/up GEMM, SwiGLU, down GEMM. The last layer runs attention, o_proj and the MLP at the readout rows only.
+The ops are the Triton kernels on CUDA (`cuda_kernels.kernels`) or their plain-torch twins
+(`cuda_kernels.twins`: the CPU f32 reference); the GEMM route is `cuda_kernels.gemm.build_linear`'s.
+
+A forward's host-side inputs (token ids, positions, the attention tile tables) travel as ONE int32 buffer, so
+`graphs.Graphs` can capture this same forward with its inputs in device memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from basal_local.cuda_kernels import fp8, gemm, triton_available, triton_kernels, twins
+from basal_local.cuda_kernels import plan as tplan
+
+from .. import host
+from ..base import PackedBatch
+from .options import FP8_GEMMS, TorchOptions
+
+# the sizes a forward's GEMMs are called at (graph sizes and readout sizes, graphs.py): the verified route
+# checks these and every multiple of GEMM_STEP up to TIMED_MAX rows at load
+TOKEN_BUCKETS = (64, 128, 192, 224, 256, 272, 288, 304, 320, 336, 352, 368, 384, 416, 448, 480, 512, 640, 768, 1024,
+                 1536, 2048, 3072, 4096, 6144, 8192)
+READOUT_BUCKETS = (4, 16, 64, 256)
+GEMM_STEP = 16
+TIMED_MAX = 1024
+# the verified route uses cuBLAS as is where its results agree at some row count of at most this many rows
+VERIFIED_FLOOR_MAX = 512
+# where cuBLASLt algorithms are tried: the sizes a forward really calls at (the GEMM step between them would
+# cost ~4x the load time for calls that pad to these anyway)
+LT_SIZES = tuple(sorted({s for s in TOKEN_BUCKETS if s <= TIMED_MAX} | set(READOUT_BUCKETS)))
+# a second attention tiling for forwards of up to ALT_MAX_TOKENS tokens and eager ones past the largest graph,
+# where it is faster (docs/CUDA_NOTES.md); used only where it gives the default tiling's bits on this device
+ALT_TILING = (128, 64, 8, 3)
+ALT_MAX_TOKENS = 1024
+# letter columns of the logits (the most letters a batch can ask: protocol LETTERS has 10)
+LETTER_CAP = 16
+
+
+class Forward:
+    def __init__(self, backend, options: TorchOptions, kernels: bool) -> None:
+        # no reference cycle with the backend: a dropped backend (and its CUDA graphs) is freed where it is
+        # dropped, never by the garbage collector in the middle of another backend's graph capture
+        self.b = weakref.proxy(backend)
+        self.options = options
+        self.use_triton = kernels and backend.device.startswith("cuda") and triton_available()
+        self.ops = triton_kernels() if self.use_triton else twins
+        self.report: dict = {}
+        self.fp8_bytes = 0
+        self._fp8: fp8.Fp8Weights | None = None
+        self._gemms: dict[tuple, gemm.SizedGemm] = {}
+        self.gemm = self._route(options.gemm)
+        if self.gemm == "triton":
+            self.linear = self.ops.linear
+        elif self.gemm == "chunked":
+            self.linear = lambda x, w, b: twins.chunked_linear(x, w, b, options.gemm_chunk)
+        elif self.gemm == "cublas":
+            self.linear = twins.linear
+        else:
+            self.linear = self._verified()
+        self.tiling = tuple(options.attention_tiling) if self.use_triton else (64, 64, 4, 2)
+        self.alt_tiling = self._pick_alt_tiling() if self.use_triton and options.attention_alt_tiling and \
+            backend.dtype != torch.float32 else None
+        self.prefix_rows: dict[str, tuple[int, int]] = {}
+        self.prefix_k: list[torch.Tensor] = []
+        self.prefix_v: list[torch.Tensor] = []
+        self.set_prefixes({})
+        cos, sin = host.rope_tables(backend.config)
+        self.cos, self.sin = torch.from_numpy(cos).to(backend.device), torch.from_numpy(sin).to(backend.device)
+
+    # ---- the GEMMs -------------------------------------------------------------------------------------------
+    def _route(self, route: str) -> str:
+        if self.b.dtype_name == "fp8":
+            return "fp8"
+        if self.b.dtype == torch.float32:
+            return "cublas"  # the f32 path keeps plain cuBLAS (exact f32; no TF32)
+        return "verified" if route == "triton" and not self.use_triton else route
+
+    def _verified(self):
+        """cuBLAS (or the fp8 GEMM) at verified row counts per weight shape (`gemm.build_linear`)."""
+        base = F.linear
+        if self.gemm == "fp8":
+            names = [n for n in FP8_GEMMS if n in self.options.fp8_gemms]
+            kernel = self.ops.quant_rows if self.use_triton else None
+            self._fp8 = fp8.build_store(self.b.layers, names, self.b.device, self.b.dtype, kernel, self.report)
+            self.fp8_bytes = self._fp8.nbytes()
+            base = self._fp8.linear
+        candidates = sorted(set(TOKEN_BUCKETS) | set(READOUT_BUCKETS) | set(range(GEMM_STEP, TIMED_MAX + 1, GEMM_STEP)))
+        if not self.use_triton and base is not F.linear:
+            candidates = [c for c in candidates if c <= VERIFIED_FLOOR_MAX]  # the fp8 twin: a cheap check
+        layer = self.b.layers[0]
+        lt = gemm.open_lt(self.b.device, self.options, self.report) \
+            if base is F.linear and layer.qkv_weight.is_cuda else None
+        for w, bias in ((layer.qkv_weight, layer.qkv_bias), (layer.o_proj_weight, layer.o_proj_bias),
+                        (layer.gate_up_weight, layer.gate_up_bias), (layer.down_proj_weight, layer.down_proj_bias)):
+            key = self._gemm_key(w, bias)
+            if key not in self._gemms:
+                self._gemms[key], plan = gemm.build_linear(
+                    w, bias, self.options, candidates, base, lt, LT_SIZES, VERIFIED_FLOOR_MAX, TIMED_MAX,
+                    TOKEN_BUCKETS + READOUT_BUCKETS)
+                self.report[f"{w.shape[0]}x{w.shape[1]}" + ("-f16" if self._fp8 and not key[3] else "")] = plan
+        gemms, store = self._gemms, self._fp8  # not self: the closure would make a cycle through self.linear
+        return lambda x, w, b: gemms[(w.shape[0], w.shape[1], b is not None, store is not None and store.has(w))](
+            x, w, b)
+
+    def padded_rows(self, m: int, w: torch.Tensor, b: torch.Tensor | None) -> int:
+        """The rows of the one library call a GEMM of m rows on `w` makes: the op before it writes its output
+        that tall, so the call reads it in place instead of copying it into a padded block."""
+        sized = self._gemms.get(self._gemm_key(w, b)) if self._gemms else None
+        return sized.padded_rows(m) if sized is not None else m
+
+    def _gemm_key(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, bool, bool]:
+        """What a GEMM's verified sizes depend on: the weight's shape, a bias, and fp8 or not."""
+        return w.shape[0], w.shape[1], bias is not None, self._fp8 is not None and self._fp8.has(w)
+
+    # ---- the attention tiling ------------------------------------------------------------------------------
+    def _pick_alt_tiling(self) -> tuple[int, int, int, int] | None:
+        try:
+            same = self._alt_tiling_agrees(ALT_TILING)
+            why = "same bits" if same else "bits differ: not used"
+        except Exception as exc:  # noqa: BLE001 - e.g. a GPU with less shared memory than the tiling needs
+            same, why = False, f"does not run here ({type(exc).__name__}): not used"
+        self.report["attention_alt_tiling"] = "x".join(map(str, ALT_TILING)) + f" ({why})"
+        return ALT_TILING if same else None
+
+    def alt(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` (its graph size, or its length when eager) runs the alternative tiling."""
+        return self.alt_tiling is not None and (tokens <= ALT_MAX_TOKENS or tokens > TOKEN_BUCKETS[-1])
+
+    def block_m(self, tokens: int) -> int:
+        return self.alt_tiling[0] if self.alt(tokens) else self.tiling[0]
+
+    def _alt_tiling_agrees(self, tiling: tuple[int, int, int, int]) -> bool:
+        """Tree attention of one random tree (a cached prefix, a root, children and a grandchild) with the
+        default tiling and with `tiling`, every row and the readout rows: bit for bit the same?"""
+        cfg, dev, dt = self.b.config, self.b.device, self.b.dtype
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_pre, sizes, parents = 40, (200, 70, 70, 50), (-1, 0, 0, 1)
+        token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+        starts, pos = {}, []
+        for b, (n, par) in enumerate(zip(sizes, parents)):
+            starts[b] = n_pre if par < 0 else starts[par] + sizes[par]
+            pos.append(np.arange(starts[b], starts[b] + n))
+        positions = np.concatenate(pos).astype(np.int64)
+        t = len(positions)
+        readout = np.cumsum(sizes) - 1
+        g = torch.Generator(device=dev).manual_seed(1234)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, generator=g).to(dt)
+        pk, pv = (torch.randn(n_pre, hkv, d, device=dev, generator=g).to(dt) for _ in range(2))
+        q, k, v = self._split(qkv)
+        pos_d = torch.from_numpy(positions.astype(np.int32)).to(dev)
+        outs: dict[tuple, torch.Tensor] = {}
+        for rows in (None, readout):
+            for name, til in (("default", self.tiling), ("alt", tiling)):
+                p = tplan.tile_plan(positions, token_block, np.array(parents, np.int32),
+                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)], til[0], rows=rows)
+                out = torch.zeros(t if rows is None else len(rows), hq * d, dtype=dt, device=dev)
+                self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
+                                        torch.from_numpy(p.q_rows).to(dev),
+                                        torch.tensor([p.num_tiles], dtype=torch.int32, device=dev), out,
+                                        compact=rows is not None, tiling=til)
+                outs[(rows is None, name)] = out
+        return all(torch.equal(outs[(full, "default")], outs[(full, "alt")]) for full in (True, False))
+
+    # ---- cached prefixes -------------------------------------------------------------------------------------
+    def set_prefixes(self, prefix_kv: dict) -> None:
+        """Lay the cached prefixes' K/V out as one [P, Hkv, D] buffer per layer (rows by prefix)."""
+        names = list(prefix_kv)
+        offset = 0
+        for name in names:
+            self.prefix_rows[name] = (offset, prefix_kv[name][0])
+            offset += prefix_kv[name][0]
+        cfg = self.b.config
+        empty = torch.zeros(0, cfg.num_key_value_heads, cfg.head_dim, dtype=self.b.dtype, device=self.b.device)
+        self.prefix_k, self.prefix_v = (
+            [torch.cat([prefix_kv[n][1][i][j] for n in names]) if names else empty for i in range(len(self.b.layers))]
+            for j in (0, 1))
+
+    # ---- inputs ------------------------------------------------------------------------------------------
+    @staticmethod
+    def layout(size: int, tile_cap: int, r_cap: int) -> tuple[dict, int]:
+        rec = tplan.RECORD
+        fields = {"ids": size, "pos": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
+                  "qrows_last": r_cap, "tiles_last": r_cap * rec, "readout": r_cap, "letters": LETTER_CAP}
+        layout, offset = {}, 0
+        for name, length in fields.items():
+            layout[name] = (offset, length)
+            # every field 16-byte aligned whatever the sizes: Triton compiles one variant per pointer alignment,
+            # so unaligned views (an eager forward of an odd token count) cost seconds of JIT on first use
+            offset += -(-length // 4) * 4
+        return layout, offset
+
+    def host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int,
+                    buf: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """The forward's int32 inputs laid out in one buffer (`buf`, zeroed here, or a new one)."""
+        if batch.num_tokens > size:
+            raise RuntimeError(f"forward inputs need {batch.num_tokens} slots, the upload buffer has {size}")
+        rows = [self.prefix_rows[name] for name in batch.prefixes]
+        args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, self.block_m(size))
+        full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
+        if full.num_tiles > tile_cap or last.num_tiles > r_cap:
+            raise OverflowError("plan larger than the graph's tables")
+        layout, total = self.layout(size, tile_cap, r_cap)
+        if buf is None:
+            buf = np.zeros(total, dtype=np.int32)
+        else:
+            buf[:] = 0
+        letters = np.asarray(batch.letter_ids).ravel()[:LETTER_CAP]
+        # every letter slot a valid id: the graph's letter kernel reads all LETTER_CAP of them
+        letters = np.concatenate([letters, np.full(LETTER_CAP - letters.size, letters[0] if letters.size else 0)])
+        for name, values in (("ids", batch.token_ids), ("pos", batch.positions), ("nt", [full.num_tiles]),
+                             ("qrows", full.q_rows), ("tiles", full.tiles), ("nt_last", [last.num_tiles]),
+                             ("qrows_last", last.q_rows), ("tiles_last", last.tiles),
+                             ("readout", batch.readout_index), ("letters", letters)):
+            flat = np.asarray(values).ravel()
+            buf[layout[name][0]:layout[name][0] + flat.size] = flat
+        return buf, layout
+
+    @staticmethod
+    def views(dev_buf: torch.Tensor, layout: dict) -> dict:
+        v = {name: dev_buf[o:o + n] for name, (o, n) in layout.items()}
+        v["tiles"] = v["tiles"].view(-1, tplan.RECORD)
+        v["tiles_last"] = v["tiles_last"].view(-1, tplan.RECORD)
+        return v
+
+    # ---- the layers ------------------------------------------------------------------------------------------
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.b.config
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        t = qkv.shape[0]
+        return (qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d),
+                qkv[:, (hq + hkv) * d:].view(t, hkv, d))
+
+    def _attention(self, i: int, qkv: torch.Tensor, v: dict, last: bool) -> torch.Tensor:
+        q, k, val = self._split(qkv)
+        t, width = qkv.shape[0], q.shape[1] * q.shape[2]
+        tiles, q_rows, nt = (v["tiles_last"], v["qrows_last"], v["nt_last"]) if last else \
+            (v["tiles"], v["qrows"], v["nt"])
+        rows = q_rows.shape[0] if last else t
+        if self.use_triton:
+            # as tall as the o projection's library call (padded_rows): the rows past `rows` are never read back
+            layer = self.b.layers[i]
+            out = torch.empty(self.padded_rows(rows, layer.o_proj_weight, layer.o_proj_bias), width,
+                              dtype=qkv.dtype, device=qkv.device)
+            return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
+                                           nt, out, compact=last, tiling=self.alt_tiling if self.alt(t) else self.tiling)
+        p = tplan.TilePlan(tiles[:int(nt[0])].cpu().numpy(), q_rows.cpu().numpy())
+        out = twins.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], p, rows, compact=last)
+        return out.view(rows, width)
+
+    def layers(self, v: dict, capture: list | None = None, sync: bool = False) -> Iterator[torch.Tensor | None]:
+        """Run every layer; yields None after each but the last, then the final-normed readout rows."""
+        b, ops, eps = self.b, self.ops, self.b.config.rms_norm_eps
+        cfg = b.config
+        x = b.embed_tokens.index_select(0, v["ids"])
+        delta = None
+        for i, layer in enumerate(b.layers):
+            last = i == len(b.layers) - 1
+            m = x.shape[0]
+            h, x = ops.add_rms_norm(x, delta, layer.input_layernorm, eps,
+                                    self.padded_rows(m, layer.qkv_weight, layer.qkv_bias))
+            qkv = self.linear(h, layer.qkv_weight, layer.qkv_bias)[:m]
+            ops.rope_(qkv, v["pos"], self.cos, self.sin, cfg.num_attention_heads, cfg.num_key_value_heads,
+                      cfg.head_dim)
+            if capture is not None:
+                _, k, val = self._split(qkv)
+                capture.append((k.clone(), val.clone()))
+            attn = self._attention(i, qkv, v, last)
+            if last:
+                x = x.index_select(0, v["readout"])
+            m = x.shape[0]
+            o = self.linear(attn, layer.o_proj_weight, layer.o_proj_bias)[:m]
+            h, x = ops.add_rms_norm(x, o, layer.post_attention_layernorm, eps,
+                                    self.padded_rows(m, layer.gate_up_weight, layer.gate_up_bias))
+            # one expression: the gate/up output is freed once SwiGLU has read it and SwiGLU's once down has
+            # (held in locals to the next layer, a 17k-token document's forward peaked 1.1 GB higher)
+            delta = self.linear(ops.silu_mul(self.linear(h, layer.gate_up_weight, layer.gate_up_bias)[:m],
+                                             self.padded_rows(m, layer.down_proj_weight, layer.down_proj_bias)),
+                                layer.down_proj_weight, layer.down_proj_bias)[:m]
+            if not last:
+                if sync and x.is_cuda:
+                    torch.cuda.synchronize()  # the device is idle at a yield: a parked long lane hands it over
+                yield None
+        h, _ = ops.add_rms_norm(x, delta, b.norm, eps)
+        yield h
+
+    def letter_logits(self, h: torch.Tensor, letters: torch.Tensor) -> torch.Tensor:
+        return self.ops.letter_logits(h, self.b.lm_head, letters)
+
+    # ---- the eager forward ---------------------------------------------------------------------------------
+    def upload(self, batch: PackedBatch) -> dict:
+        n_tiles = batch.num_tokens // self.block_m(batch.num_tokens) + len(batch.block_parent) + 1
+        buf, layout = self.host_inputs(batch, batch.num_tokens, n_tiles, max(1, len(batch.readout_index)))
+        return self.views(torch.from_numpy(buf).to(self.b.device), layout)
+
+    def steps(self, batch: PackedBatch, capture: list | None = None) -> Iterator[np.ndarray | None]:
+        v = self.upload(batch)
+        for h in self.layers(v, capture, sync=True):
+            if h is None:
+                yield None
+            else:
+                letters = torch.from_numpy(batch.letter_ids.astype(np.int64)).to(self.b.device)
+                yield finite(self.letter_logits(h[:len(batch.readout_index)], letters).cpu().numpy())
+
+    def hidden(self, batch: PackedBatch) -> torch.Tensor:
+        """The final-normed hidden states of the batch's readout rows."""
+        *_, h = self.layers(self.upload(batch))
+        return h[:len(batch.readout_index)]
+
+
+def finite(logits: np.ndarray) -> np.ndarray:
+    if not np.isfinite(logits).all():
+        raise FloatingPointError("non-finite letter logit")
+    return logits

@@ -1,0 +1,188 @@
+"""CUDA graphs around the one forward (forward.py): buckets, capture, replay, warm-up.
+
+A graph is captured per (token bucket, readout bucket) from the same `Forward.layers` an eager forward runs:
+the tile tables live in device memory and the attention kernel walks them with a persistent grid, so one graph
+serves any tree of that size. The letter logits are computed inside the graph (no host round trip after the
+last layer) and come back through a pinned buffer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from basal_local.cuda_kernels.gemm import no_gc
+
+from ..base import PackedBatch, Ready
+from .forward import LETTER_CAP, READOUT_BUCKETS, TOKEN_BUCKETS, Forward, finite
+
+MAX_GRAPHS = 96
+# the eager forward run once at warm-up (`warm_long`): the size of a ~16.5k-token document's forward
+LONG_WARMUP_TOKENS = 17371
+
+
+class _Graph(NamedTuple):
+    """One captured forward: its device input buffer (`static`, laid out as `layout`) and the pinned host
+    buffer it is filled from, and the letter logits [r_cap, LETTER_CAP] it leaves in `logits`. `uploaded[0]`:
+    the event after the last copy out of `staging` (None when none is pending), so a launch never refills
+    the staging buffer under a copy that has not run yet."""
+
+    graph: torch.cuda.CUDAGraph
+    static: torch.Tensor
+    layout: dict
+    logits: torch.Tensor
+    staging: torch.Tensor
+    staging_np: np.ndarray
+    uploaded: list
+
+
+class Launched:
+    """One graph replay in flight (`Graphs.launch`): its letter logits come back through their own pinned
+    buffer; two CUDA events time it on the device."""
+
+    __slots__ = ("host", "rows", "cols", "start", "end")
+
+    def __init__(self, host: torch.Tensor, rows: int, cols: int, start, end) -> None:
+        self.host, self.rows, self.cols, self.start, self.end = host, rows, cols, start, end
+
+    def done(self) -> bool:
+        return bool(self.end.query())
+
+    def result(self) -> np.ndarray:
+        self.end.synchronize()
+        return finite(self.host.numpy()[:self.rows, :self.cols].copy())
+
+    def device_s(self) -> float | None:
+        """Device seconds from its input copy to its logits copy (after `result`)."""
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+def tile_cap(size: int) -> int:
+    """Tile records a graph of `size` tokens holds: one per 64 queries plus one per (partial) block."""
+    return size // 64 + size // 4 + 8
+
+
+class Graphs:
+    def __init__(self, fwd: Forward) -> None:
+        self.fwd = fwd
+        # the chunked route runs every GEMM on whole chunks of rows, so graph sizes are whole chunks
+        self.chunk = fwd.options.gemm_chunk if fwd.gemm == "chunked" else 1
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+        self._capture_stream = None
+
+    def clear(self) -> None:
+        self.graphs.clear()  # captured graphs read the old prefix buffers
+        self._pool = None  # their memory pool went with them: the next capture starts a new one
+
+    def bucket(self, tokens: int) -> int:
+        """The graph size for a forward of `tokens`: the next bucket, rounded up to whole GEMM chunks."""
+        size = next(s for s in TOKEN_BUCKETS if s >= tokens)
+        return -(-size // self.chunk) * self.chunk
+
+    def _graph_for(self, batch: PackedBatch) -> _Graph | None:
+        """The captured graph a batch fits, with its inputs uploaded; None where it runs eagerly."""
+        if batch.num_tokens > TOKEN_BUCKETS[-1] or len(batch.readout_index) > READOUT_BUCKETS[-1] or \
+                len(batch.letter_ids) > LETTER_CAP:
+            return None
+        size = self.bucket(batch.num_tokens)
+        r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))
+        if (size, r_cap) not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
+            return None
+        try:
+            entry = self._graph(size, r_cap)
+            # the staging buffer is free once the copy out of it ran (launches do not wait for their logits)
+            if entry.uploaded[0] is not None:
+                entry.uploaded[0].synchronize()
+                entry.uploaded[0] = None
+            self.fwd.host_inputs(batch, size, tile_cap(size), r_cap, entry.staging_np)
+        except OverflowError:
+            return None
+        entry.static.copy_(entry.staging, non_blocking=True)
+        return entry
+
+    def forward(self, batch: PackedBatch) -> np.ndarray:
+        entry = self._graph_for(batch)
+        if entry is None:
+            *_, logits = self.fwd.steps(batch)
+            return logits
+        entry.graph.replay()
+        return finite(entry.logits.cpu().numpy()[:len(batch.readout_index), :len(batch.letter_ids)])
+
+    def launch(self, batch: PackedBatch) -> Launched | Ready:
+        """`forward` without waiting for the device: the graph is replayed and its logits copied back
+        asynchronously; the eager path (no graph fits) runs to the end here."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        entry = self._graph_for(batch)
+        if entry is None:
+            *_, logits = self.fwd.steps(batch)
+            return Ready(logits)
+        uploaded = torch.cuda.Event()
+        uploaded.record()
+        entry.uploaded[0] = uploaded
+        entry.graph.replay()
+        host = torch.empty(entry.logits.shape, dtype=entry.logits.dtype, pin_memory=True)
+        host.copy_(entry.logits, non_blocking=True)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return Launched(host, len(batch.readout_index), len(batch.letter_ids), start, end)
+
+    def _run(self, v: dict) -> torch.Tensor:
+        *_, h = self.fwd.layers(v)
+        return self.fwd.letter_logits(h, v["letters"])
+
+    def _graph(self, size: int, r_cap: int) -> _Graph:
+        key = (size, r_cap)
+        if key not in self.graphs:
+            buf, layout = self.fwd.host_inputs(dummy(size, r_cap), size, tile_cap(size), r_cap)
+            static = torch.from_numpy(buf).to(self.fwd.b.device)
+            v = self.fwd.views(static, layout)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, cuBLAS handles)
+                for _ in range(2):
+                    self._run(v)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            if self._capture_stream is None:  # torch's default capture stream lives on the first device used
+                self._capture_stream = torch.cuda.Stream()
+            graph = torch.cuda.CUDAGraph()
+            with no_gc(), torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+                logits = self._run(v)
+            staging = torch.empty(static.shape, dtype=static.dtype, pin_memory=True)
+            self.graphs[key] = _Graph(graph, static, layout, logits, staging, staging.numpy(), [None])
+        return self.graphs[key]
+
+    def warmup(self, max_tokens: int) -> None:
+        for size in sorted({self.bucket(s) for s in TOKEN_BUCKETS if s <= max(max_tokens, TOKEN_BUCKETS[0])}):
+            for r_cap in READOUT_BUCKETS:
+                if r_cap <= max(4, size // 32):
+                    self._graph(size, r_cap)
+        self.warm_long()
+
+    def warm_long(self) -> None:
+        """One eager forward longer than the largest graph (a long document with a few questions off it), so
+        the first long request finds its kernels, library handles and memory ready (a 16.5k-token document
+        took 3.3 s the first time and 1.0 s after on the H200, docs/PERFORMANCE.md)."""
+        n = min(LONG_WARMUP_TOKENS, self.fwd.b.config.max_position_embeddings - 1)
+        if n > TOKEN_BUCKETS[-1]:
+            for _ in self.fwd.steps(dummy(n, 4, children=4)):
+                pass
+
+
+def dummy(n: int, r_cap: int, children: int = 0) -> PackedBatch:
+    """A valid forward of `n` tokens: one prefix-less block (plus `children` blocks of 64 tokens branching off
+    it, each read out at its end), `r_cap` readouts."""
+    root = n - 64 * children
+    token_block = np.concatenate([np.zeros(root, np.int32), np.repeat(np.arange(1, children + 1, dtype=np.int32), 64)])
+    positions = np.concatenate([np.arange(root), np.tile(np.arange(root, root + 64), children)]).astype(np.int64)
+    readout = (np.arange(n - r_cap, n, dtype=np.int64) if r_cap <= n else np.arange(n, dtype=np.int64)) \
+        if not children else root + 64 * np.arange(children, dtype=np.int64) + 63
+    return PackedBatch(token_ids=np.zeros(n, np.int64), positions=positions, token_block=token_block,
+                       block_parent=np.array([-1] + [0] * children, np.int32),
+                       block_prefix=np.full(children + 1, -1, np.int32), readout_index=readout,
+                       letter_ids=np.zeros(1, np.int64), prefixes=[])

@@ -1,0 +1,46 @@
+"""How `basal-local bench` shows its figures: a rich table on a terminal (nested figures as dotted names),
+the same result as one JSON object with --json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def flatten(result: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted name, value) rows; lists and leaves print as they are, dicts open into their keys."""
+    rows: list[tuple[str, str]] = []
+    for key, value in result.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            rows += flatten(value, name + ".")
+        else:
+            rows.append((name, value if isinstance(value, str) else json.dumps(value)))
+    return rows
+
+
+def print_result(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"basal-local bench ({result.get('mode', '')})", title_justify="left")
+    table.add_column("figure", style="bold")
+    table.add_column("value", overflow="fold")
+    for name, value in flatten(result):
+        table.add_row(name, value)
+    Console(file=sys.stdout, soft_wrap=False).print(table)
+
+
+def http_failure(result: dict[str, Any]) -> str | None:
+    """The sentence for a bench --http that must end non-zero (the daemon went away, requests failed)."""
+    failed = result.get("errors", 0)
+    if result.get("daemon_gone"):
+        return f"the daemon at {result.get('url')} went away during the bench ({failed} requests failed)"
+    if failed or result.get("error"):
+        reasons = ", ".join(f"{n} x {r}" for r, n in (result.get("errors_by_reason") or {}).items())
+        return f"{failed} requests failed" + (f": {reasons}" if reasons else "")
+    return None

@@ -1,0 +1,245 @@
+"""Everyday use of the daemon and its tools: stopping, the log file, keys, interruptions, `run`'s output.
+
+Signals and exit codes are checked on real processes (the suite's forked CLI); nothing here needs a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import Daemon, free_port
+from .zygote import cli_popen
+
+
+@pytest.fixture
+def home(tmp_path) -> dict:
+    (tmp_path / "hub").mkdir()
+    return {"BASAL_LOCAL_HOME": str(tmp_path / "basal"), "HF_HUB_CACHE": str(tmp_path / "hub"),
+            "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "BASAL_LOCAL_API_KEY": ""}
+
+
+def _open_events(port: int) -> socket.socket:
+    """An /api/events reader that has read the stream's first comment."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(f"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+    head = b""
+    while b"basal-local events" not in head:
+        chunk = sock.recv(4096)
+        assert chunk, head
+        head += chunk
+    return sock
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    rest = b""
+    while chunk := sock.recv(4096):
+        rest += chunk
+    return rest
+
+
+def test_sigint_with_an_event_reader_attached_stops_at_once_and_cleanly(tiny_model, home):
+    # a drain far longer than the wait below: the stop must not wait for the stream at all
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--drain", "60"], env=home)
+    try:
+        d.wait_ready()
+        readers = [_open_events(d.port), _open_events(d.port)]
+        readers[1].close()  # one reader gone: its stream only notices on its next write
+        d.proc.send_signal(signal.SIGINT)
+        assert d.proc.wait(timeout=30) == 0
+        rest = _read_to_eof(readers[0])
+        assert rest.endswith(b"0\r\n\r\n"), rest[-200:]  # the chunked body ended, not a reset connection
+        readers[0].close()
+    finally:
+        log = d.stop()
+    assert "Traceback" not in log and "Cancel" not in log and "ASGI" not in log, log
+    assert "basal-local: stopped" in log
+
+
+def test_the_log_file_is_written_and_doctor_checks_it(tiny_model, home):
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu"], env=home)
+    try:
+        d.wait_ready()
+    finally:
+        log = d.stop()
+    path = Path(home["BASAL_LOCAL_HOME"]) / "logs" / "basal-local.log"
+    assert f"log: {path}" in log
+    text = path.read_text(encoding="utf-8")
+    assert "basal_local.daemon: loaded" in text, text  # our format, our records
+    from .test_cli import cli
+
+    done = cli("doctor", "--json", env=home)
+    (check,) = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "logs"]
+    assert check["status"] == "ok", check
+    assert path.stat().st_size > len(text.encode())  # doctor's own line went into the file
+    path.unlink()
+    path.mkdir()  # a log path that cannot be written (a folder in its place; even root cannot write it)
+    done = cli("doctor", "--json", env=home)
+    (check,) = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "logs"]
+    assert check["status"] == "warn" and "cannot be written" in check["detail"], check
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+
+# ---- start-up: -v anywhere, --port 0, failures without the demo's "try it", devices as one sentence ------------
+
+def test_verbose_after_the_subcommand(home):
+    from .test_cli import cli
+
+    done = cli("doctor", "--json", "-v", env=home)
+    assert "checks" in json.loads(done.stdout), done.stderr
+    assert cli("list", "-v", env=home).returncode == 0
+
+
+def test_port_zero_listens_on_a_free_port_and_says_which(tiny_model, home):
+    import re
+
+    proc = cli_popen(["serve", "--model", tiny_model, "--device", "cpu", "--port", "0"],
+                     env={**os.environ, **home}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline() + proc.stdout.readline()
+        found = re.search(r"serving on http://127\.0\.0\.1:(\d+) ", first)
+        assert found, first
+        port = int(found.group(1))
+        assert port != 0
+        from .conftest import http
+
+        def ready() -> bool:
+            try:
+                return http("GET", f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200
+            except OSError:
+                return False
+
+        _wait_for(ready, timeout=240)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_a_failed_start_shows_no_try_it_text(tiny_model, home, tmp_path):
+    import shutil
+
+    from .test_cli import subcli
+
+    twin = tmp_path / "twin"
+    shutil.copytree(tiny_model, twin)
+    meta = json.loads((twin / "basal.json").read_text())
+    (twin / "basal.json").write_text(json.dumps({**meta, "name": "basal-demo"}))  # the demo's name: load fails
+    done = subcli("serve", "--demo", "--model", str(twin), "--port", str(free_port()), "--device", "cpu", env=home)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "two models are named" in out, out
+    assert "Try it" not in out and "curl" not in out, out
+
+
+@pytest.mark.parametrize("spec, words", [("banana", ["'banana' is not a device", "cuda:N"]),
+                                         ("cuda:0,cuda:1", ["--devices cuda:0,cuda:1"])])
+def test_devices_mistakes_are_one_sentence(home, spec, words):
+    import torch
+
+    from .test_cli import assert_user_error, cli
+
+    if spec.startswith("cuda") and torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here: the spec is valid (the case checks the refusal without them)")
+    assert_user_error(cli("serve", "--demo", "--devices", spec, env=home), *words)
+
+
+# ---- user mistakes that were "internal error ... please report it" ----------------------------------------------
+
+def test_make_test_model_into_a_folder_it_cannot_create(home, tmp_path):
+    from .test_cli import assert_user_error, cli
+
+    (tmp_path / "file").write_text("x")
+    assert_user_error(cli("make-test-model", str(tmp_path / "file" / "model"), env=home),
+                      "cannot write the test model", "a folder you can write to")
+
+
+def test_bench_checks_its_extras_before_running(home, monkeypatch):
+    import importlib.util
+
+    import basal_local.backends.select as select
+
+    from .test_cli import assert_user_error, cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    done = cli("bench", "--baseline", "transformers", env=home)
+    assert_user_error(done, "needs Hugging Face transformers", "drop --baseline")
+    assert "single decisions" not in done.stderr  # refused before the bench ran
+    monkeypatch.setattr(select, "mlx_importable", lambda: False)
+    assert_user_error(cli("bench", "--backend", "mlx", env=home), "MLX is not installed", "--backend torch")
+
+
+def test_service_install_refuses_a_model_that_is_not_there(home, tmp_path):
+    from .test_cli import assert_user_error, cli
+
+    assert_user_error(cli("service", "install", "--model", "mini", "--print", env=home), "mini")
+    assert_user_error(cli("service", "install", "--model", str(tmp_path / "nothing"), "--print", env=home))
+
+
+def test_service_unit_does_not_restart_on_a_user_mistake(home, tmp_path):
+    from basal_local.commands.service import render
+
+    from .test_cli import subcli
+
+    assert "RestartPreventExitStatus=2" in render("systemd", ["basal-local", "serve"], tmp_path / "log")
+    # what the unit runs exits 2 when its model has gone: systemd then leaves it stopped
+    done = subcli("serve", "--model", str(tmp_path / "gone"), "--port", str(free_port()), env=home)
+    assert done.returncode == 2
+
+
+def test_bench_progress_says_how_far_and_how_long_is_left(capsys):
+    from basal_local.bench import Ticker
+
+    now = [0.0]
+    ticker = Ticker("single decisions", 10, every_s=5.0, clock=lambda: now[0])
+    lines = []
+    for _ in range(10):
+        lines.append(ticker.step())
+        now[0] += 2.0  # each item takes 2 s
+    shown = [line for line in lines if line]
+    # after 3 items (6 s): 7 left at 2 s each; the next line 5 s later at least
+    assert shown[0] == "single decisions 3/10, about 14 s left"
+    assert shown[1] == "single decisions 6/10, about 8 s left"
+    assert "single decisions 3/10" in capsys.readouterr().err
+
+
+# ---- the daemon in the background ----------------------------------------------------------------------------
+
+def test_detach_status_logs_stop(tiny_model, home):
+    from .test_cli import subcli
+
+    done = subcli("serve", "--detach", "--model", str(tiny_model), "--device", "cpu", "--port", "0", env=home)
+    state = Path(home["BASAL_LOCAL_HOME"]) / "state" / "daemon.json"
+    try:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ready on http://127.0.0.1:" in done.stdout
+        info = json.loads(state.read_text())
+        status = subcli("status", env=home)
+        assert status.returncode == 0 and f"pid {info['pid']}" in status.stdout and "ready" in status.stdout
+        logs = subcli("logs", env=home)
+        assert "basal-local: ready:" in logs.stdout
+        assert logs.stdout.count("basal_local.daemon: loaded") == 1  # stdout and the log handler: one copy
+        again = subcli("serve", "--detach", "--model", str(tiny_model), "--device", "cpu", env=home)
+        assert again.returncode == 2 and "already running" in again.stderr
+    finally:
+        stopped = subcli("stop", env=home)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not state.exists()
+    assert subcli("status", env=home).returncode == 3
+    assert subcli("stop", env=home).returncode == 1
