@@ -139,7 +139,15 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
         raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
                         "free disk space, or give make-test-model another folder") from None
-    print(f"basal-local: wrote {args.preset} test model to {out}")
+    if args.format != "bf16":
+        from .model.testformats import convert_test_model
+
+        print(f"  writing the {args.format} layout...", flush=True)
+        try:
+            convert_test_model(out, args.format, seed=args.seed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
     return 0
 
 
@@ -242,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model runs on more than one GPU; --no-replica-processes keeps them in one process)")
     p.add_argument("--dtype", choices=["auto", "f16", "bf16", "f32", "fp8", "q8", "q4"],
                    help=f"(default {defaults.dtype}: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 with float8 "
-                        "GEMMs; q8/q4: MLX only, quantized once and cached in the user cache folder)")
+                        "GEMMs; q8/q4: MLX only, quantized once and cached in the user cache folder). Shipped ports run in their "
+                        "own format: MLX-8bit/fp4 quantized on MLX, GGUF Q8_0/Q4_0 natively on MLX and dequantized "
+                        "at load elsewhere, ModelOpt FP8 dequantized at load to this dtype on torch (CPU and CUDA)")
     p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
                    help="GPU memory the models may use on each device: a size (24GB, 22.5GiB) or a share (0.8, "
                         "80%%); the weights must fit, and a batch that needs more gets a 503 (default: all of it)")
@@ -307,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-test-model", help="write a random-weight model directory of the contract")
     p.add_argument("directory", help="folder to write (created)")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "mini", "4.5B", "max"],
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny64", "tiny256", "small", "mini", "4.5B", "max"],
                    help="architecture (default tiny; mini/4.5B/max are the real Basal shapes)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--name", help="served model name (default basal-test-PRESET)")
@@ -315,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to draw the random weights (default cpu; cuda is faster)")
     p.add_argument("--evidence-head", action=argparse.BooleanOptionalAction, default=None,
                    help="write a random evidence_head.pt (default: for the tiny and small presets)")
+    p.add_argument("--format", default="bf16", choices=["bf16", "mlx-8bit", "mlx-fp4", "gguf-q8_0", "gguf-q4_k_m",
+                                                         "fp8"],
+                   help="weight layout of a shipped port (default bf16): MLX 8-bit/nvfp4 (mlx-lm layout, needs "
+                        "mlx), GGUF Q8_0/Q4_K_M (the gguf package's writer) or NVIDIA ModelOpt FP8")
     p.set_defaults(func=cmd_make_test_model)
 
     p = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumable)")
