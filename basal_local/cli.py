@@ -85,7 +85,15 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
         raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
                         "free disk space, or give make-test-model another folder") from None
-    print(f"basal-local: wrote {args.preset} test model to {out}")
+    if args.format != "bf16":
+        from .model.testformats import convert_test_model
+
+        print(f"  writing the {args.format} layout...", flush=True)
+        try:
+            convert_test_model(out, args.format, seed=args.seed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
     return 0
 
 
@@ -206,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-test-model", help="write a random-weight model directory of the contract")
     p.add_argument("directory", help="folder to write (created)")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "mini", "4.5B", "max"],
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny64", "tiny256", "small", "mini", "4.5B", "max"],
                    help="architecture (default tiny; mini/4.5B/max are the real Basal shapes)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--name", help="served model name (default basal-test-PRESET)")
@@ -214,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to draw the random weights (default cpu; cuda is faster)")
     p.add_argument("--evidence-head", action=argparse.BooleanOptionalAction, default=None,
                    help="write a random evidence_head.pt (default: for the tiny and small presets)")
+    p.add_argument("--format", default="bf16", choices=["bf16", "mlx-8bit", "mlx-fp4", "gguf-q8_0", "gguf-q4_k_m",
+                                                         "fp8"],
+                   help="weight layout of a shipped port (default bf16): MLX 8-bit/nvfp4 (mlx-lm layout, needs "
+                        "mlx), GGUF Q8_0/Q4_K_M (the gguf package's writer) or NVIDIA ModelOpt FP8")
     p.set_defaults(func=cmd_make_test_model)
 
     p = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumable)")

@@ -83,6 +83,12 @@ STATS: dict[str, Any] = {
     "counters": {"batches": 2, "forwards": 2, "cancelled": 0},
     "running": {}, "percentiles": {},
     "memory": {"host_rss_bytes": 512 * 2**20, "weights_bytes": 3 * 2**20},
+    # telemetry/device.py's sample as an NVIDIA host sends it (the canned model itself runs on the CPU)
+    "device_telemetry": {"type": "nvidia", "cpus": 16, "cpu_percent": 112.0, "rss_bytes": 512 * 2**20,
+                         "gpus": [{"index": 0, "name": "NVIDIA H200", "util_percent": 87, "power_w": 412.0,
+                                   "power_limit_w": 700.0, "clock_mhz": 1980, "temperature_c": 54,
+                                   "memory_used_bytes": 24 * 2**30, "memory_total_bytes": 140 * 2**30,
+                                   "memory_free_bytes": 116 * 2**30}]},
     "queues": {MODEL: {"main": {"waiting": 2, "waiting_tokens": 360, "oldest_wait_ms": 35.0,
                                 "running": {"batch_id": 3, "requests": 4, "tokens": 700}},
                        "long": {"waiting": 0, "waiting_tokens": 0, "oldest_wait_ms": 0.0, "running": {}}}},
@@ -114,8 +120,10 @@ class CannedSource:
 
     url = "http://127.0.0.1:8000"
 
-    def __init__(self, events: list[dict[str, Any]] | None = None, connected: bool = True) -> None:
+    def __init__(self, events: list[dict[str, Any]] | None = None, connected: bool = True,
+                 stats: dict[str, Any] | None = None) -> None:
         self.events = canned_events() if events is None else events
+        self.stats = STATS if stats is None else stats
         self.connected = connected
         self.asked: list[str] = []
 
@@ -123,7 +131,7 @@ class CannedSource:
         if not self.connected:
             sink.daemon_connection(False, "connection refused (is the daemon running?)")
         else:
-            sink.daemon_stats(copy.deepcopy(STATS))
+            sink.daemon_stats(copy.deepcopy(self.stats))
             sink.daemon_connection(True)
             for event in self.events:
                 sink.daemon_event(copy.deepcopy(event))

@@ -276,3 +276,49 @@ def test_background_batches_hold_a_quarter_of_the_budget():
     interactive = [_job(100, False, float(i)) for i in range(40)]
     batch, _ = form_batch(interactive, 1000, {"en": []}, "fifo", rate=1000.0, now=100.0)
     assert sum(j.tokens for j in batch) == 1000
+
+
+def _run_until(store, batch_id: str, statuses: tuple[str, ...]) -> dict:
+    from basal_local.batches.runner import Runner
+
+    async def main():
+        runner = Runner(store, _fake_app, concurrency=4)
+        runner.start()
+        deadline = time.time() + 30
+        while store.batch(batch_id)["status"] not in statuses and time.time() < deadline:
+            await asyncio.sleep(0.02)
+        await runner.stop()
+
+    asyncio.run(main())
+    return store.batch(batch_id)
+
+
+def test_a_file_over_the_line_limit_fails_its_batch_with_the_reason(tmp_path, monkeypatch):
+    from basal_local.batches import runner as runner_module
+    from basal_local.batches.store import Store
+
+    monkeypatch.setattr(runner_module, "MAX_LINES", 5)  # the limit's rule, on a small file
+    store = Store(tmp_path)
+    upload = store.upload_path()
+    upload.write_bytes(_jsonl([_line(i, STATES[0]) for i in range(6)]))
+    batch = store.add_batch(store.add_file(upload, "in.jsonl", "batch", None)["id"], None, None)
+    done = _run_until(store, batch["id"], ("failed",))
+    assert done["status"] == "failed" and done["failed_at"] is not None
+    assert done["errors"]["data"][0]["code"] == "too_many_lines"
+    assert done["errors"]["data"][0]["message"] == "the input file holds 6 lines; a batch takes at most 5"
+
+
+def test_expired_files_are_gone(tmp_path):
+    from basal_local.batches.store import Store
+
+    store = Store(tmp_path)
+    upload = store.upload_path()
+    upload.write_bytes(b"{}\n")
+    kept = store.add_file(upload, "a.jsonl", "batch", 3600)
+    assert kept["expires_at"] == kept["created_at"] + 3600 and store.get_file(kept["id"]) == kept
+    record = json.loads((tmp_path / "files" / f"{kept['id']}.json").read_text())
+    record["expires_at"] = int(time.time()) - 1
+    (tmp_path / "files" / f"{kept['id']}.json").write_text(json.dumps(record))
+    assert store.get_file(kept["id"]) is None
+    assert not (tmp_path / "files" / kept["id"]).exists()
+    assert store.list_files(None, 20, None)["data"] == []

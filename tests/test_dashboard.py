@@ -58,13 +58,17 @@ async def test_overview_header_kpis_queue_and_memory():
         assert f"{decisions:.1f}" in text
         assert "1 / 1024" in text  # in flight vs limit
         assert "batch 3: 4 req" in text and "35 ms" in text  # the running batch and the oldest wait
-        assert "host RSS 512.0 MiB" in text and "weights 3.0 MiB" in text
+        # the device pane (telemetry/device.py's sample) and the backend's memory figures
+        assert "GPU0 NVIDIA H200  util 87 %  412/700 W  1980 MHz" in text and "24.0/140.0 GiB" in text
+        assert "weights 3.0 MiB  free 116.0 GiB" in text and "cpu 112 % of 16 cores  RSS 512.0 MiB" in text
         assert "529 overloaded" in text
+        # the daemon's totals, which add up to received
+        assert "received 8  answered 5  failed 0  rejected 1  529 1  cancelled 0  in flight 1" in text
 
 
 async def test_requests_table_newest_first_sort_and_filter():
     app, _ = make_app()
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(120, 32)) as pilot:  # every column fits
         await pilot.press("2")
         await settle(pilot, app)
         screen = app.screen
@@ -400,3 +404,15 @@ async def test_ctrl_c_quits_as_the_banner_says():
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert app.return_code == 0  # the app is leaving (q's action), not showing "press ctrl+q"
+
+
+def test_totals_show_the_running_batch_jobs():
+    from basal_local.tui.screens.overview import totals_text
+
+    data = DashboardData(clock=lambda: NOW)
+    data.stats = {"totals": {}, "batch_jobs": [{"id": "batch_1", "status": "in_progress", "total": 50000,
+                                                "completed": 1200, "failed": 34},
+                                               {"id": "batch_2", "status": "validating", "total": 0}]}
+    assert "batch 1,234/50,000 in_progress +1" in totals_text(data).plain
+    data.stats = {"totals": {}}
+    assert "batch" not in totals_text(data).plain

@@ -10,7 +10,23 @@ pytest.importorskip("pytest_textual_snapshot")
 
 from basal_local.tui.app import DashboardApp  # noqa: E402
 
-from .dashboard_canned import NOW, CannedSource  # noqa: E402
+from .dashboard_canned import NOW, T0, CannedSource, batch_event, canned_events, request_events  # noqa: E402
+
+CLIENTS = ["typesafe-sdk/0.7.5", "basal-client-python", "jev-cli/0.7.0", "python-httpx/0.28.1"]
+
+
+def busy_events() -> list[dict]:
+    """The canned events plus a busy second: 36 more requests in 6 batches, so the big terminals are not empty."""
+    events = canned_events()
+    for b in range(6):
+        rids = [f"req-{100 + 6 * b + n:04d}" for n in range(6)]
+        for n, rid in enumerate(rids):
+            events += request_events(rid, T0 + 8 + b * 0.25 + n * 0.01, CLIENTS[(b + n) % 4], 10 + b, 6)
+        events.append(batch_event(10 + b, T0 + 8.2 + b * 0.25, rids))
+    events.sort(key=lambda e: e["ts"])
+    for seq, event in enumerate(events, 1):
+        event["seq"] = seq
+    return events
 
 
 @pytest.fixture(autouse=True)
@@ -22,8 +38,8 @@ def utc(monkeypatch):
     time.tzset()
 
 
-def app() -> DashboardApp:
-    return DashboardApp(CannedSource(), clock=lambda: NOW, refresh_s=5.0)
+def app(busy: bool = False) -> DashboardApp:
+    return DashboardApp(CannedSource(busy_events() if busy else None), clock=lambda: NOW, refresh_s=5.0)
 
 
 async def settle(pilot) -> None:
@@ -32,10 +48,26 @@ async def settle(pilot) -> None:
     await pilot.pause()
 
 
-@pytest.mark.parametrize("key", ["1", "2", "3", "5"])
-def test_views_at_80x24(snap_compare, key):
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 60)], ids=["80x24", "120x40", "200x60"])
+@pytest.mark.parametrize("key", ["1", "2", "3", "4", "5"])
+def test_views(snap_compare, key, size):
+    """Every view at the three sizes: nothing essential cut at 80x24, the panes grown at the larger ones."""
+
     async def run_before(pilot):
         await pilot.press(key)
+        await settle(pilot)
+
+    assert snap_compare(app(busy=size != (80, 24)), terminal_size=size, run_before=run_before)
+
+
+def test_disconnected_and_paused_at_80x24(snap_compare):
+    """The header keeps PAUSED and the reason; the numbers are greyed."""
+
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("p")
+        pilot.app.clear_notifications()
+        pilot.app.daemon_connection(False, "HTTP 502")
         await settle(pilot)
 
     assert snap_compare(app(), terminal_size=(80, 24), run_before=run_before)

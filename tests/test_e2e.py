@@ -117,7 +117,9 @@ def test_models_and_health(daemon):
     assert body == {"models": [{"name": M, "release_date": "2026-10-05",
                                 "description": "basal typed-decision model (choice / noul / score / act / multi), "
                                                "Polish and English", "mode": "basal-local-torch-cpu",
-                                "early_exit": []}]}
+                                "early_exit": [], "format": "bf16", "bits": 16, "dense_layers": [],
+                                "quantization": {}, "calibration_file": "CALIBRATION.json",
+                                "calibration_inherited": False}]}
     status, _, body = http("GET", daemon.url + "/health")
     assert status == 200
     from basal_local import __version__

@@ -53,8 +53,9 @@ class DashboardApp(App):
     ]
 
     def __init__(self, source: Source, clock: Callable[[], float] = time.time, refresh_s: float = 0.5,
-                 follow: bool = True, capture_print: bool = False) -> None:
+                 follow: bool = True, capture_print: bool = False, owns_daemon: bool = False) -> None:
         super().__init__()
+        self.owns_daemon = owns_daemon  # serve --tui: quitting stops the daemon, and the key bar says so
         self.capture_print = capture_print  # serve --tui: prints of the daemon go to the log pane
         self.source = source
         self.data = DashboardData(clock=clock, url=source.url)
@@ -92,7 +93,7 @@ class DashboardApp(App):
     def on_print(self, event: events.Print) -> None:
         text = event.text.strip()
         if text:
-            self.data.log.append(LogLine(time.time(), "WARNING" if event.stderr else "INFO", "daemon", text))
+            self.data.add_log(LogLine(time.time(), "WARNING" if event.stderr else "INFO", "daemon", text))
 
     # ---- drawing -------------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -110,17 +111,22 @@ class DashboardApp(App):
     # ---- actions -------------------------------------------------------------------------------------------
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(self.owns_daemon))
 
     def action_pause(self) -> None:
         self.paused = not self.paused
         self.redraw_status()
-        self.notify("paused: the data keeps coming, the display waits" if self.paused else "resumed", timeout=2)
+        self.say("paused: the data keeps coming, the display waits" if self.paused else "resumed")
 
     def action_clear_stats(self) -> None:
         self.data.clear()
         self.redraw(force=True)
-        self.notify("statistics cleared here; the daemon's counters are untouched", timeout=2)
+        self.say("statistics cleared here; the daemon's counters are untouched")
+
+    def say(self, text: str) -> None:
+        """One toast at a time: a new one replaces the last (ten `+` presses must not cover the screen)."""
+        self.clear_notifications()
+        self.notify(text, timeout=2)
 
     def redraw_status(self) -> None:
         self.redraw(force=True)
@@ -132,7 +138,7 @@ class DashboardApp(App):
         if self._timer is not None:
             self._timer.stop()
         self._timer = self.set_interval(self.refresh_s, self.tick)
-        self.notify(f"refresh every {self.refresh_s:g} s", timeout=2)
+        self.say(f"refresh every {self.refresh_s:g} s")
 
     def action_faster(self) -> None:
         self._set_refresh(-1)

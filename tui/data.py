@@ -7,6 +7,7 @@ events give the same picture every time. Everything is bounded.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -42,7 +43,22 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[int(min(rank, len(ordered))) - 1]
 
 
-@dataclass
+def _short(request_id: str, width: int = 12) -> str:
+    return request_id if len(request_id) <= width else request_id[: width - 1] + "\u2026"
+
+
+def access_line(ts: float, row: dict[str, Any]) -> LogLine:
+    """`200 systemone typesafe-sdk 2 q 61 ms req-1`: a finished request as an access-log line."""
+    status = row.get("status", "-")
+    total = row.get("total_ms")
+    parts = [str(status), str(row.get("endpoint") or "-"), client_name(row.get("client", "")),
+             f"{row.get('questions', '-')} q", f"{total:.0f} ms" if isinstance(total, int | float) else "- ms",
+             _short(str(row.get("id")))]
+    level = "INFO" if isinstance(status, int) and status < 400 else "WARNING"
+    return LogLine(ts, level, "access", " ".join(parts))
+
+
+@dataclass(eq=False)  # hashed by identity: the log view keeps a set of the lines it has written
 class LogLine:
     ts: float
     level: str
@@ -62,6 +78,9 @@ class DashboardData:
     batches: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_BATCHES))
     running: dict[str, dict[str, Any]] = field(default_factory=dict)
     log: deque[LogLine] = field(default_factory=lambda: deque(maxlen=MAX_LOG))
+    # one line per finished request, built from the event stream (the log view's `a`; no --access-log needed)
+    access: deque[LogLine] = field(default_factory=lambda: deque(maxlen=MAX_LOG))
+    device: dict[str, Any] = field(default_factory=dict)  # the daemon's last device sample (telemetry/device.py)
     # second -> {"requests", "decisions", "tokens", "errors", "overloaded"}
     buckets: dict[int, dict[str, float]] = field(default_factory=dict)
     latencies: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=500))
@@ -79,7 +98,12 @@ class DashboardData:
         first = not self.stats
         self.stats = snap
         self.stats_at = self.clock()
-        if first:  # history from before we attached: the table and the batch view are not empty
+        if isinstance(snap.get("device_telemetry"), dict):
+            self.device = snap["device_telemetry"]
+        if first:
+            for event in snap.get("log", []):  # the daemon's log from before we attached (start-up, loading)
+                self.add_log(LogLine(float(event.get("ts", 0.0)), event.get("level", "INFO"),
+                                     event.get("logger", ""), event.get("message", "")))  # history from before we attached: the table and the batch view are not empty
             for record in snap.get("requests", []):
                 row = self._row(record["id"], record.get("ts", 0.0))
                 row.update({k: v for k, v in record.items() if k != "id"})
@@ -94,7 +118,7 @@ class DashboardData:
     def set_connected(self, connected: bool, error: str = "") -> None:
         if connected != self.connected:
             text = f"connected to {self.url}" if connected else f"disconnected from {self.url}: {error}"
-            self.log.append(LogLine(self.clock(), "INFO" if connected else "WARNING", "dashboard", text))
+            self.add_log(LogLine(self.clock(), "INFO" if connected else "WARNING", "dashboard", text))
         self.connected = connected
         self.error = error
         self.version += 1
@@ -131,8 +155,8 @@ class DashboardData:
             key = f"{event.get('model')}/{event.get('lane')}"
             if self.running.get(key, {}).get("batch_id") == event.get("batch_id"):
                 del self.running[key]
-            self.log.append(LogLine(ts, "ERROR", "engine",
-                                    f"batch {event.get('batch_id')} failed in {key}: {event.get('error', '')}"))
+            self.add_log(LogLine(ts, "ERROR", "engine",
+                                 f"batch {event.get('batch_id')} failed in {key}: {event.get('error', '')}"))
         elif kind in TERMINAL:
             row = self._row(event["id"], ts)
             row.update({k: v for k, v in event.items() if k not in ("kind", "seq", "ts", "id")})
@@ -152,12 +176,15 @@ class DashboardData:
                 bucket["errors"] += 1
             if kind in ("failed", "rejected"):
                 level = "ERROR" if kind == "failed" else "WARNING"
-                self.log.append(LogLine(ts, level, "request", f"{event['id']} {status} {event.get('error', '')}"))
+                self.add_log(LogLine(ts, level, "request", f"{event['id']} {status} {event.get('error', '')}"))
+            self.access.append(access_line(ts, row))
         elif kind == "log":
-            self.log.append(LogLine(ts, event.get("level", "INFO"), event.get("logger", ""), event.get("message", "")))
+            self.add_log(LogLine(ts, event.get("level", "INFO"), event.get("logger", ""), event.get("message", "")))
+        elif kind == "device":
+            self.device = {k: v for k, v in event.items() if k not in ("kind", "seq", "ts")}
         elif kind == "dropped":
-            self.log.append(LogLine(ts, "WARNING", "dashboard",
-                                    f"the dashboard fell behind: {event.get('count')} events lost"))
+            self.add_log(LogLine(ts, "WARNING", "dashboard",
+                                 f"the dashboard fell behind: {event.get('count')} events lost"))
 
     def clear(self) -> None:
         """`c`: start the statistics over (the daemon keeps its own): counters, rates and sparklines, latency
@@ -172,8 +199,17 @@ class DashboardData:
         for request_id in [r for r, row in self.requests.items() if row.get("done_ts") or isinstance(
                 row.get("status"), int)]:
             del self.requests[request_id]
-        self.log.append(LogLine(self.clock(), "INFO", "dashboard", "statistics cleared (the daemon's are untouched)"))
+        self.add_log(LogLine(self.clock(), "INFO", "dashboard", "statistics cleared (the daemon's are untouched)"))
         self.version += 1
+
+    def add_log(self, line: LogLine) -> None:
+        """Keep the log in time order: the backlog, the stream and the dashboard's own notes interleave."""
+        if not self.log or self.log[-1].ts <= line.ts:
+            self.log.append(line)
+            return
+        lines = list(self.log)
+        lines.insert(bisect.bisect_right([x.ts for x in lines], line.ts), line)
+        self.log = deque(lines[-MAX_LOG:], maxlen=MAX_LOG)
 
     def total(self, name: str) -> int:
         """A daemon counter since the last clear (all of it before any)."""

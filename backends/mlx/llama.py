@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import host
 from ..base import ModelInfo, PackedBatch
+from .ported import fuse
 from .quantize import QUANTIZED, Quantized, quantized_layers
 from .tree_attention import TreeAttention
 
@@ -80,15 +81,27 @@ class MLXBackend:
         # quantized weights compute in f16 on Metal and f32 on the CPU
         self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
         self._apply_memory_limit()
+        from basal_local.model.formats import detect_format
+
+        self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
+        if self.format.family != "safetensors" and dtype in QUANTIZED:
+            raise ValueError(f"--dtype {dtype} quantizes bf16 weights; a {self.format.name} checkpoint is "
+                             "already quantized (use --dtype auto, f16 or f32)")
         with mx.stream(self.mx_device):
-            weights = mx.load(str(model_dir / "model.safetensors"))
+            if self.format.family != "safetensors":
+                from .ported import port_weights
+
+                weights = port_weights(self.format, cfg, self.dtype)
+            else:
+                weights = mx.load(str(model_dir / "model.safetensors"))
             quantized = quantized_layers(model_dir / "model.safetensors", weights, cfg, QUANTIZED[dtype],
                                          self.dtype) if dtype in QUANTIZED else {}
 
-            def take(key: str) -> mx.array:
+            def take(key: str) -> mx.array | Quantized:
                 if key not in weights:
                     raise ValueError(f"model.safetensors: missing tensor {key!r}")
-                return weights.pop(key).astype(self.dtype)
+                value = weights.pop(key)
+                return value if isinstance(value, Quantized) else value.astype(self.dtype)
 
             self.embed_tokens = take("model.embed_tokens.weight")
             self.norm = take("model.norm.weight")
@@ -96,7 +109,7 @@ class MLXBackend:
             self.layers: list[_Layer] = []
             for i in range(cfg.num_hidden_layers):
                 layer = _Layer()
-                for slot, tensor in host.load_layer(take, lambda ts: mx.concatenate(ts, axis=0), cfg, i).items():
+                for slot, tensor in host.load_layer(take, fuse, cfg, i).items():
                     name = slot.removesuffix("_weight")
                     setattr(layer, slot, quantized.get(f"model.layers.{i}.{name}", tensor)
                             if slot.endswith("_weight") and name in host.FUSED else tensor)

@@ -25,18 +25,20 @@ log = logging.getLogger(__name__)
 class Quantized:
     """One quantized weight matrix [out, in]: packed values, per-group scales and biases."""
 
-    __slots__ = ("weight", "scales", "biases", "bits", "shape")
+    __slots__ = ("weight", "scales", "biases", "bits", "shape", "group_size", "mode")
 
-    def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array, bits: int, shape: tuple[int, int]):
+    def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array | None, bits: int,
+                 shape: tuple[int, int], group_size: int = GROUP_SIZE, mode: str = "affine"):
         self.weight, self.scales, self.biases, self.bits, self.shape = weight, scales, biases, bits, shape
+        self.group_size, self.mode = group_size, mode  # a shipped port's own (nvfp4: group 16, no biases)
 
     def matmul(self, x: mx.array) -> mx.array:
         """x @ W.T for x [T, in]."""
         return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
-                                   group_size=GROUP_SIZE, bits=self.bits)
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
 
     def arrays(self) -> list[mx.array]:
-        return [self.weight, self.scales, self.biases]
+        return [a for a in (self.weight, self.scales, self.biases) if a is not None]
 
     @property
     def nbytes(self) -> int:

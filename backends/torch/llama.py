@@ -105,14 +105,22 @@ class TorchBackend:
         self.dtype_name = host.resolve_dtype(dtype, self.device == "cpu", tuple(DTYPES), "torch")
         self.dtype = DTYPES[self.dtype_name]
         weights: dict[str, torch.Tensor] = {}
-        # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
-        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
-            self._apply_memory_limit(fh)
-            try:
-                for key in fh.keys():
-                    weights[key] = fh.get_tensor(key).to(device=self.device, dtype=self.dtype)
-            except torch.OutOfMemoryError as exc:
-                raise self._out_of_memory(exc, "loading the weights") from None
+        from basal_local.model.formats import detect_format, torch_tensors
+
+        self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
+        if self.format.family != "safetensors":
+            # GGUF and ModelOpt FP8 are dequantized at load to the run dtype (model/formats.py)
+            for key, t in torch_tensors(self.format, cfg):
+                weights[key] = t.to(device=self.device, dtype=self.dtype)
+        else:
+            # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
+            with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
+                self._apply_memory_limit(fh)
+                try:
+                    for key in fh.keys():
+                        weights[key] = fh.get_tensor(key).to(device=self.device, dtype=self.dtype)
+                except torch.OutOfMemoryError as exc:
+                    raise self._out_of_memory(exc, "loading the weights") from None
 
         def take(key: str) -> torch.Tensor:
             if key not in weights:

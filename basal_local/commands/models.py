@@ -69,26 +69,39 @@ def list_(args: argparse.Namespace) -> int:
     from ..model.registry import cached_models
 
     rows = cached_models()
+    formats = {m.path: _format_name(m.path) for m in rows}
     if args.json:
         print(json.dumps([{"name": m.name, "repo": m.repo, "revision": m.revision, "refs": m.refs,
-                           "size_bytes": m.size, "path": str(m.path)} for m in rows], indent=1))
+                           "format": formats[m.path], "size_bytes": m.size, "path": str(m.path)} for m in rows],
+                         indent=1))
         return 0
     if not rows:
         print("no models yet: `basal-local pull mini` downloads one, `basal-local serve --demo` makes the demo")
         return 0
-    table = [("NAME", "REVISION", "SIZE", "PATH")]
+    table = [("NAME", "REVISION", "FORMAT", "SIZE", "PATH")]
     for m in rows:
         rev = m.revision[:12] + (f" ({', '.join(m.refs)})" if m.refs else "")
-        table.append((m.name, rev, human_bytes(m.size), str(m.path)))
-    widths = [max(len(r[i]) for r in table) for i in range(3)]
+        table.append((m.name, rev, formats[m.path], human_bytes(m.size), str(m.path)))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
     for r in table:
-        print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
+        print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}")
     return 0
+
+
+def _format_name(path: Path) -> str:
+    """The weight format of a cached snapshot (`?` when its files cannot tell)."""
+    from ..model.formats import FormatError, detect_format
+
+    try:
+        return detect_format(path, json.loads((path / "config.json").read_text(encoding="utf-8"))).name
+    except (OSError, ValueError, FormatError, AttributeError):
+        return "?"
 
 
 def describe(path: Path) -> dict[str, Any]:
     """What `show` prints: name, architecture, calibration, files."""
     from ..model.directory import load_model_dir
+    from ..model.formats import port_summary
 
     md = load_model_dir(path, check_weights=False)
     c = md.config
@@ -102,7 +115,9 @@ def describe(path: Path) -> dict[str, Any]:
                          "head_dim": c.head_dim, "vocab_size": c.vocab_size,
                          "context_length": c.max_position_embeddings, "rope_theta": c.rope_theta},
         "calibration": {"present": md.calibration.present, "temperatures": md.calibration.temperatures,
-                        "thresholds": md.calibration.thresholds},
+                        "thresholds": md.calibration.thresholds, "file": md.calibration.file,
+                        "inherited": md.calibration.inherited},
+        "port": port_summary(md),
         "files": files,
     }
 
@@ -127,8 +142,15 @@ def show(args: argparse.Namespace) -> int:
     for key in ("layers", "hidden_size", "intermediate_size", "attention_heads", "kv_heads", "head_dim",
                 "vocab_size", "context_length", "rope_theta"):
         print(f"    {key:<18} {a[key]:g}" if isinstance(a[key], float) else f"    {key:<18} {a[key]}")
+    port = info["port"]
+    print(f"\n  format\n    {port['format']}, {port['bits']} bits"
+          + "".join(f", {k} {v}" for k, v in port["quantization"].items() if k != "tensor_types"))
+    if port["dense_layers"]:
+        print(f"    kept dense         {', '.join(port['dense_layers'])}")
     cal = info["calibration"]
-    print("\n  calibration" + ("" if cal["present"] else "  (none: probabilities are not calibrated, T = 1)"))
+    print("\n  calibration" + (f"  ({cal['file']}" + (", thresholds inherited from bf16, not validated for this port)"
+                                                      if cal["inherited"] else ")") if cal["present"]
+                              else "  (none: probabilities are not calibrated, T = 1)"))
     for key, value in sorted(cal["temperatures"].items()):
         print(f"    temperature {key:<8} {value:g}")
     for key, value in sorted(cal["thresholds"].items()):

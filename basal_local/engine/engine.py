@@ -69,7 +69,7 @@ def _tree_builder(rows: list, jobs: Sequence[Job], owners: list[tuple[int, int, 
 
 class ModelEngine:
     """One model on one device: its lanes, its backend, the device's gate. `replica` numbers the copies of a
-    model on several devices (engine/replicas.py)."""
+    model on several devices (replicas/inprocess.py)."""
 
     def __init__(self, model: ModelDir, backend: Backend, gate: DeviceGate, telemetry: Telemetry,
                  settings: EngineSettings | None = None, replica: int = 0) -> None:

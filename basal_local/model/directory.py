@@ -22,11 +22,12 @@ from ..protocol.constants import (
 )
 from .config import ConfigError, LlamaConfig
 from .evidence_head import HEAD_FILE, EvidenceHead, EvidenceHeadError
+from .formats import FormatError, WeightFormat, calibration_file, detect_format
+from .formats import check_weights as check_format_weights
 from .tokenizer import BasalTokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
-REQUIRED_FILES = ("config.json", "basal.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json",
-                  "model.safetensors")
+REQUIRED_FILES = ("config.json", "basal.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json")
 CALIBRATION_KEYS = {"choice", "noul", "score", "multi", "act"}
 # beyond these a temperature makes log(p) / T overflow or flattens every answer: a damaged file, not a calibration
 TEMPERATURE_RANGE = (1e-3, 1e3)
@@ -46,6 +47,8 @@ class Calibration:
     temperatures: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
     present: bool = False
+    file: str | None = None      # the file read (CALIBRATION.json or a port's CALIBRATION.<engine>.json)
+    inherited: bool = False      # a port without its own file: thresholds inherited from bf16, not validated
 
     def temperature(self, key: str | None) -> float:
         if key is None:
@@ -63,6 +66,7 @@ class ModelDir:
     calibration: Calibration
     weights_path: Path
     evidence_head: EvidenceHead | None = None
+    format: WeightFormat | None = None
 
 
 @contextmanager
@@ -114,37 +118,37 @@ def _check_basal_json(raw: Any) -> tuple[str, str | None]:
     return raw["name"], version if isinstance(version, str) else None
 
 
-def load_calibration(path: Path) -> Calibration:
-    calibration_path = path / "CALIBRATION.json"
-    if not calibration_path.exists():
+def load_calibration(path: Path, fmt: WeightFormat | None = None) -> Calibration:
+    calibration_path, inherited = calibration_file(path, fmt)
+    if calibration_path is None:
         log.warning("%s: no CALIBRATION.json, probabilities are not calibrated (T = 1)", path)
         return Calibration()
     raw = _read_json(calibration_path)
     temps = raw.get("temperature_per_prim", {}) if isinstance(raw, dict) else None
     if not isinstance(temps, dict):
-        raise ModelLoadError('CALIBRATION.json: field "temperature_per_prim" must be an object')
+        raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim" must be an object')
     for key, value in temps.items():
         if key not in CALIBRATION_KEYS:
-            raise ModelLoadError(f'CALIBRATION.json: field "temperature_per_prim.{key}" is not a question type '
+            raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim.{key}" is not a question type '
                                  f"(allowed: {', '.join(sorted(CALIBRATION_KEYS))})")
         low, high = TEMPERATURE_RANGE
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or not low <= value <= high):
-            raise ModelLoadError(f'CALIBRATION.json: field "temperature_per_prim.{key}" must be a number from '
+            raise ModelLoadError(f'{calibration_path.name}: field "temperature_per_prim.{key}" must be a number from '
                                  f"{low:g} to {high:g} (got {value!r})")
     raw_thresholds = raw.get("thresholds") or {}
     if not isinstance(raw_thresholds, dict):
-        raise ModelLoadError('CALIBRATION.json: field "thresholds" must be an object')
+        raise ModelLoadError(f'{calibration_path.name}: field "thresholds" must be an object')
     thresholds = {}
     for key, value in raw_thresholds.items():
         if isinstance(value, dict) and isinstance(value.get("confidence"), (int, float)):
             confidence = value["confidence"]
             if isinstance(confidence, bool) or not (isinstance(confidence, (int, float))
                                                     and math.isfinite(confidence) and 0 <= confidence <= 1):
-                raise ModelLoadError(f'CALIBRATION.json: field "thresholds.{key}.confidence" must be a number '
+                raise ModelLoadError(f'{calibration_path.name}: field "thresholds.{key}.confidence" must be a number '
                                      "from 0 to 1")
             thresholds[key] = float(confidence)
-    return Calibration({k: float(v) for k, v in temps.items()}, thresholds, True)
+    return Calibration({k: float(v) for k, v in temps.items()}, thresholds, True, calibration_path.name, inherited)
 
 
 def check_weight_names(config: LlamaConfig, names_shapes: dict[str, tuple[int, ...]]) -> None:
@@ -161,7 +165,7 @@ def check_weight_names(config: LlamaConfig, names_shapes: dict[str, tuple[int, .
                                  f"config.json implies {shape}")
 
 
-def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+def read_safetensors_header(path: Path, itemsize: dict[str, int] = SAFETENSORS_ITEMSIZE) -> dict[str, tuple[int, ...]]:
     """Names and shapes from the safetensors header; a truncated or corrupt file is refused, named.
 
     The header is JSON data, never code; the data itself is not read, but the file must be exactly as
@@ -182,10 +186,10 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
             raise ModelLoadError(f"{path.name}: the safetensors header is corrupt ({type(exc).__name__})") from None
     for key, (begin, stop, dtype) in spans.items():
         numel = math.prod(shapes[key]) if all(n >= 0 for n in shapes[key]) else -1
-        if dtype not in SAFETENSORS_ITEMSIZE or not 0 <= begin <= stop or stop - begin != numel * SAFETENSORS_ITEMSIZE.get(
+        if dtype not in itemsize or not 0 <= begin <= stop or stop - begin != numel * itemsize.get(
                 dtype, 0):
             raise ModelLoadError(f"{path.name}: tensor {str(key)[:80]!r} is corrupt in the header (dtype {dtype!r} "
-                                 f"of {', '.join(SAFETENSORS_ITEMSIZE)}, shape and byte range must agree)")
+                                 f"of {', '.join(itemsize)}, shape and byte range must agree)")
     end = max((stop for _, stop, _ in spans.values()), default=0)
     if 8 + size + end != file_size:
         raise ModelLoadError(f"{path.name}: truncated or corrupt: the header describes {8 + size + end} bytes, "
@@ -222,14 +226,20 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"tokenizer.json: {tokenizer.vocab_size} tokens, more than config.json field "
                              f"'vocab_size' ({config.vocab_size})")
-    if check_weights:
-        with reading("model.safetensors"):
-            check_weight_names(config, read_safetensors_header(path / "model.safetensors"))
+    try:  # the port formats (model/formats.py) name the file and tensor themselves
+        fmt = detect_format(path, _read_json(path / "config.json"))
+        if check_weights:
+            with reading(fmt.weights_file.name):  # anything else a damaged file raises: one sentence too
+                try:
+                    check_format_weights(fmt, config)
+                except FormatError as exc:
+                    raise ModelLoadError(str(exc)) from None
+    except FormatError as exc:
+        raise ModelLoadError(str(exc)) from None
     head = None
     if (path / HEAD_FILE).exists():
         with reading(HEAD_FILE):
             head = EvidenceHead.load(path / HEAD_FILE, config.hidden_size)
     with reading("CALIBRATION.json"):
-        calibration = load_calibration(path)
-    return ModelDir(path, name, version, config, tokenizer, calibration, path / "model.safetensors",
-                    head)
+        calibration = load_calibration(path, fmt)
+    return ModelDir(path, name, version, config, tokenizer, calibration, fmt.weights_file, head, fmt)

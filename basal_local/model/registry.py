@@ -29,10 +29,37 @@ def hub_options() -> dict[str, str]:
     return out
 
 
+# `pull 4.5B:TAG`: the upstream port repository of a short name, and (GGUF) the one file of it to download
+PORT_TAGS = {"bf16": ("", None), "mlx-8bit": ("-MLX-8bit", None), "mlx-fp4": ("-MLX-fp4", None),
+             "gguf-q8_0": ("-GGUF", "Q8_0"), "gguf-q4_k_m": ("-GGUF", "Q4_K_M"), "fp8": ("-FP8", None)}
+
+
+def split_tag(ref: str) -> tuple[str, str | None]:
+    """(`name[@rev]`, tag) of `mini:mlx-8bit[@rev]`; an unknown tag lists the known ones."""
+    name, at, revision = ref.partition("@")
+    base, colon, tag = name.partition(":")
+    if not colon:
+        return ref, None
+    if base not in SHORT_NAMES or tag not in PORT_TAGS:
+        raise ModelNotFound(f"unknown model tag {ref!r}: give {'|'.join(SHORT_NAMES)} with a tag from "
+                            f"{', '.join(PORT_TAGS)} (e.g. 4.5B:mlx-8bit)")
+    return base + at + revision, tag
+
+
+def pull_patterns(ref: str) -> list[str] | None:
+    """The files `pull` downloads for a tag: everything, except a GGUF repository's other quantizations."""
+    _, tag = split_tag(ref)
+    quant = PORT_TAGS[tag][1] if tag else None
+    if quant is None:
+        return None
+    return ["*.json", "*.jinja", "*.md", "*.txt", f"*{quant}.gguf", f"*{quant.lower()}.gguf"]
+
+
 def split_ref(ref: str) -> tuple[str, str | None]:
-    """(repo id, revision) of `mini|4.5B|max|OWNER/NAME[@REV]`; an unknown short name lists the known ones."""
+    """(repo id, revision) of `mini|4.5B|max[:TAG]|OWNER/NAME[@REV]`; an unknown short name lists the known ones."""
+    ref, tag = split_tag(ref)
     name, _, revision = ref.partition("@")
-    repo = SHORT_NAMES.get(name, name)
+    repo = SHORT_NAMES.get(name, name) + (PORT_TAGS[tag][0] if tag else "")
     if repo.count("/") != 1 or not all(repo.split("/")):
         known = ", ".join(SHORT_NAMES)
         raise ModelNotFound(f"unknown model {ref!r}: the known names are {known}, or give a Hugging Face "
@@ -74,7 +101,9 @@ def pull(ref: str) -> Path:
     from huggingface_hub import snapshot_download
 
     repo, revision = split_ref(ref)
-    return Path(snapshot_download(repo, revision=revision, **hub_options()))
+    patterns = pull_patterns(ref)
+    extra = {"allow_patterns": patterns} if patterns else {}
+    return Path(snapshot_download(repo, revision=revision, **extra, **hub_options()))
 
 
 @dataclass
@@ -92,6 +121,9 @@ def cached_models() -> list[CachedModel]:
     """Every revision of a Basal model (a snapshot with basal.json) in the HF cache, plus the demo model."""
     out: list[CachedModel] = []
     short = {repo: name for name, repo in SHORT_NAMES.items()}
+    short.update({repo + suffix: f"{name}:{tag}" for name, repo in SHORT_NAMES.items()
+                  for tag, (suffix, _) in PORT_TAGS.items() if suffix and not suffix.endswith("GGUF")})
+    short.update({repo + "-GGUF": f"{name}:gguf" for name, repo in SHORT_NAMES.items()})
     try:
         from huggingface_hub import scan_cache_dir
 

@@ -29,6 +29,10 @@ PRESETS: dict[str, dict] = {
     "tiny64": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    intermediate_size=128, attention_bias=False, max_position_embeddings=4096, rope_theta=10000.0,
                    rms_norm_eps=1e-6, vocab_size=None),
+    # rows of 256: GGUF K-quants (Q4_K_M) quantize every matrix
+    "tiny256": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=512, attention_bias=False, max_position_embeddings=4096, rope_theta=10000.0,
+                    rms_norm_eps=1e-6, vocab_size=None),
     "mini": dict(num_hidden_layers=32, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
                  intermediate_size=8960, attention_bias=True, max_position_embeddings=8192, rope_theta=1000000.0,
                  rms_norm_eps=1e-6, vocab_size=32000),

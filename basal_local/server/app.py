@@ -292,9 +292,11 @@ async def basal(request: Request) -> Response:
 @get("/v1/models")
 async def models(request: Request) -> Response:
     state: AppState = request.app.state.basal
+    from ..model.formats import port_summary
+
     entries = [{"name": name, "release_date": state.release_date, "description": DESCRIPTION,
-                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": []}
-               for name in list(state.engines)]
+                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [],
+                **port_summary(engine.model)} for name, engine in list(state.engines.items())]
     return _json_response(200, {"models": entries})
 
 

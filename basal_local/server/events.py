@@ -82,6 +82,8 @@ def _queues(state: AppState) -> dict[str, dict[str, Any]]:
 
 
 def _models(state: AppState) -> list[dict[str, Any]]:
+    from ..model.formats import port_summary
+
     out = []
     for name, engine in state.engines.items():
         cfg = engine.model.config
@@ -92,6 +94,7 @@ def _models(state: AppState) -> list[dict[str, Any]]:
                     "calibration": {"present": engine.model.calibration.present,
                                     "temperatures": engine.model.calibration.temperatures,
                                     "thresholds": engine.model.calibration.thresholds},
+                    "port": port_summary(engine.model),
                     "engine": {"max_batch_tokens": s.max_batch_tokens, "schedule": s.schedule,
                                "long_tokens": s.long_tokens, "long_slice_ms": s.long_slice_ms,
                                "max_row_tokens": s.max_row_tokens, "max_forward_tokens": s.max_forward_tokens,

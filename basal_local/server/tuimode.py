@@ -2,8 +2,8 @@
 
 The daemon keeps its own event loop and threads (uvicorn in a thread installs no signal handlers; inference
 runs on the engine's lane threads), the dashboard attaches over HTTP exactly as `basal-local top` does.
-Logging goes to the event bus (the log pane) and nothing is printed over the screen. `--demo-traffic` sends
-the bundled sample requests in a loop from a few client threads.
+Logging goes to the event bus (the log pane) and nothing is printed over the screen. `--demo-traffic`
+(demotraffic.py) sends bursts about shared documents, long documents and large choices from a few threads.
 """
 
 from __future__ import annotations
@@ -11,66 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import json
 import logging
-import random
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from ..samples import sample_requests
 from .daemon import _Server, build, serve, shutdown, start_loading
+from .demotraffic import demo_traffic
 from .events import BusLogHandler
 from .settings import Settings
 from .state import AppState
 
 log = logging.getLogger("basal_local.demo")
-DEMO_AGENT = "demo-traffic"
-
-
-def demo_traffic(url: str, stop: threading.Event, clients: int = 3, pause_s: float = 0.3,
-                 api_key: str | None = None) -> list[threading.Thread]:
-    """Threads that post the sample requests (whole, then question by question) until `stop` is set."""
-    samples = sample_requests()
-    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def post(body: dict) -> None:
-        req = urllib.request.Request(f"{url}/v1/systemone", json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json", "user-agent": DEMO_AGENT, **auth})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                resp.read()
-        except urllib.error.HTTPError as err:
-            err.read()
-
-    def client(n: int) -> None:
-        rng = random.Random(n)
-        model = ""
-        while not stop.is_set():
-            try:
-                if not model:
-                    health = urllib.request.Request(f"{url}/health", headers=auth)
-                    with urllib.request.urlopen(health, timeout=5) as resp:
-                        model = json.load(resp)["default_model"]
-                item = rng.choice(samples)
-                questions = item["questions"]
-                if rng.random() < 0.5:  # one question at a time, like many small clients
-                    qid = rng.choice(list(questions))
-                    questions = {qid: questions[qid]}
-                post({"model": model, "state": item["state"], "questions": questions})
-            except (OSError, ValueError, KeyError):
-                stop.wait(1.0)  # loading, or the daemon went away
-                continue
-            stop.wait(rng.uniform(0, 2 * pause_s))
-
-    threads = [threading.Thread(target=client, args=(n,), name=f"demo-traffic-{n}", daemon=True)
-               for n in range(clients)]
-    for thread in threads:
-        thread.start()
-    return threads
 
 
 def _route_logging(state: AppState) -> None:
@@ -100,6 +53,12 @@ def local_url(host: str, port: int) -> str:
 def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, tui: bool, traffic: bool) -> int:
     """`serve --tui` and/or `--demo-traffic`; without --tui the daemon runs as usual with traffic beside it."""
     if tui:
+        from basal_local.tui.run import no_terminal
+
+        reason = no_terminal()
+        if reason:  # before the daemon starts: a file or a pipe gets one sentence, no escape sequences
+            print(f"basal-local: error: {reason}", file=sys.stderr)
+            return 2
         return serve_with_dashboard(settings, model_dirs, traffic)
 
     stop = threading.Event()
@@ -161,8 +120,10 @@ def _serve_with_dashboard(settings: Settings, model_dirs: list[Path], traffic: b
     if traffic:
         demo_traffic(url, stop, api_key=settings.api_key)
     try:
-        code = run_top(url, capture_print=True, api_key=settings.api_key)
+        code = run_top(url, capture_print=True, api_key=settings.api_key, owns_daemon=True)
     finally:
+        # the terminal is back; say why it waits (the drain) instead of leaving it blank
+        print("basal-local: stopping the daemon...", file=sys.__stdout__, flush=True)
         stop.set()
         server.should_exit = True
         thread.join(timeout=10)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bus import Event, EventBus, Subscription
+from .device import DeviceMonitor
+from .privacy import PRIVATE
 
 __all__ = ["KEEP_UNBUILT", "BatchRecord", "Event", "EventBus", "Lazy", "Subscription", "Telemetry", "outcome_of",
            "percentile", "resolve"]
@@ -31,6 +33,7 @@ OUTCOMES = ("answered", "failed", "rejected", "overloaded", "cancelled")
 DETAIL_KEYS = ("asked", "answers", "detail")  # kept for GET /api/requests/{id}, left out of lists and events
 MEMORY_EVERY_S = 1.0  # device memory is sampled at most this often on the batch path
 KEEP_UNBUILT = 64  # batches whose tree can still be built; older unread ones let their tries go (memory)
+LOG_BACKLOG = 200  # log events the snapshot carries, so a dashboard that attaches late still sees the start-up
 
 
 class Lazy:
@@ -164,6 +167,8 @@ class Telemetry:
         self._listeners: list[Callable[[str, Any], None]] = []
         self.trees_built = 0  # batch trees built (they are only when read: tests, the A/B measurement)
         self._unbuilt: deque[Lazy] = deque()
+        self.device = DeviceMonitor()
+        self._log_backlog: deque[Event] = deque(maxlen=LOG_BACKLOG)
 
     def add_listener(self, listener: Callable[[str, Any], None]) -> None:
         """`listener("batch", BatchRecord)` / `listener("request", dict)` after each record (e.g. /metrics)."""
@@ -187,7 +192,10 @@ class Telemetry:
             self.counters[name] = self.counters.get(name, 0) + n
 
     def emit(self, kind: str, **fields: Any) -> Event:
-        return self.bus.emit(kind, **fields)
+        event = self.bus.emit(kind, **fields)
+        if kind == "log" and not fields.get(PRIVATE):  # the snapshot is for every reader: no logged bodies
+            self._log_backlog.append(event)
+        return event
 
     def lazy_tree(self, build: Callable[[], list[dict[str, Any]]]) -> Lazy:
         """A batch tree that is built when someone reads it (`record_batch` keeps the last KEEP_UNBUILT)."""
@@ -315,4 +323,7 @@ class Telemetry:
         snap["last_seq"] = last_seq
         snap["trees_built"] = trees_built
         snap["memory"] = self.memory()
+        snap["log"] = [e for e in list(self._log_backlog) if e["seq"] <= last_seq]  # later ones: in the stream
+        snap["device_telemetry"] = self.device.sample()  # "device" is the backend's device name
+        self.device.follow(self.bus)  # `device` events each second while a dashboard reads the stream
         return snap

@@ -36,7 +36,20 @@ class DashboardScreen(Screen):
     _drawn: tuple | None = None
 
     def on_screen_resume(self) -> None:
+        self.size_classes()
         self.redraw(force=True)
+
+    def on_resize(self) -> None:
+        self.size_classes()
+        self.redraw(force=True)
+
+    def size_classes(self) -> None:
+        """`-narrow` (under 100 columns), `-wide` (160 and more), `-tall` (36 lines and more): the .tcss lays
+        each view out for the terminal from these."""
+        width, height = self.app.size
+        self.set_class(width < 100, "-narrow")
+        self.set_class(width >= 160, "-wide")
+        self.set_class(height >= 36, "-tall")
 
     def redraw(self, force: bool = False) -> None:
         """Redraw when the data changed or a second passed (rates, uptime); otherwise do nothing."""
@@ -44,6 +57,7 @@ class DashboardScreen(Screen):
         key = (data.version, int(data.clock()), self.dashboard.paused)
         if key == self._drawn and not force:
             return
+        self.set_class(not data.connected, "-disconnected")  # the .tcss greys the numbers: they are stale
         try:
             self.query_one(StatusBar).show(data, self.dashboard.paused)
             self.refresh_data(data)

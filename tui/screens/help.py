@@ -23,7 +23,8 @@ HELP = """\
 [b]c[/b]  clear stats: errors, 4xx and 529 counts, rates, sparklines, latency
    percentiles, finished requests, past batches and the batch-size
    histogram start over here (the daemon's own counters are untouched)
-[b]l f[/b] log view: cycle the lowest level shown; follow / hold the tail
+[b]l f a[/b] log view: cycle the lowest level shown; follow / hold the tail;
+   show the access log (one line per finished request)
 [b]+ -[/b] refresh faster / slower
 [b]Esc[/b] back / clear the filter      [b]q[/b] quit
 
@@ -40,7 +41,14 @@ class HelpScreen(ModalScreen):
                                   border: round $accent; padding: 0 1; background: $surface; }
     """
 
+    def __init__(self, owns_daemon: bool = False) -> None:
+        super().__init__()
+        self.owns_daemon = owns_daemon
+
     def compose(self) -> ComposeResult:
+        text = HELP
+        if self.owns_daemon:
+            text = text.replace("[b]q[/b] quit", "[b]q[/b] quit: stops the daemon too (serve --tui)")
         with VerticalScroll() as box:
             box.border_title = "keys"
-            yield Static(HELP)
+            yield Static(text)

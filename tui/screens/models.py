@@ -10,6 +10,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from ..data import DashboardData
+from ..widgets.device import device_renderable
 from ..widgets.format import size
 from .base import DashboardScreen
 
@@ -28,12 +29,17 @@ def models_renderable(data: DashboardData) -> Group:
     device.add_row("body limit", size(limits.get("max_body_bytes")))
     device.add_row("dashboards attached", str(s.get("subscribers", "-")))
     parts += [Text("device", style="bold underline"), device, Text("")]
+    if data.device:
+        parts += [Text("device now", style="bold underline"),
+                  device_renderable(data.device, s.get("memory") or {}), Text("")]
     for m in s.get("models", []):
         t = Table.grid(padding=(0, 2))
         t.add_column(style="bold")
         t.add_column()
         t.add_row("path", str(m.get("path")))
         t.add_row("layers / hidden / vocab", f"{m.get('layers')} / {m.get('hidden_size')} / {m.get('vocab_size')}")
+        if m.get("format"):
+            t.add_row("format", str(m["format"]))
         t.add_row("context", f"{m.get('max_positions'):,} tokens" if m.get("max_positions") else "-")
         engine = m.get("engine") or {}
         t.add_row("batching", f"{engine.get('max_batch_tokens')} tokens/batch, {engine.get('schedule')}, "
@@ -43,6 +49,8 @@ def models_renderable(data: DashboardData) -> Group:
         temps = ", ".join(f"{k} {v:.3f}" for k, v in (cal.get("temperatures") or {}).items()) or "none"
         thresholds = ", ".join(f"{float(k) * 100:g} % error: {v:.3f}" for k, v in
                                (cal.get("thresholds") or {}).items()) or "none"
+        if cal.get("file"):
+            t.add_row("calibration file", str(cal["file"]))
         t.add_row("temperatures", temps)
         t.add_row("thresholds", thresholds)
         title = f"{m.get('name')}" + ("  (default)" if m.get("default") else "")

@@ -1,27 +1,41 @@
-"""View 1: KPIs with sparklines, the queue per model and lane, device memory."""
+"""View 1: KPIs with sparklines, the queue per model and lane beside the device, the daemon's totals.
+
+The KPI cards take the height the terminal leaves (their sparklines grow); from 160 columns the queue and the
+device sit side by side; under 100 columns titles shorten; under 36 lines the totals take one line.
+"""
 
 from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Grid
+from textual.containers import Grid, Horizontal
 from textual.widgets import Static
 
 from ..data import DashboardData
-from ..widgets.format import ms, size
+from ..widgets.device import device_renderable
+from ..widgets.format import ms
 from ..widgets.kpi import KpiCard
 from .base import DashboardScreen
 
-KPIS = [("rps", "requests/s"), ("dps", "decisions/s"), ("tps", "tokens/s"), ("inflight", "in flight"),
-        ("queue", "queue p50/p95"), ("compute", "compute p50/95"), ("errors", "errors"),
-        ("overloaded", "529 overloaded")]
+# (key, title, title under 100 columns)
+KPIS = [("rps", "requests/s", "requests/s"), ("dps", "decisions/s", "decisions/s"), ("tps", "tokens/s", "tokens/s"),
+        ("inflight", "in flight", "in flight"), ("queue", "queue p50/p95", "queue 50/95"),
+        ("compute", "compute p50/p95", "compute 50/95"), ("errors", "errors", "errors"),
+        ("overloaded", "529 overloaded", "529 overload")]
+TOTALS = [("received", "received"), ("answered", "answered"), ("failed", "failed"), ("rejected", "rejected"),
+          ("overloaded", "529"), ("cancelled", "cancelled")]
+SHORT_TOTALS = {"received": "recv", "answered": "ok", "failed": "failed", "rejected": "4xx", "overloaded": "529",
+                "cancelled": "cancel"}
 
 
-def queue_table(data: DashboardData) -> Table:
+def queue_table(data: DashboardData, narrow: bool = False) -> Table:
     table = Table(expand=True, box=None, header_style="bold", pad_edge=False)
-    for name in ("model", "lane", "waiting", "tokens", "oldest wait", "running"):
-        table.add_column(name, justify="left" if name in ("model", "lane", "running") else "right")
+    names = ("model", "lane", "wait", "tok", "oldest", "running") if narrow else (
+        "model", "lane", "waiting", "tokens", "oldest wait", "running")
+    for n, name in enumerate(names):
+        table.add_column(name, justify="left" if n in (0, 1, 5) else "right", no_wrap=True,
+                         overflow="ellipsis", max_width=14 if n == 0 else None)
     queues = data.stats.get("queues", {})
     if not queues:
         table.add_row("-", "-", "-", "-", "-", "-")
@@ -37,39 +51,69 @@ def queue_table(data: DashboardData) -> Table:
     return table
 
 
-def memory_text(data: DashboardData) -> Text:
-    mem = data.stats.get("memory", {})
-    parts = []
-    if "device_allocated_bytes" in mem:
-        parts.append(f"device {size(mem['device_allocated_bytes'])} allocated, peak {size(mem.get('device_peak_bytes'))}")
-    if "weights_bytes" in mem:
-        parts.append(f"weights {size(mem['weights_bytes'])}")
-    if "host_rss_bytes" in mem:
-        parts.append(f"host RSS {size(mem['host_rss_bytes'])}")
-    return Text("  ".join(parts) or "no memory figures yet")
+def totals_text(data: DashboardData, narrow: bool = False) -> Text:
+    """The daemon's request counters (since `c`, if pressed): they add up to received."""
+    text = Text()
+    for key, label in TOTALS:
+        value = data.total(key)
+        text.append(f"{SHORT_TOTALS[key] if narrow else label} ", style="dim")
+        style = "bold red" if key == "failed" and value else ("bold yellow" if key == "overloaded" and value
+                                                               else "bold")
+        text.append(f"{value:,}", style=style)
+        text.append("  ")
+    text.append("in flight " if not narrow else "flying ", style="dim")
+    text.append(str(data.stats.get("inflight", data.stats.get("totals", {}).get("in_flight", 0))), style="bold")
+    jobs = data.stats.get("batch_jobs") or []  # the Batch API's batches still running
+    if jobs:
+        job = jobs[0]
+        done = job.get("completed", 0) + job.get("failed", 0)
+        text.append("  batch " if not narrow else "  b ", style="dim")
+        text.append(f"{done:,}/{job.get('total', 0):,}", style="bold")
+        text.append(f" {job.get('status', '')}" + (f" +{len(jobs) - 1}" if len(jobs) > 1 else ""), style="dim")
+    return text
 
 
 class OverviewScreen(DashboardScreen):
     KEYS = [("c", "clear stats")]  # the app's key; shown where counters and sparklines are
     DEFAULT_CSS = """
-    OverviewScreen #kpis { grid-size: 4; grid-gutter: 0 1; height: 8; }
+    OverviewScreen #kpis { grid-size: 4; grid-gutter: 0 1; height: 1fr; min-height: 8; }
+    OverviewScreen KpiCard { height: 1fr; }
+    OverviewScreen KpiCard > Sparkline { height: 1fr; }
     OverviewScreen .panel { border: round $primary-darken-2; height: auto; padding: 0 1; }
+    OverviewScreen #middle { height: auto; layout: vertical; }
+    OverviewScreen.-wide #middle { layout: horizontal; }
+    OverviewScreen.-wide #queues { width: 3fr; }
+    OverviewScreen.-wide #device { width: 2fr; }
+    OverviewScreen #totals { height: 1; padding: 0 1; border: none; }
+    OverviewScreen.-tall #totals { height: 3; border: round $primary-darken-2; }
     """
 
     def body(self) -> ComposeResult:
         with Grid(id="kpis"):
-            for key, title in KPIS:
+            for key, title, _ in KPIS:
                 yield KpiCard(title, id=f"kpi-{key}")
-        queue = Static(id="queues", classes="panel")
-        queue.border_title = "queue per model and lane"
-        yield queue
-        memory = Static(id="memory", classes="panel")
-        memory.border_title = "memory"
-        yield memory
+        with Horizontal(id="middle"):
+            queue = Static(id="queues", classes="panel")
+            queue.border_title = "queue per model and lane"
+            yield queue
+            device = Static(id="device", classes="panel")
+            device.border_title = "device"
+            yield device
+        totals = Static(id="totals", classes="panel")
+        totals.border_title = "requests since start"
+        yield totals
+
+    def size_classes(self) -> None:
+        super().size_classes()
+        narrow = self.has_class("-narrow")
+        for key, title, short in KPIS:
+            for card in self.query(f"#kpi-{key}"):
+                card.border_title = short if narrow else title
 
     def refresh_data(self, data: DashboardData) -> None:
         totals = data.stats.get("totals", {})
         limits = data.stats.get("limits", {})
+        narrow = self.has_class("-narrow")
 
         def card(key: str) -> KpiCard:
             return self.query_one(f"#kpi-{key}", KpiCard)
@@ -86,5 +130,8 @@ class OverviewScreen(DashboardScreen):
         card("errors").show(f"{errors} (+{data.total('rejected')} 4xx)", data.series("errors"), alert=errors > 0)
         overloaded = data.total("overloaded")
         card("overloaded").show(str(overloaded), data.series("overloaded"), alert=overloaded > 0)
-        self.query_one("#queues", Static).update(queue_table(data))
-        self.query_one("#memory", Static).update(memory_text(data))
+        self.query_one("#queues", Static).update(queue_table(data, narrow))
+        self.query_one("#device", Static).update(device_renderable(data.device, data.stats.get("memory", {}), narrow))
+        totals_pane = self.query_one("#totals", Static)
+        totals_pane.border_title = "requests since the clear" if data.cleared_at else "requests since start"
+        totals_pane.update(totals_text(data, narrow))

@@ -1,0 +1,160 @@
+"""`make-test-model --format`: rewrite a generated bf16 model in the layout of a port Basal ships.
+
+Each layout is written with the format's own library, so our readers are tested against files no code of
+ours encoded: mlx's `mx.quantize` and safetensors writer (mlx-lm layout), the `gguf` package's writer and
+quantizers (K-quant blocks are random bytes, since any bytes are valid blocks), and torch's float8 e4m3 for
+the NVIDIA ModelOpt FP8 layout. Embeddings and output head stay bf16 (Q8_0 in GGUF), as upstream ships them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .formats import GGUF_FILE, HF_TO_GGUF_SUFFIX, PORT_FORMATS, gguf_name, is_projection, permute_rope
+
+MLX_MODES = {"mlx-8bit": ("affine", 8, 64), "mlx-fp4": ("nvfp4", 4, 16)}
+
+
+def _read_bf16(path: Path) -> dict[str, np.ndarray]:
+    """model.safetensors as f32 NumPy (bf16 widened exactly)."""
+    from safetensors.torch import load_file
+
+    return {k: v.float().numpy() for k, v in load_file(str(path)).items()}
+
+
+def convert_test_model(directory: Path, fmt: str, seed: int = 0) -> None:
+    if fmt not in PORT_FORMATS:
+        raise ValueError(f"unknown format {fmt!r} (choose from bf16, {', '.join(PORT_FORMATS)})")
+    src = directory / "model.safetensors"
+    weights = _read_bf16(src)
+    config = json.loads((directory / "config.json").read_text())
+    if fmt in MLX_MODES:
+        _write_mlx(directory, weights, config, *MLX_MODES[fmt])
+    elif fmt.startswith("gguf-"):
+        _write_gguf(directory, weights, config, fmt, seed)
+        src.unlink()
+    else:
+        _write_modelopt_fp8(directory, weights, config)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def _write_mlx(directory: Path, weights: dict, config: dict, mode: str, bits: int, group: int) -> None:
+    import mlx.core as mx
+
+    out = {}
+    for name, value in weights.items():
+        arr = mx.array(value)
+        if is_projection(name) and name.endswith(".weight"):
+            if value.shape[1] % group:
+                raise ValueError(f"{name}: input size {value.shape[1]} is not a multiple of the group size "
+                                 f"{group}; use --preset tiny64 or a real preset")
+            parts = mx.quantize(arr, group_size=group, bits=bits, mode=mode)
+            stem = name[: -len(".weight")]
+            out[name] = parts[0]
+            out[stem + ".scales"] = parts[1]
+            if len(parts) > 2 and parts[2] is not None:
+                out[stem + ".biases"] = parts[2].astype(mx.bfloat16)
+            if mode == "affine":
+                out[stem + ".scales"] = parts[1].astype(mx.bfloat16)
+        else:
+            out[name] = arr.astype(mx.bfloat16)
+    mx.save_safetensors(str(directory / "model.safetensors"), out, metadata={"format": "mlx"})
+    quant = {"group_size": group, "bits": bits} | ({"mode": mode} if mode != "affine" else {})
+    config["quantization"] = quant
+    config["quantization_config"] = dict(quant)
+
+
+def _write_gguf(directory: Path, weights: dict, config: dict, fmt: str, seed: int) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(directory / GGUF_FILE), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(7 if fmt == "gguf-q8_0" else 15)  # llama.cpp's MOSTLY_Q8_0 / MOSTLY_Q4_K_M
+    rng = np.random.default_rng(seed)
+    for name, value in weights.items():
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            value = permute_rope(value, heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            value = permute_rope(value, kv_heads)
+        qtype = _gguf_type(name, value, fmt)
+        if qtype == Q.F32:
+            writer.add_tensor(gguf_name(name), value.astype(np.float32))
+        elif qtype in (Q.Q4_K, Q.Q6_K):
+            writer.add_tensor(gguf_name(name), _random_k_blocks(rng, value.shape, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(value.astype(np.float32), qtype),
+                              raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_type(name: str, value: np.ndarray, fmt: str):
+    from gguf import GGMLQuantizationType as Q
+
+    if value.ndim == 1:
+        return Q.F32
+    if fmt == "gguf-q8_0" or not is_projection(name) or value.shape[1] % 256:
+        return Q.Q8_0  # Q4_K_M keeps embeddings and head at Q8_0; K-quants need rows of 256
+    return Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else Q.Q4_K
+
+
+def _random_k_blocks(rng, shape: tuple[int, int], qtype) -> np.ndarray:
+    """Random K-quant blocks with small finite super-block scales (the weights of a ~1/sqrt(fan_in) layer)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scale = 1.0 / np.sqrt(cols)
+    if qtype == Q.Q4_K:  # d, dmin (f16) lead the block; w = d*sc*q - dmin*m, q in 0..15, sc/m in 0..63
+        d = np.float16(scale / (32 * 4.5))
+        raw[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+        raw[..., 2:4] = np.frombuffer(np.float16(d * 7.5).tobytes(), np.uint8)
+    else:  # Q6_K: int8 scales then d (f16) at the end; w = d*sc*(q-32)
+        raw[..., 192:208] = rng.integers(-16, 17, size=(rows, cols // block, 16), dtype=np.int8).view(np.uint8)
+        raw[..., 208:210] = np.frombuffer(np.float16(scale / (8 * 18.5)).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _write_modelopt_fp8(directory: Path, weights: dict, config: dict) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    finfo = torch.finfo(torch.float8_e4m3fn)
+    out = {}
+    for name, value in weights.items():
+        t = torch.from_numpy(value)
+        if is_projection(name) and name.endswith(".weight"):
+            scale = t.abs().max().clamp(min=1e-12) / finfo.max  # per-tensor, as FP8_DEFAULT_CFG
+            out[name] = (t / scale).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
+            stem = name[: -len(".weight")]
+            out[stem + ".weight_scale"] = scale.reshape(()).float()
+            out[stem + ".input_scale"] = torch.tensor(0.02, dtype=torch.float32)  # static activation scale
+        else:
+            out[name] = t.to(torch.bfloat16)
+    save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+    (directory / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant}, indent=1))
+    config["quantization_config"] = {"quant_method": "modelopt", **quant}
+
+
+__all__ = ["convert_test_model", "HF_TO_GGUF_SUFFIX"]

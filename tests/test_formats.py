@@ -1,0 +1,318 @@
+"""Shipped ports (MLX 8-bit and nvfp4, GGUF Q8_0 and Q4_K_M, ModelOpt FP8) load and answer like their weights.
+
+Each port is written by `make-test-model --format` with the format's own library; the reference is the same
+weights decoded here by that library (mx.dequantize, gguf.quants.dequantize, torch's float8) and run through the
+f32 torch backend. The readers in basal_local/model/formats.py are therefore checked against no code of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from basal_local.engine.packer import pack_prompts
+from basal_local.model.directory import ModelLoadError, load_model_dir
+
+from .conftest import load_backend, readout_logits
+from .test_packer import random_specs
+
+PRESET = {"mlx-8bit": "tiny64", "mlx-fp4": "tiny64", "gguf-q8_0": "tiny64", "gguf-q4_k_m": "tiny256", "fp8": "tiny64"}
+GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight"}
+GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def make_port(root: Path, fmt: str, seed: int = 5, preset: str | None = None) -> Path:
+    from basal_local.model.testformats import convert_test_model
+    from basal_local.model.testmodel import make_test_model
+
+    out = make_test_model(root / fmt, preset=preset or PRESET[fmt], seed=seed, evidence_head=False)
+    convert_test_model(out, fmt, seed=seed)
+    return out
+
+
+def _library_decoded(port: Path, fmt: str) -> dict[str, np.ndarray]:
+    """The port's weights decoded by the format's own library, in Hugging Face names and row order."""
+    cfg = json.loads((port / "config.json").read_text())
+    if fmt.startswith("gguf"):
+        import gguf
+
+        out = {}
+        for t in gguf.GGUFReader(str(port / "model.gguf")).tensors:
+            value = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+            if t.name in GGUF_TOP:
+                out[GGUF_TOP[t.name]] = value
+                continue
+            _, layer, kind, suffix = t.name.split(".")
+            name = f"model.layers.{layer}.{GGUF_LAYER[kind]}.{suffix}"
+            heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}.get(kind)
+            if heads:  # llama.cpp stores q/k rows interleaved per head pair; back to the half-split order
+                rows = value.shape[0]
+                value = value.reshape(heads, rows // heads // 2, 2, *value.shape[1:]).swapaxes(1, 2).reshape(
+                    value.shape)
+            out[name] = value
+        return out
+    if fmt.startswith("mlx"):
+        import mlx.core as mx
+
+        q = cfg["quantization"]
+        raw = mx.load(str(port / "model.safetensors"))
+        out = {}
+        for name in [n for n in raw if not n.endswith((".scales", ".biases"))]:
+            stem = name[: -len(".weight")]
+            if stem + ".scales" in raw:
+                scales, biases = raw[stem + ".scales"], raw.get(stem + ".biases")
+                if biases is not None:  # affine: decode in f32 (a bf16 result would round the weights)
+                    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+                w = mx.dequantize(raw[name], scales, biases,
+                                  group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"))
+            else:
+                w = raw[name]
+            out[name] = np.array(w.astype(mx.float32))
+        return out
+    import torch
+    from safetensors.torch import load_file
+
+    raw = load_file(str(port / "model.safetensors"))
+    return {k: (v.float() * raw[k[:-7] + ".weight_scale"].float() if v.dtype == torch.float8_e4m3fn else v.float()
+                ).numpy() for k, v in raw.items() if not k.endswith(("_scale",))}
+
+
+def reference_dir(port: Path, fmt: str, root: Path) -> Path:
+    """The port's directory with its weights decoded to f32 safetensors (a plain reference checkpoint)."""
+    from safetensors.numpy import save_file
+
+    ref = root / f"{fmt}-reference"
+    ref.mkdir()
+    for f in port.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name != "hf_quant_config.json":
+            shutil.copy(f, ref / f.name)
+    cfg = json.loads((ref / "config.json").read_text())
+    cfg.pop("quantization", None)
+    cfg.pop("quantization_config", None)
+    (ref / "config.json").write_text(json.dumps(cfg))
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in _library_decoded(port, fmt).items()},
+              str(ref / "model.safetensors"))
+    return ref
+
+
+def _logits(backend, md, prefixes) -> np.ndarray:
+    pack = pack_prompts(random_specs(md, random.Random(7)), prefixes)
+    return np.concatenate([np.ravel(x) for x in readout_logits(backend, pack)])
+
+
+def _mlx_logits(port: Path, md, prefixes, dtype: str = "f32") -> tuple:
+    from basal_local.backends.mlx import MLXBackend
+
+    backend = MLXBackend("cpu")
+    backend.load(port, dtype)
+    for lang, ids in prefixes.items():
+        backend.add_prefix(lang, ids)
+    return backend, _logits(backend, md, prefixes)
+
+
+@pytest.mark.parametrize("fmt,preset", [("mlx-8bit", None), ("mlx-fp4", None), ("gguf-q8_0", None),
+                                        ("gguf-q8_0", "tiny"), ("gguf-q4_k_m", None), ("fp8", None), ("fp8", "tiny")])
+def test_port_logits_equal_its_library_decoded_weights(fmt, preset, tmp_path):
+    """`tiny` has q/k/v and MLP biases (rows of q/k biases are RoPE-permuted in GGUF too)."""
+    port = make_port(tmp_path, fmt, preset=preset)
+    md_ref, ref_backend, prefixes = load_backend(reference_dir(port, fmt, tmp_path))
+    ref = _logits(ref_backend, md_ref, prefixes)
+    md = load_model_dir(port)
+    assert md.format.name == fmt
+    if fmt.startswith(("gguf", "fp8")):  # torch dequantizes at load
+        _, torch_backend, _ = load_backend(port)
+        got = _logits(torch_backend, md, prefixes)
+        assert np.abs(got - ref).max() <= 1e-4, (fmt, np.abs(got - ref).max())
+    if fmt.startswith(("gguf", "mlx")):
+        pytest.importorskip("mlx.core")
+        backend, got = _mlx_logits(port, md, prefixes)
+        if fmt in ("mlx-8bit", "mlx-fp4", "gguf-q8_0"):  # quantized_matmul on the packed weights, no dense copy
+            from basal_local.backends.mlx.quantize import Quantized
+
+            assert all(isinstance(getattr(layer, f"{n}_weight"), Quantized) and
+                       getattr(layer, f"{n}_weight").mode == (md.format.mode or "affine")
+                       for layer in backend.layers for n in ("qkv", "o_proj", "gate_up", "down_proj"))
+        assert np.abs(got - ref).max() <= 2e-3, (fmt, np.abs(got - ref).max())
+
+
+def test_torch_refuses_an_mlx_port_in_one_sentence(tmp_path):
+    port = make_port(tmp_path, "mlx-8bit")
+    with pytest.raises(ValueError, match=r"^model\.safetensors: an MLX port \(mlx-8bit\) runs on the MLX backend"):
+        load_backend(port)
+
+
+def _write_header(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncate-gguf", r"^model\.gguf: not a GGUF file or truncated"),
+    ("group-size", r'^config\.json: field "quantization\.group_size" must be one of \[32, 64, 128\]'),
+    ("group-mismatch", r"^model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.scales' has shape"),
+    ("missing-scales", r"^model\.safetensors: missing tensor 'model\.layers\.0\.self_attn\.q_proj\.scales'"),
+    ("truncate-st", r"^model\.safetensors: truncated or corrupt"),
+    ("fp8-missing-scale", r"^model\.safetensors: missing tensor 'model\.layers\.0\.mlp\.up_proj\.weight_scale'"),
+    ("nvfp4-modelopt", r"^hf_quant_config\.json: quant_algo 'NVFP4' is not supported"),
+])
+def test_damaged_ports_are_refused_naming_file_and_tensor(damage, message, tmp_path):
+    fmt = {"truncate-gguf": "gguf-q8_0", "fp8-missing-scale": "fp8", "nvfp4-modelopt": "fp8"}.get(damage, "mlx-8bit")
+    port = make_port(tmp_path, fmt)
+    cfg = json.loads((port / "config.json").read_text())
+    if damage == "truncate-gguf":
+        data = (port / "model.gguf").read_bytes()
+        (port / "model.gguf").write_bytes(data[: len(data) // 2])
+    elif damage in ("group-size", "group-mismatch"):
+        cfg["quantization"]["group_size"] = 48 if damage == "group-size" else 32
+        (port / "config.json").write_text(json.dumps(cfg))
+    elif damage == "nvfp4-modelopt":
+        q = json.loads((port / "hf_quant_config.json").read_text())
+        q["quantization"]["quant_algo"] = "NVFP4"
+        (port / "hf_quant_config.json").write_text(json.dumps(q))
+    else:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(port / "model.safetensors"), "pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        drop = {"missing-scales": "model.layers.0.self_attn.q_proj.scales",
+                "fp8-missing-scale": "model.layers.0.mlp.up_proj.weight_scale"}.get(damage)
+        tensors.pop(drop, None)
+        save_file(tensors, str(port / "model.safetensors"))
+        if damage == "truncate-st":
+            data = (port / "model.safetensors").read_bytes()
+            (port / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ModelLoadError, match=message) as info:
+        load_model_dir(port)
+    assert "\n" not in str(info.value) and "Traceback" not in str(info.value)
+
+
+def test_calibration_per_port(tmp_path):
+    port = make_port(tmp_path, "mlx-fp4")
+    md = load_model_dir(port)
+    assert (md.calibration.file, md.calibration.inherited) == ("CALIBRATION.json", True)
+    own = {"temperature_per_prim": {"choice": 2.5}, "thresholds": {"0.05": {"confidence": 0.8}}}
+    (port / "CALIBRATION.mlx.json").write_text(json.dumps(own))
+    md = load_model_dir(port)
+    assert (md.calibration.file, md.calibration.inherited) == ("CALIBRATION.mlx.json", False)
+    assert md.calibration.temperatures == {"choice": 2.5} and md.calibration.thresholds == {"0.05": 0.8}
+    (port / "CALIBRATION.gguf.json").write_text(json.dumps(own))  # another engine's file is not read by MLX
+    gguf_port = make_port(tmp_path, "gguf-q8_0")
+    assert load_model_dir(gguf_port).calibration.file == "CALIBRATION.json"
+    (gguf_port / "CALIBRATION.llamacpp.json").write_text(json.dumps(own))
+    assert load_model_dir(gguf_port).calibration.file == "CALIBRATION.llamacpp.json"
+
+
+def test_bf16_directory_reads_only_calibration_json(tiny_model):
+    md = load_model_dir(tiny_model)
+    assert md.format.name == "bf16" and md.calibration.file == "CALIBRATION.json" and not md.calibration.inherited
+
+
+def test_pull_tags_name_the_port_repository_and_one_gguf_file(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from basal_local.model import registry
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, revision=None, **kw: calls.append((repo, revision, kw)) or str(tmp_path))
+    for ref in ("4.5B", "4.5B:mlx-8bit", "4.5B:mlx-fp4", "4.5B:gguf-q8_0", "mini:fp8@abc"):
+        registry.pull(ref)
+    assert [(c[0], c[1]) for c in calls] == [
+        ("Remek/basal-1.5-4.5B", None), ("Remek/basal-1.5-4.5B-MLX-8bit", None), ("Remek/basal-1.5-4.5B-MLX-fp4", None),
+        ("Remek/basal-1.5-4.5B-GGUF", None), ("Remek/basal-1.5-mini-FP8", "abc")]
+    patterns = calls[3][2]["allow_patterns"]
+    assert "*Q8_0.gguf" in patterns and not any("Q4_K" in p for p in patterns)
+    assert all("allow_patterns" not in c[2] for i, c in enumerate(calls) if i != 3)
+    with pytest.raises(registry.ModelNotFound, match="unknown model tag '4.5B:q3'"):
+        registry.split_ref("4.5B:q3")
+
+
+def test_show_names_format_bits_dense_layers_and_calibration(tmp_path):
+    from basal_local.commands.models import describe
+
+    port = make_port(tmp_path, "mlx-fp4")
+    info = describe(port)["port"]
+    assert info["format"] == "mlx-fp4" and info["bits"] == 4 and info["quantization"] == {"group_size": 16,
+                                                                                          "mode": "nvfp4"}
+    assert "lm_head" in info["dense_layers"] and "model.embed_tokens" in info["dense_layers"]
+    assert (info["calibration_file"], info["calibration_inherited"]) == ("CALIBRATION.json", True)
+
+
+@pytest.mark.slow  # no gguf-q4_k_m: its blocks are random bytes (no K-quant quantizer), not a copy of the source
+@pytest.mark.parametrize("fmt", ["mlx-8bit", "mlx-fp4", "gguf-q8_0", "fp8"])
+def test_port_agreement_with_its_bf16_source_on_the_sample_set(fmt, tmp_path):
+    """docs/PERFORMANCE.md's table: same decision share, max and median |Δp_cal| vs the bf16 source (-s prints)."""
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.model.testmodel import make_test_model
+
+    from .test_mlx_weights import _decisions
+
+    source = make_test_model(tmp_path / "bf16", preset=PRESET[fmt], seed=5, evidence_head=False)
+    port = make_port(tmp_path, fmt)
+
+    def run(path: Path):
+        if fmt.startswith("mlx"):
+            from basal_local.backends.mlx import MLXBackend
+
+            backend = MLXBackend("cpu")
+        else:
+            backend = TorchBackend("cpu")
+        backend.load(path, "f32")
+        md = load_model_dir(path)
+        for lang in ("pl", "en"):
+            backend.add_prefix(lang, md.tokenizer.template_prefix(lang))
+        return _decisions(backend, md)
+
+    ref, got = run(source), run(port)
+    same = np.mean([a[0] == b[0] for a, b in zip(got, ref)])
+    deltas = np.array([abs(a[1][k] - b[1][k]) for a, b in zip(got, ref) for k in b[1]])
+    print(f"\n{fmt} vs bf16 on {len(ref)} sample questions ({PRESET[fmt]}): same decision {same:.1%}, "
+          f"max |dp_cal| {deltas.max():.4f}, median {np.median(deltas):.5f}")
+    assert same >= 0.5 and 0 < np.median(deltas) < 0.2  # random weights: loose bounds, the figures are the point
+
+
+@pytest.mark.parametrize("fmt,backend", [("gguf-q4_k_m", "torch"), ("fp8", "torch"), ("mlx-fp4", "mlx")])
+def test_port_answers_through_the_engine(fmt, backend, tmp_path):
+    """A port answers real sample questions end to end (plan, pack, forward, calibrate) with its port calibration."""
+    from basal_local.api.systemone import validate_systemone
+    from basal_local.bench import single_question_requests
+    from basal_local.engine.engine import EngineSettings, ModelEngine
+    from basal_local.engine.gate import DeviceGate
+    from basal_local.telemetry import Telemetry
+
+    port = make_port(tmp_path, fmt)
+    (port / ("CALIBRATION.mlx.json" if backend == "mlx" else "CALIBRATION.fp8.json")).write_text(
+        json.dumps({"temperature_per_prim": {"choice": 3.0}}))
+    md = load_model_dir(port)
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+        from basal_local.backends.mlx import MLXBackend
+
+        be = MLXBackend("cpu")
+    else:
+        from basal_local.backends.torch import TorchBackend
+
+        be = TorchBackend("cpu")
+    be.load(port, "f32")
+    for lang in ("pl", "en"):
+        be.add_prefix(lang, md.tokenizer.template_prefix(lang))
+    engine = ModelEngine(md, be, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0, max_batch_tokens=512))
+    engine.start()
+    try:
+        bodies = single_question_requests(md.name)[:3]
+        answers = [engine.submit(engine.plan(validate_systemone(b, md.name))).future.result(timeout=120)
+                   for b in bodies]
+    finally:
+        engine.stop()
+    assert len(answers) == 3 and all(a.body["answers"] for a in answers)
+    assert md.calibration.file == ("CALIBRATION.mlx.json" if backend == "mlx" else
+                                   ("CALIBRATION.fp8.json" if fmt == "fp8" else "CALIBRATION.json"))
