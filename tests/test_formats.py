@@ -309,10 +309,10 @@ def test_port_answers_through_the_engine(fmt, backend, tmp_path):
     engine.start()
     try:
         bodies = single_question_requests(md.name)[:3]
-        answers = [engine.submit(engine.plan(validate_systemone(b, md.name))).future.result(timeout=120)
+        answers = [engine.submit(engine.plan(validate_systemone(b, md.name))).result(timeout=120)
                    for b in bodies]
     finally:
         engine.stop()
-    assert len(answers) == 3 and all(a.body["answers"] for a in answers)
+    assert len(answers) == 3 and all(a.answers for a in answers)  # each an Outcome with its questions
     assert md.calibration.file == ("CALIBRATION.mlx.json" if backend == "mlx" else
                                    ("CALIBRATION.fp8.json" if fmt == "fp8" else "CALIBRATION.json"))
