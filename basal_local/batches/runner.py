@@ -213,9 +213,13 @@ class Runner:
                 return
             errors = [{"code": "invalid_request", "message": f"line {ln.number}: {ln.error}", "param": None,
                        "line": ln.number} for ln in invalid[:MAX_LISTED_ERRORS]]
-            record = self.store.update_batch(batch_id, status="in_progress", in_progress_at=int(time.time()),
-                                             errors={"object": "list", "data": errors} if errors else None,
-                                             request_counts={"total": len(lines), "completed": 0, "failed": 0})
+            with self.store.lock:  # a cancel may have come while the file was read: it stays cancelling
+                current = self.store.batch(batch_id) or record
+                fields: dict[str, Any] = {"errors": {"object": "list", "data": errors} if errors else None,
+                                          "request_counts": {"total": len(lines), "completed": 0, "failed": 0}}
+                if current["status"] == "validating":
+                    fields.update(status="in_progress", in_progress_at=int(time.time()))
+                record = self.store.update_batch(batch_id, **fields)
         out_path = self.store.results_path(batch_id, "out")
         err_path = self.store.results_path(batch_id, "err")
         # what the files hold is what is done (a crash may have come between a write and the record's update)
@@ -267,8 +271,12 @@ class Runner:
         elif stop_reason == "expired":
             self.store.update_batch(batch_id, request_counts=counts, status="expired", expired_at=int(time.time()))
         else:
-            self.store.update_batch(batch_id, request_counts=counts, status="finalizing",
-                                    finalizing_at=int(time.time()))
+            with self.store.lock:
+                current = self.store.batch(batch_id) or {}
+                done_fields: dict[str, Any] = {"request_counts": counts}
+                if current.get("status") == "in_progress":
+                    done_fields.update(status="finalizing", finalizing_at=int(time.time()))
+                self.store.update_batch(batch_id, **done_fields)
 
     def _room(self) -> int:
         """Lines to keep in flight: all `concurrency` while the daemon is otherwise idle, one while interactive
