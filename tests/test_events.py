@@ -316,7 +316,7 @@ async def test_dashboard_attached_to_a_live_daemon(live, tiny_model):
         tree = app.screen.query_one("#tree")
         batch = next(b for b in app.data.batches if b["batch_id"] == tree.shown)
         record = next(r for r in live.state.telemetry.batches if r.batch_id == batch["batch_id"])
-        assert f"{record.packed_tokens}/{record.unpacked_tokens:,} tok" in tree.root.label.plain
+        assert f"{record.packed_tokens:,}/{record.unpacked_tokens:,} tok" in tree.root.label.plain
         live.stop()
         for _ in range(200):
             await pilot.pause(0.05)

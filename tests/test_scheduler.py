@@ -232,7 +232,9 @@ def test_client_disconnect_over_http_drops_the_request_before_compute(model):
             time.sleep(0.01)
         # two blockers in one batch keep the lane busy ~0.5 s
         blockers = [engine.submit(plan(engine, model, 1200, f"blocker{i}")) for i in range(2)]
-        time.sleep(0.02)
+        deadline = time.time() + 5
+        while engine.waiting() and time.time() < deadline:  # the lane takes both blockers into one batch
+            time.sleep(0.002)
         body = json.dumps({"model": model.name, "state": "x",
                            "questions": {"n": {"type": "noul", "instructions": "i"}}}).encode()
         with socket.create_connection(("127.0.0.1", port)) as sock:
