@@ -230,20 +230,22 @@ def test_client_disconnect_over_http_drops_the_request_before_compute(model):
     try:
         while not server.started:
             time.sleep(0.01)
-        # two blockers in one batch keep the lane busy ~0.5 s
+        # the lane holds the blockers' forward until the request has been dropped (no race with the clock)
+        backend.hold()
         blockers = [engine.submit(plan(engine, model, 1200, f"blocker{i}")) for i in range(2)]
-        deadline = time.time() + 5
-        while engine.waiting() and time.time() < deadline:  # the lane takes both blockers into one batch
-            time.sleep(0.002)
+        assert backend.running.wait(timeout=30)
         body = json.dumps({"model": model.name, "state": "x",
                            "questions": {"n": {"type": "noul", "instructions": "i"}}}).encode()
+        queued = engine.waiting()  # 0, or 1 when the lane took the first blocker alone
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             deadline = time.time() + 5
-            while engine.waiting() == 0 and time.time() < deadline:
+            while engine.waiting() == queued and time.time() < deadline:
                 time.sleep(0.002)
-            assert engine.waiting() == 1 and not blockers[0].done()
+            assert engine.waiting() == queued + 1 and not blockers[0].done()
+        time.sleep(0.3)  # the daemon reads the disconnect (the lane is held meanwhile)
+        backend.release()  # the socket is closed: the queued request is gone before its batch forms
         for blocker in blockers:
             blocker.result(timeout=30)
         deadline = time.time() + 5
