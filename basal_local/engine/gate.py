@@ -158,7 +158,9 @@ class Admission:
                 self._claim(slot, now, limit)
                 return Entry("admitted", since=now, claimed=claimed)
             wait = self.wait_s(limit)
-            if claimed and wait > 0:  # it came when told to: it may wait out the service time's variance
+            # a marked retry that came when told to may wait out the service time's variance; an unmarked arrival
+            # in a whole-second slot (it may be a new request) keeps the short wait, so new requests wait no longer
+            if claimed and retry and wait > 0:
                 wait = min(CLAIM_WAIT_S, max(wait, 4.0 * self.spacing(limit), CLAIM_WAIT_MIN_S))
             # wait only where a place can come within the wait (a longer queue would only time out)
             room = math.floor(wait / self.spacing(limit))
