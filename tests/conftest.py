@@ -292,3 +292,13 @@ def readout_logits(backend, pack) -> list:
     """Each input prompt's letter logits from the forwards of a PackPlan."""
     outputs = [backend.forward(b) for b in pack.batches]
     return [outputs[b][r, cols] for b, r, cols in pack.readouts]
+
+
+@pytest.fixture
+def home(tmp_path) -> dict:
+    """The environment of an isolated user: its own BASAL_LOCAL_HOME, config and an empty Hugging Face cache (the
+    hub endpoint is a dead port), no API key. Modules that need another home define their own `home`."""
+    (tmp_path / "hub").mkdir()
+    return {"BASAL_LOCAL_HOME": str(tmp_path / "basal"), "HF_HUB_CACHE": str(tmp_path / "hub"),
+            "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "BASAL_LOCAL_API_KEY": ""}

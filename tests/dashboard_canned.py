@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from typing import Any
+
+import pytest
 
 T0 = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
 NOW = T0 + 10.0
@@ -153,3 +156,13 @@ def screen_text(app) -> str:
                       record=True, legacy_windows=False, safe_box=False)
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return console.export_text(styles=False)
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    """The dashboard prints local times: the tests read them in UTC (import this fixture into a test module)."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("textual")
@@ -18,18 +16,9 @@ from basal_local.tui.screens.models import ModelsScreen  # noqa: E402
 from basal_local.tui.screens.overview import OverviewScreen  # noqa: E402
 from basal_local.tui.screens.requests import RequestsScreen  # noqa: E402
 
-from .dashboard_canned import NOW, T0, CannedSource, canned_events, screen_text  # noqa: E402
+from .dashboard_canned import NOW, T0, CannedSource, canned_events, screen_text, utc  # noqa: E402, F401
 
 SIZE = (100, 32)
-
-
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def make_app(**kw) -> tuple[DashboardApp, CannedSource]:

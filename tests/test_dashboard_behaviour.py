@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,16 +19,7 @@ from basal_local.tui.widgets.keybar import keys_text  # noqa: E402
 from basal_local.tui.widgets.status import status_text  # noqa: E402
 
 from .conftest import free_port  # noqa: E402
-from .dashboard_canned import NOW, STATS, T0, CannedSource, batch_event, request_events, screen_text  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
+from .dashboard_canned import NOW, STATS, T0, CannedSource, batch_event, request_events, screen_text, utc  # noqa: E402, F401  (utc: a fixture)
 
 
 def make_app(**kw) -> DashboardApp:

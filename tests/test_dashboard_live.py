@@ -19,7 +19,7 @@ from basal_local.tui.app import DashboardApp  # noqa: E402
 
 from .conftest import http  # noqa: E402
 from .dashboard_canned import CannedSource, request_events, screen_text  # noqa: E402
-from .test_events import LiveDaemon, M, SseReader, body  # noqa: E402
+from .test_events import M, SseReader, body, live  # noqa: E402, F401  (live: a fixture)
 
 
 async def wait_until(pilot, predicate, timeout: float = 10.0) -> bool:
@@ -140,13 +140,9 @@ def test_mlx_memory_counters(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model):
-    d = LiveDaemon(tiny_model)
-    d.start()
-    yield d
-    d.stop()
-    for engine in d.state.engines.values():
-        engine.stop()
+def daemon(request):
+    """test_events' live daemon (an app and its engine in a thread behind a real socket), one for this module."""
+    return request.getfixturevalue("live")
 
 
 def test_device_telemetry_in_stats_and_on_the_event_stream(daemon):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
 from basal_local.tui.app import DashboardApp  # noqa: E402
 
-from .dashboard_canned import NOW, T0, CannedSource, batch_event, canned_events, request_events  # noqa: E402
+from .dashboard_canned import NOW, T0, CannedSource, batch_event, canned_events, request_events, utc  # noqa: E402, F401  (utc: a fixture)
 
 CLIENTS = ["typesafe-sdk/0.7.5", "basal-client-python", "jev-cli/0.7.0", "python-httpx/0.28.1"]
 
@@ -27,15 +25,6 @@ def busy_events() -> list[dict]:
     for seq, event in enumerate(events, 1):
         event["seq"] = seq
     return events
-
-
-@pytest.fixture(autouse=True)
-def utc(monkeypatch):
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def app(busy: bool = False) -> DashboardApp:

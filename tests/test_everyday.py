@@ -19,14 +19,6 @@ from .conftest import Daemon, free_port
 from .zygote import cli_popen
 
 
-@pytest.fixture
-def home(tmp_path) -> dict:
-    (tmp_path / "hub").mkdir()
-    return {"BASAL_LOCAL_HOME": str(tmp_path / "basal"), "HF_HUB_CACHE": str(tmp_path / "hub"),
-            "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HUB_DISABLE_TELEMETRY": "1",
-            "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "BASAL_LOCAL_API_KEY": ""}
-
-
 def _open_events(port: int) -> socket.socket:
     """An /api/events reader that has read the stream's first comment."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)

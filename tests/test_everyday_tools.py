@@ -13,17 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Daemon, free_port
+from .conftest import Daemon
 from .zygote import cli_popen
-
-
-@pytest.fixture
-def home(tmp_path) -> dict:
-    (tmp_path / "hub").mkdir()
-    return {"BASAL_LOCAL_HOME": str(tmp_path / "basal"), "HF_HUB_CACHE": str(tmp_path / "hub"),
-            "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HUB_DISABLE_TELEMETRY": "1",
-            "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "BASAL_LOCAL_API_KEY": ""}
-
 
 # ---- a stand-in daemon for the tools' own behaviour (interruptions, 529s, a daemon that dies) ------------------
 
