@@ -23,7 +23,8 @@ from .store import MAX_LINES, TERMINAL, Store
 
 log = logging.getLogger("basal_local.batches")
 MAX_LISTED_ERRORS = 100  # batch.errors lists the first ones; the error file has every line
-RETRY_STATUSES = (503, 529)  # overload or loading: the line waits and is sent again, it does not fail
+RETRY_STATUSES = (503, 529)
+SYNC_S = 0.25  # how often a running batch's record is read (cancel, expiry) and its counts written  # overload or loading: the line waits and is sent again, it does not fail
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Runner:
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self._lock: Any = None  # the open lock file while this daemon runs the store's batches
+        self.cancelled: set[str] = set()  # cancels of this daemon's API, seen at once (others with the record)
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
@@ -146,6 +148,11 @@ class Runner:
             self._lock = None
 
     def poke(self) -> None:
+        self.wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """The API set the batch to cancelling: stop sending its lines before the next one."""
+        self.cancelled.add(batch_id)
         self.wake.set()
 
     def _own_store(self) -> bool:
@@ -235,13 +242,18 @@ class Runner:
         running: set[asyncio.Task] = set()
         done = next_line = counts["completed"] + counts["failed"]
         stop_reason = None
+        synced = -SYNC_S  # when the record was last read and the counts written (not once per line: a file each)
         with out_path.open("ab") as out, err_path.open("ab") as err:
             while done < len(lines):
-                record = self.store.batch(batch_id) or {}
-                if stop_reason is None and record.get("status") == "cancelling":
+                if stop_reason is None and batch_id in self.cancelled:
                     stop_reason = "cancelled"
-                if stop_reason is None and time.time() >= record.get("expires_at", float("inf")):
-                    stop_reason = "expired"
+                if stop_reason is None and time.monotonic() - synced >= SYNC_S:
+                    synced = time.monotonic()
+                    record = self.store.update_batch(batch_id, request_counts=counts) or {}
+                    if record.get("status") == "cancelling":
+                        stop_reason = "cancelled"
+                    elif time.time() >= record.get("expires_at", float("inf")):
+                        stop_reason = "expired"
                 while stop_reason is None and next_line < len(lines) and len(running) < self._room():
                     running.add(asyncio.ensure_future(self._one(next_line, lines[next_line], results)))
                     next_line += 1
@@ -250,17 +262,13 @@ class Runner:
                 finished, running = await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
                     task.result()  # a bug in _one surfaces here
-                written = False
                 while done in results:
                     ok, result = results.pop(done)
                     (out if ok else err).write(json.dumps(result, ensure_ascii=False).encode("utf-8") + b"\n")
                     counts["completed" if ok else "failed"] += 1
                     done += 1
-                    written = True
-                if written:
-                    out.flush()
-                    err.flush()
-                    self.store.update_batch(batch_id, request_counts=counts)
+                out.flush()
+                err.flush()
             if stop_reason == "expired":  # the lines never sent are errors of the expired batch
                 for line in lines[done:]:
                     err.write(json.dumps(_error_line(line, "batch_expired", "the batch expired before this line "
@@ -306,6 +314,7 @@ class Runner:
         results[index] = (status == 200, result)
 
     def _finalize(self, batch_id: str, out_path: Path, err_path: Path) -> None:
+        self.cancelled.discard(batch_id)
         record = self.store.batch(batch_id)
         if record is None or record["status"] in ("completed", "failed", "cancelled"):
             return

@@ -263,7 +263,7 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
         if record["status"] in TERMINAL or record["status"] == "cancelling":
             return _json(200, public(record))  # a terminal batch is returned unchanged
         record = store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
-    request.app.state.batch_runner.poke()
+    request.app.state.batch_runner.cancel(batch_id)
     return _json(200, public(record))  # type: ignore[arg-type]
 
 
