@@ -54,3 +54,23 @@ def test_records_say_how_they_were_made():
         record = json.loads(path.read_text())
         for key in ("commit", "machine", "versions", "command"):
             assert record.get(key), f"{path.name} lacks {key}"
+
+
+def test_architecture_map_names_only_paths_that_exist():
+    """Every file or folder docs/ARCHITECTURE.md names in backticks exists (a bare module name is looked up in the
+    folder its paragraph names: the rooms speak of `app.py` inside **server/**)."""
+    page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    assert len(page.splitlines()) <= 200, "the map stays short: detail goes to module docstrings"
+    folders = [ROOT / p for p in ("", "basal_local", "basal_local/server", "basal_local/engine", "basal_local/api",
+                                  "basal_local/protocol", "basal_local/model", "basal_local/replicas",
+                                  "basal_local/batches", "basal_local/telemetry", "basal_local/commands",
+                                  "backends", "backends/torch", "backends/mlx", "cuda_kernels", "tui", "tests")]
+    missing = []
+    for name in set(re.findall(r"`([\w./*-]+(?:\.py|\.md|\.metal|\.tcss|/))`", page)):
+        if "*" in name:
+            found = any(any(f.glob(name)) for f in folders)
+        else:
+            found = any((f / name).exists() for f in folders)
+        if not found:
+            missing.append(name)
+    assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {sorted(missing)}"

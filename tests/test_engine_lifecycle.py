@@ -299,7 +299,7 @@ def test_multi_branches_and_large_choice_rounds_are_named_in_the_tree(engine):
     units = {n.get("unit") for n in first if n["kind"] == "question"}
     assert {"multi: damage", "multi: late"} <= units
     owner_units = {o[3] for n in first for o in n.get("owners", [])}
-    # 13 options: two partitions of two groups each (docs/ARCHITECTURE.md), read out in one order each
+    # 13 options: two partitions of two groups each (protocol/large_choice.py), read out in one order each
     assert {"round 1, group 1", "round 1, group 4"} <= owner_units and "round 2" not in owner_units
     second = [n for row in trees[1] for n in _walk(row["children"])]
     assert {o[3] for n in second for o in n.get("owners", [])} == {"round 2"}

@@ -1,4 +1,4 @@
-"""Prometheus metrics at /metrics (`serve --metrics`), named as docs/ARCHITECTURE.md; a per-app registry.
+"""Prometheus metrics at /metrics (`serve --metrics`), their names declared below; a per-app registry.
 
 Labels carry only served model names, endpoints, lanes and status codes: never request content (a request
 naming an unknown model is counted under model="").
