@@ -282,7 +282,7 @@ def _gemm_kernel(A, W, C, BIAS, M, N, K, stride_am, stride_wn, stride_cm, HAS_BI
 # (BM, BN, BK, warps, stages) per weight shape, chosen once by measurement (docs/PERFORMANCE.md), never by M
 DEFAULT_GEMM_CONFIG = (64, 128, 64, 4, 4)
 GEMM_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    # 4.5B (H200, tools/kernel_bench.py: the best sum of time at 320 and 8192 rows relative to cuBLAS)
+    # 4.5B (H200, measured by a kernel bench since removed, `git show 56232b5:tools/kernel_bench.py`: the best sum of time at 320 and 8192 rows relative to cuBLAS)
     (2560, 2048): (64, 128, 64, 4, 4), (2048, 2048): (64, 128, 64, 4, 4), (22016, 2048): (128, 256, 64, 8, 3),
     (2048, 11008): (64, 64, 64, 4, 4),
 }

@@ -284,7 +284,7 @@ def test_cuda_fp8_accuracy_envelope_vs_f32_reference(small_model):
 def test_cuda_cublaslt_pinned_algorithms_give_the_large_calls_bits(bias):
     """cuBLASLt algorithms pinned to a row count (`gemm.lt_choices`, chosen on one random block) give the bits of
     torch's large-M call on another input too, called directly and replayed in a CUDA graph. The max preset's down
-    projection shape: torch's own call splits K below 352 rows; tools/lt_probe.py found agreeing algorithms
+    projection shape: torch's own call splits K below 352 rows; a probe (`git show 56232b5:tools/lt_probe.py`) found agreeing algorithms
     without split-K at 304 and 320 rows on the H200 (without a bias; with one, whatever agrees is checked)."""
     import torch.nn.functional as F
 

@@ -44,3 +44,22 @@ def test_a_chatty_daemon_is_drained_and_its_log_kept(tmp_path):
     assert len(lines) == Daemon.LOG_LINES  # bounded: the oldest lines were dropped
     assert "log line 019999 " + "x" * 80 in lines and "served /health" in lines
     assert not any(line.startswith("log line 000000") for line in lines)
+
+
+def test_every_planted_bug_still_fits_the_code():
+    """tools/mutate.py reports a mutation whose snippet is gone as STALE only when someone runs it (minutes per
+    mutation); here every snippet must occur exactly once in its file and every named test must exist."""
+    from pathlib import Path
+
+    from .mutations import MUTATIONS
+
+    root = Path(__file__).resolve().parent.parent
+    assert len({x.name for x in MUTATIONS}) == len(MUTATIONS)
+    for x in MUTATIONS:
+        text = (root / x.file).read_text(encoding="utf-8")
+        for original, _ in x.edits:
+            assert text.count(original) == 1, f"{x.name}: the snippet occurs {text.count(original)} times in {x.file}"
+        for test in x.tests:
+            path, _, name = test.partition("::")
+            assert (root / path).is_file(), f"{x.name}: no {path}"
+            assert not name or f"def {name}(" in (root / path).read_text(encoding="utf-8"), f"{x.name}: no {test}"

@@ -1,7 +1,9 @@
-"""Kernel-time breakdown of one single-decision forward (both orders), landed SDPA path vs the Triton path.
+"""Kernel time per family (attention, GEMM, norms, copies) of a single decision and of 32, on CUDA.
 
-python tools/profile_forward.py MODEL_DIR OUT.txt [attention:gemm ...]  (CUDA graphs off, so every kernel is seen
-by name; default configurations sdpa:cublas tree:cublas tree:triton; each also lists its costliest kernels)
+    python tools/profile_forward.py MODEL_DIR OUT.txt [attention:gemm ...]
+
+CUDA graphs off, so every kernel is seen by name; the default configuration is the product's (tree:verified),
+others are `--attention` and `--gemm` values of `basal-local bench`. Each also lists its costliest kernels.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def main(model_dir: str, out: str, *configs: str) -> None:
                           for p in prompts]
         return specs
     batches = [("single decision", specs_of(requests[:1])), ("32 decisions", specs_of(requests[:32]))]
-    pairs = [tuple(c.split(":")) for c in configs] or [("sdpa", "cublas"), ("tree", "cublas"), ("tree", "triton")]
+    pairs = [tuple(c.split(":")) for c in configs] or [("tree", "verified")]
     text = "\n".join(profile(md, a, g, batches) for a, g in pairs)
     print(text)
     with open(out, "w") as fh:

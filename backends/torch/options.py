@@ -1,5 +1,6 @@
 """The torch backend's declared options: the product choices (shown in `serve -h`, `bench -h`, config.toml and
-`/api/stats`) and the measurement knobs the tools set (tools/attn_sweep.py, tools/gemm_chunks.py, ...).
+`/api/stats`) and measurement knobs, set from Python (`TorchOptions(attention_tiling=...)`) by whoever measures
+them (the sweeps that chose the defaults: docs/CUDA_NOTES.md).
 
 Every option is read once, when the model loads; nothing on the compute path reads the environment.
 """

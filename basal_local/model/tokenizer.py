@@ -155,7 +155,7 @@ class BasalTokenizer:
         pool, which also releases the GIL for the daemon's other threads. `BASAL_LOCAL_TOKENIZE_SERIAL_CHARS`
         moves the line (0: always the pool).
         `encode_batch_fast` one text at a time is faster alone (157 vs 233 us a single decision's texts on the
-        H200 host, tools/tok_bench.py) but through the pool: with 32 clients the daemon's planning p50 went 0.6 ->
+        H200 host, `git show 56232b5:tools/tok_bench.py`) but through the pool: with 32 clients the daemon's planning p50 went 0.6 ->
         3.4 ms and 190-199 -> 183 req/s, and 1 client gained nothing measurable (docs/PERFORMANCE.md)."""
         if sum(len(t) for t in texts) < self.serial_chars:
             return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
