@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -245,9 +246,46 @@ class Daemon:
         return self.log
 
 
+class InProcessDaemon:
+    """The daemon's own guarded app (`server/daemon.py` `build`: Host/Origin guard, body limits, drain), its models
+    loading in the background, served by uvicorn in a thread of this process on a free port. For tests that only
+    talk HTTP to a daemon; exit codes, signals, ports and killed processes need `Daemon` (a real process)."""
+
+    def __init__(self, model_dirs: list, **settings) -> None:
+        from basal_local.server.daemon import _Server, build, start_loading
+        from basal_local.settings import Settings
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        values = Settings.load({"device": "cpu", **settings, "port": self.port}, config_file=Path("/nonexistent"))
+        self.state, config = build(values, [Path(d) for d in model_dirs], quiet=True)
+        start_loading(self.state, values, [Path(d) for d in model_dirs])
+        self.server = _Server(config, self.state)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), name="test-daemon",
+                                       daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline and not self.state.load_error:
+            if self.server.started and self.state.ready:
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the in-process daemon did not get ready: {self.state.load_error or 'timeout'}")
+
+    def stop(self) -> None:
+        from basal_local.server.daemon import shutdown
+
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        shutdown(self.state)
+
+
 @pytest.fixture(scope="module")
 def daemon(tiny_model):
-    d = Daemon(["--model", str(tiny_model), "--device", "cpu"])
+    """A daemon with the tiny model on the CPU, in this process (`InProcessDaemon`), for a module's tests."""
+    d = InProcessDaemon([tiny_model])
     d.wait_ready()
     yield d
     d.stop()
