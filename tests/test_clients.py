@@ -21,7 +21,7 @@ from importlib.util import find_spec
 
 import pytest
 
-from .conftest import CACHE, Daemon, http
+from .conftest import CACHE, Daemon, InProcessDaemon, http
 
 # Found, not imported: every test worker collects this file, and importing the clients there cost ~1.7 s of CPU
 # each (the tests import them where they use them).
@@ -33,7 +33,7 @@ STATE = "The parcel arrived broken and I want my money back. " * 2
 
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--metrics"])
+    d = InProcessDaemon([tiny_model], metrics=True)
     d.wait_ready(timeout=600)
     _, _, health = http("GET", d.url + "/health")
     d.model = health["models"][0]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import Daemon, http
+from .conftest import InProcessDaemon, http
 from .hf_reference import HFModel
 from .reference import LETTERS, PREFILL, SYSTEM, TEMPS, USER, YES_NO, ReferenceTokenizer, fill, luce_fit
 
@@ -66,7 +66,7 @@ def calibrate(p, t):
 def served(tiny_model):
     """The daemon over a real socket and the reference; the daemon loads while this process builds the reference.
     A generous start-up wait (a loaded 2-core CI box); the daemon is never left running."""
-    d = Daemon(["--model", str(tiny_model), "--device", "cpu"])
+    d = InProcessDaemon([tiny_model])
     try:
         reference = Reference(tiny_model)
         d.wait_ready(timeout=300)
