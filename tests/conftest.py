@@ -65,6 +65,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 _shared: list[subprocess.Popen] = []
 _starting: list[threading.Thread] = []
+_made: list[str] = []  # the folder of the generated test models, removed at the end
 
 # What the workers and their daemons import, then what the transformers reference imports. A fresh
 # `pip install --no-compile` has no bytecode for them, and four workers starting at once would each compile the
@@ -91,7 +92,7 @@ def pytest_configure(config) -> None:
     itself: the bytecode of a fresh install (the first two groups of WARM_IMPORTS, one process per core), the
     transformers reference (tests/hf_reference.py, started in the background) and a folder for the generated test
     models (built once, by the first worker that needs one). The workers inherit the paths through the environment."""
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", 0):
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", default=0):
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cold = _bytecode_cold()
@@ -113,7 +114,7 @@ def pytest_configure(config) -> None:
         import tempfile
 
         os.environ["BASAL_LOCAL_TEST_MODELS"] = tempfile.mkdtemp(prefix="basal-test-models-")
-        config._basal_models = os.environ["BASAL_LOCAL_TEST_MODELS"]
+        _made.append(os.environ["BASAL_LOCAL_TEST_MODELS"])
 
 
 def pytest_unconfigure(config) -> None:
@@ -125,9 +126,9 @@ def pytest_unconfigure(config) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-    if folder := getattr(config, "_basal_models", None):
-        import shutil
+    import shutil
 
+    for folder in _made:
         shutil.rmtree(folder, ignore_errors=True)
 
 
