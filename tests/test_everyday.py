@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Daemon, cli_popen, free_port
+from .conftest import Daemon, free_port
+from .zygote import cli_popen
 
 
 def _open_events(port: int) -> socket.socket:
