@@ -77,48 +77,6 @@ def compile_listed(env: dict | None = None, jobs: int | None = None, late: bool 
     return procs
 
 
-def rewrite_tests(env: dict | None = None) -> subprocess.Popen:
-    """Start one process that writes the assertion-rewritten bytecode of the test modules, and the bytecode of the
-    suite's helper modules, where the workers look for them (on a fresh clone each of the four workers rewrote
-    every test module while the others did the same: ~5 s of CPU each)."""
-    return subprocess.Popen([sys.executable, "-m", "tests.bytecode", "--rewrite-tests"], env=env,
-                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL)
-
-
-def _rewrite_test_modules(folder: Path) -> None:
-    """What pytest's import hook does on a cache miss (`AssertionRewritingHook.exec_module`), for every test
-    module: rewrite, then write the pyc atomically under pytest's name for it. The hook checks a cached pyc's
-    source size and mtime, so a stale or foreign one is only rewritten again. With the `enable_assertion_pass_hook`
-    ini option the rewrite would differ: then nothing is written here."""
-    import compileall
-    import tomllib
-
-    from _pytest.assertion import rewrite
-
-    for helper in folder.glob("*.py"):  # plain imports (pytest rewrites the test modules and conftest.py)
-        if not helper.name.startswith("test_") and helper.name != "conftest.py":
-            compileall.compile_file(helper, quiet=1)
-    ini = tomllib.loads((folder.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
-    if ini.get("enable_assertion_pass_hook") or ini.get("python_files"):
-        return
-    trace = _Trace()
-    for fn in sorted(folder.glob("test_*.py")):
-        pyc = rewrite.get_cache_dir(fn) / (fn.name[:-3] + rewrite.PYC_TAIL)
-        if rewrite._read_pyc(fn, pyc, trace) is None and rewrite.try_makedirs(pyc.parent):
-            source_stat, co = rewrite._rewrite_test(fn, None)  # no config: the assertion pass hook off (default)
-            rewrite._write_pyc(trace, co, source_stat, pyc)
-
-
-class _Trace:
-    """The `state` and `trace` pytest's pyc helpers write their notes to (nobody reads them here)."""
-
-    def __call__(self, message: str) -> None:
-        pass
-
-    def trace(self, message: str) -> None:
-        pass
-
-
 def write_list(site: Path) -> int:
     """Write tests/bytecode.txt from the bytecode cached under `site` (after a whole run on a fresh install)."""
     folders: dict[str, list[str]] = {}
@@ -135,10 +93,5 @@ def write_list(site: Path) -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
         print(f"{write_list(site_packages())} files listed in {LIST}")
-    elif sys.argv[1:] == ["--rewrite-tests"]:
-        try:
-            _rewrite_test_modules(Path(__file__).resolve().parent)
-        except (AttributeError, ImportError, TypeError):  # pytest's private helpers changed: the workers rewrite
-            pass
     else:
-        sys.exit("usage: python -m tests.bytecode --write | --rewrite-tests")
+        sys.exit("usage: python -m tests.bytecode --write")

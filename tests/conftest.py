@@ -92,8 +92,9 @@ def pytest_configure(config) -> None:
     if _bytecode_cold():  # a fresh `--no-compile` install: compile what the run imports first, on every core
         for proc in bytecode.compile_listed(env, late=False):  # what the fork server imports
             proc.wait()
-        # the rest on one core while the fork server imports (one core's work), and the test modules' rewrite
-        late = [*bytecode.compile_listed(env, jobs=1, late=True), bytecode.rewrite_tests(env)]
+        # the rest on one core while the fork server imports (one core's work); each worker rewrites the test
+        # modules' assertions itself (pytest's own hook: ~5 s of CPU per worker on a fresh clone)
+        late = bytecode.compile_listed(env, jobs=1, late=True)
     if zygote.ENABLED and not os.environ.get(zygote.SHARED):
         proc, path = zygote.start_server(env)
         _shared.append(proc)
