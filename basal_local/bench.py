@@ -110,8 +110,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
             t = time.perf_counter()
             pack = decide([r])
             latencies.append((time.perf_counter() - t) * 1000.0)
-            packed.append(pack.packed_tokens + sum(len(engine.prefixes.get(row.lang, [])) for row in pack.rows
-                                                   if row.prefix))
+            packed.append(pack.packed_tokens + sum(row.used for row in pack.rows))
     throughput = {}
     for size in (16, 32):
         _phase(f"batches of {size}")

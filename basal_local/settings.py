@@ -39,6 +39,7 @@ class Spec:
     show_default: bool = True
     number_ok: bool = False  # a str setting that config.toml may also give as a number (gpu_memory = 0.8)
     flag_zero: bool = False  # the flag also takes 0 (the port: the system picks one; the command handles it)
+    validate: str | None = None  # a further check by name (VALIDATORS): the form of a size, say
 
 
 def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
@@ -102,6 +103,11 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
                 raise TypeError
     except (TypeError, ValueError):
         raise ValueError(f"{key} = {value!r}: must be {wanted}") from None
+    if spec.validate is not None:
+        try:
+            VALIDATORS[spec.validate](value)
+        except ValueError as exc:
+            raise ValueError(f"{key} = {value!r}: {exc}") from None
     bad = (spec.choices is not None and value not in spec.choices
            or spec.minimum is not None and value < spec.minimum
            or spec.maximum is not None and value > spec.maximum
@@ -109,6 +115,16 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
     if bad:
         raise ValueError(f"{key} = {value!r}: must be {wanted}")
     return value
+
+
+def _cache_size(value: Any) -> None:
+    from .backends.memory import parse_limit
+
+    if str(value).strip().lower() not in ("auto", "off"):
+        parse_limit(str(value), flag="--prefix-cache")
+
+
+VALIDATORS = {"prefix_cache": _cache_size}
 
 
 def declared(cls: type) -> list[tuple[str, Spec, Any]]:
@@ -137,8 +153,12 @@ class EngineSettings:
     max_row_tokens: int = setting(32768, "tokens one row of a forward may hold", minimum=1)
     max_forward_tokens: int = setting(8192, "tokens one forward may hold (CUDA graphs are captured up to it)",
                                       minimum=1)
-    prefix_cache: bool = setting(True, "keep the chat template's K/V per language (--no-prefix-cache: do not)",
-                                 flag="--no-prefix-cache", action="negate", show_default=False)
+    # the state cache (engine/prefix_cache.py): K/V of templates and documents kept for later requests
+    prefix_cache: str = setting("auto", "memory for K/V kept between requests (the templates, and documents, so a new "
+                                        "question about a known document computes only its own tokens): a size "
+                                        "(8GB), a share of the free GPU memory (0.5, 50%%), auto (most of a large "
+                                        "GPU's free memory, little on the CPU or a Mac) or off", flag="--prefix-cache",
+                                metavar="SIZE|SHARE|off", number_ok=True, validate="prefix_cache")
     # after a batch of n requests, wait up to this long (and at most a quarter of that batch's time) for n/2 to
     # queue before starting a small batch, so closed-loop clients do not alternate full and tiny batches.
     # Off by default: 20 ms on the H200 (32 HTTP clients) gave p99 282 vs 314 ms and -1.5 % req/s, one trial
@@ -290,9 +310,12 @@ def _flag_type(key: str, spec: Spec):
         if spec.flag_zero and text.strip() == "0":
             return 0
         try:
+            if spec.validate is not None:  # its own sentence names the flag and the accepted forms
+                VALIDATORS[spec.validate](text)
             return check(spec.flag or key, spec, text, from_text=True)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text} must be {_range_text(spec)}") from None
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) if spec.validate else
+                                             f"{text} must be {_range_text(spec)}") from None
 
     parse.__name__ = spec.kind.__name__  # argparse names the type in its own messages
     return parse

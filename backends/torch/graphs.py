@@ -85,7 +85,7 @@ class Graphs:
     def _graph_for(self, batch: PackedBatch) -> _Graph | None:
         """The captured graph a batch fits, with its inputs uploaded; None where it runs eagerly."""
         if batch.num_tokens > TOKEN_BUCKETS[-1] or len(batch.readout_index) > READOUT_BUCKETS[-1] or \
-                len(batch.letter_ids) > LETTER_CAP:
+                len(batch.letter_ids) > LETTER_CAP or batch.fills:  # a forward that fills the state cache: eager
             return None
         size = self.bucket(batch.num_tokens)
         r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))

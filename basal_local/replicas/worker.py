@@ -133,7 +133,7 @@ class _Requests:
         token = message.token
         plan = wire.decode_plan(message.plan)
         model = self.engine.model
-        plan.context = (model.tokenizer, model.config.max_position_embeddings, dict(self.engine.prefixes))
+        plan.context = (model.tokenizer, model.config.max_position_embeddings, self.engine.prefixes)
         future = self.engine.submit(plan, lambda: token in self.cancelled, message.request_id)
         future.add_done_callback(lambda f: self._answered(token, f))
 

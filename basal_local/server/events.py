@@ -95,10 +95,24 @@ def _models(state: AppState) -> list[dict[str, Any]]:
                                     "temperatures": engine.model.calibration.temperatures,
                                     "thresholds": engine.model.calibration.thresholds},
                     "port": port_summary(engine.model),
+                    "prefix_cache": cache_totals(engine.describe(), str(s.prefix_cache)),
                     "engine": {"max_batch_tokens": s.max_batch_tokens, "schedule": s.schedule,
                                "long_tokens": s.long_tokens, "long_slice_ms": s.long_slice_ms,
                                "max_row_tokens": s.max_row_tokens, "max_forward_tokens": s.max_forward_tokens,
                                "prefix_cache": s.prefix_cache}})
+    return out
+
+
+CACHE_SUMS = ("budget_bytes", "bytes", "nodes", "pinned", "tokens", "capacity_tokens", "hits", "misses", "hit_tokens",
+              "evictions")
+
+
+def cache_totals(replicas: list[dict[str, Any]], setting: str) -> dict[str, Any]:
+    """A model's state cache over its replicas (each replica's own is in its describe entry)."""
+    caches = [r["prefix_cache"] for r in replicas if r.get("prefix_cache")]
+    out: dict[str, Any] = {"enabled": any(c.get("enabled") for c in caches), "setting": setting}
+    for key in CACHE_SUMS:
+        out[key] = sum(int(c.get(key, 0)) for c in caches)
     return out
 
 
