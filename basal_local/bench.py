@@ -51,7 +51,9 @@ def _engine(model, backend):
     from .telemetry import Telemetry
 
     try:
-        return ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+        # the sample set's states are short: a small pool holds the templates (no document is stored)
+        return ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0,
+                                                                                     prefix_cache="256MB"))
     except ValueError as exc:
         if getattr(backend, "memory_limit", None) is None:
             raise
@@ -261,7 +263,14 @@ def _mlx_version() -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.http:
+    if args.http and getattr(args, "documents", 0):
+        from .commands.benchcache import bench_http_documents
+
+        _phase(f"{args.documents} documents x {args.per_document} requests from {args.clients} clients to {args.http}")
+        ticker = Ticker("requests", args.documents * args.per_document)
+        result = bench_http_documents(args.http, args.clients, args.documents, args.per_document,
+                                      api_key=getattr(args, "api_key", None), progress=lambda n, total: ticker.step())
+    elif args.http:
         from .commands.benchhttp import bench_http, bench_http_invariance
 
         key = getattr(args, "api_key", None)
@@ -283,6 +292,15 @@ def run_bench(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise UserError(str(exc)) from None
         options = torch_options(args)
+        if getattr(args, "cache", False):
+            from .commands.benchcache import bench_cache
+
+            result = bench_cache(model_dir, args.device, args.dtype, args.doc_tokens, args.documents or 3,
+                                 getattr(args, "gpu_memory", None), options, progress=_phase)
+            from .commands.benchout import print_result
+
+            print_result(result, args.json)
+            return 0
         result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
                                   getattr(args, "backend", "torch"), getattr(args, "decisions", 0),
                                   getattr(args, "gpu_memory", None), options)

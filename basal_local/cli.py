@@ -346,6 +346,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time a synthetic ~4.2k- and ~16.5k-token contract with 5 questions")
     p.add_argument("--invariance", type=int, default=0, metavar="N",
                    help="also check N times that a request alone and amid 31 others gets bitwise equal logits")
+    p.add_argument("--cache", action="store_true",
+                   help="in-process: the state cache's figures instead: a long document with 5 questions, then 5 other "
+                        "questions, on an engine caching only the templates and on one with the cache (side by side)")
+    p.add_argument("--doc-tokens", type=_positive, default=17800, metavar="N",
+                   help="with --cache: the document's length in tokens (default 17800)")
+    p.add_argument("--documents", type=_positive, default=0, metavar="N",
+                   help="with --cache: documents to time (default 3); with --http: a mixed stream of N documents, "
+                        "--per-document requests each, in random order")
+    p.add_argument("--per-document", type=_positive, default=10, metavar="N", dest="per_document",
+                   help="with --http --documents: requests per document (default 10)")
     p.set_defaults(func=cmd_bench)
     seen: set[int] = set()
     for command in sub.choices.values():  # -v after the subcommand too (`basal-local serve -v`)

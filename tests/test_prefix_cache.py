@@ -369,3 +369,22 @@ def test_a_bad_prefix_cache_value_is_one_sentence(tiny_model):
     run = cli("serve", "--model", str(tiny_model), "--prefix-cache", "plenty")
     assert run.returncode == 2 and "--prefix-cache 'plenty': not a memory size" in run.stderr
     assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_a_known_documents_text_is_not_tokenized_again(tiny_model):
+    """The tokenizer remembers the ids of long shared texts: the second request about a document tokenizes only
+    its own questions, and every prompt's ids are still exactly `encode` of the prompt."""
+    tok = load_model_dir(tiny_model).tokenizer
+    doc = document(90, words=600)
+    prompts = [f"<s>{doc} question {q}: which? A or B" for q in range(3)]
+    seen: list[int] = []
+    run = tok._run
+    tok._run = lambda texts: seen.append(sum(len(t) for t in texts)) or run(texts)
+    try:
+        first = tok.encode_batch(prompts)
+        again = tok.encode_batch([f"<s>{doc} question {q}: which? A or B" for q in range(3, 6)])
+    finally:
+        tok._run = run
+    assert first == [tok.encode(p) for p in prompts]
+    assert again == [tok.encode(f"<s>{doc} question {q}: which? A or B") for q in range(3, 6)]
+    assert seen[0] > len(doc) and seen[1] < 200  # the second time only the questions' text

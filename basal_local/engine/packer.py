@@ -30,6 +30,8 @@ class PromptSpec:
     token_ids: Sequence[int]
     lang: str
     letter_ids: Sequence[int]
+    # what the state cache answered for it, and when (split_cached_prefix): (cache, generation, name, used)
+    memo: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -166,7 +168,15 @@ def prefix_view(prefixes) -> TemplatePrefixes | Any:
 def split_cached_prefix(spec: PromptSpec, prefixes) -> tuple[str | None, int, list[int]]:
     """(name of the cached prefix the prompt continues, or None; how many of its tokens; the ids after them)."""
     ids = spec.token_ids if type(spec.token_ids) is list else list(spec.token_ids)
-    name, used = prefix_view(prefixes).split(ids, spec.lang)
+    view = prefix_view(prefixes)
+    generation = getattr(view, "generation", None)  # the state cache's: bumped whenever a lookup may change
+    memo = spec.memo
+    if generation is not None and memo is not None and memo[0] is view and memo[1] == generation:
+        name, used = memo[2], memo[3]
+    else:
+        name, used = view.split(ids, spec.lang)
+        if generation is not None:
+            spec.memo = (view, generation, name, used)
     return name, used, ids[used:]
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +26,10 @@ SHARED_MIN_CHARS = 256
 PIECE_CHARS = 4096
 # texts of fewer characters in all are tokenized one by one, not on the tokenizer's thread pool (BasalTokenizer._run)
 SERIAL_CHARS = 8192
+# shared texts this long are remembered (their ids), the last REMEMBER_TEXTS of them
+REMEMBER_MIN_CHARS = 2048
+REMEMBER_TEXTS = 32
+REMEMBER_CHARS = 16_000_000  # and at most this many characters of them in all
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
@@ -117,6 +123,10 @@ class BasalTokenizer:
         self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         self.serial_chars = int(os.environ.get("BASAL_LOCAL_TOKENIZE_SERIAL_CHARS", SERIAL_CHARS))
         self.bos = bos_token
+        # the ids of the text recent requests' prompts shared (template + state): a new question about a known
+        # document tokenizes only its own text (encode is deterministic, so a hit returns exactly its ids)
+        self._shared: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._shared_lock = threading.Lock()
         if self._tok.token_to_id(bos_token) is None:
             raise TokenizerError(f"tokenizer_config.json: bos_token {bos_token!r} is not in the vocabulary")
         self.letter_ids = self._derive_letter_ids()
@@ -141,6 +151,9 @@ class BasalTokenizer:
         if len(texts) > 1:
             cut = safe_cut(texts[0], min(common_prefix_len(texts[0], t) for t in texts[1:]))
         shared = cut >= SHARED_MIN_CHARS
+        known = self._known(texts[0][:cut]) if cut >= REMEMBER_MIN_CHARS else None
+        if known is not None:
+            return [known + tail for tail in self._run([t[cut:] for t in texts])]
         parts = [self._pieces(texts[0][:cut])] + [[t[cut:]] for t in texts] if shared else \
             [self._pieces(t) for t in texts]
         ids = self._run([p for ps in parts for p in ps])
@@ -148,7 +161,23 @@ class BasalTokenizer:
         for ps in parts:
             joined.append([i for chunk in ids[at:at + len(ps)] for i in chunk])
             at += len(ps)
+        if cut >= REMEMBER_MIN_CHARS:
+            self._remember(texts[0][:cut], joined[0])
         return [joined[0] + tail for tail in joined[1:]] if shared else joined
+
+    def _known(self, text: str) -> list[int] | None:
+        with self._shared_lock:
+            ids = self._shared.get(text)
+            if ids is not None:
+                self._shared.move_to_end(text)
+            return ids
+
+    def _remember(self, text: str, ids: list[int]) -> None:
+        with self._shared_lock:
+            self._shared[text] = ids
+            while len(self._shared) > REMEMBER_TEXTS or \
+                    len(self._shared) > 1 and sum(len(t) for t in self._shared) > REMEMBER_CHARS:
+                self._shared.popitem(last=False)
 
     def _run(self, texts: list[str]) -> list[list[int]]:
         """Short work one text after another with `encode` in the calling thread, the rest in one call on the
