@@ -124,7 +124,7 @@ def test_cuda_tree_kernel_matches_twin(small_model):
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         for readout in (None, batch.readout_index):
             p = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
-                                DEFAULT_TILING[0], rows=readout)
+                                kernels.queries_per_tile(DEFAULT_TILING[0], hq, hkv), rows=readout)
             n_out = t if readout is None else len(readout)
             out = torch.full((n_out, hq * d), float("nan"), dtype=dtype, device="cuda")
             kernels.tree_attention(q, k, v, pk, pv, pos, torch.from_numpy(p.tiles).cuda(),

@@ -138,7 +138,13 @@ class Forward:
         return self.alt_tiling is not None and (tokens <= ALT_MAX_TOKENS or tokens > TOKEN_BUCKETS[-1])
 
     def block_m(self, tokens: int) -> int:
-        return self.alt_tiling[0] if self.alt(tokens) else self.tiling[0]
+        """Queries per tile of the plan: the kernel's rows are (query, head) pairs of one K/V head's query heads
+        (kernels.queries_per_tile); the twins take tiles of the tiling's rows in queries."""
+        rows = self.alt_tiling[0] if self.alt(tokens) else self.tiling[0]
+        if not self.use_triton:
+            return rows
+        cfg = self.b.config
+        return max(1, rows // (cfg.num_attention_heads // cfg.num_key_value_heads))
 
     def _alt_tiling_agrees(self, tiling: tuple[int, int, int, int]) -> bool:
         """Tree attention of one random tree (a cached prefix, a root, children and a grandchild) with the
@@ -163,7 +169,8 @@ class Forward:
         for rows in (None, readout):
             for name, til in (("default", self.tiling), ("alt", tiling)):
                 p = tplan.tile_plan(positions, token_block, np.array(parents, np.int32),
-                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)], til[0], rows=rows)
+                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)],
+                                    max(1, til[0] // (hq // hkv)), rows=rows)
                 out = torch.zeros(t if rows is None else len(rows), hq * d, dtype=dt, device=dev)
                 self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
                                         torch.from_numpy(p.q_rows).to(dev),

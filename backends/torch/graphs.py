@@ -60,8 +60,9 @@ class Launched:
 
 
 def tile_cap(size: int) -> int:
-    """Tile records a graph of `size` tokens holds: one per 64 queries plus one per (partial) block."""
-    return size // 64 + size // 4 + 8
+    """Tile records a graph of `size` tokens holds: one per 8 queries (a tile of 64 rows over 8 query heads of a
+    K/V head) plus one per (partial) block."""
+    return size // 8 + size // 4 + 8
 
 
 class Graphs:

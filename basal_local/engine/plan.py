@@ -105,12 +105,15 @@ def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalToken
                     max_positions: int) -> tuple[list[QuestionPlan], int]:
     texts = [p for unit in units for p in unit[3]]
     ids: list[list[int]] = []
+    # where the state ends in the prompts: the tokenizer keeps the ids of template + state of a long document
+    state = request.state_text
+    remember = texts[0].find(state) + len(state) if texts and len(state) >= 1024 and state in texts[0] else 0
     if units and len(request.state_text) > max_positions:
         # a long state is in every prompt: measure the first unit's prompts alone before the rest
-        ids = tokenizer.encode_batch(units[0][3])
+        ids = tokenizer.encode_batch(units[0][3], remember)
         _check_context(units[0][0], ids, max_positions, request.model)
     if len(texts) > len(ids):
-        ids += tokenizer.encode_batch(texts[len(ids):])
+        ids += tokenizer.encode_batch(texts[len(ids):], remember)
     plans, at = [], 0
     for q, lang, perms, prompts, role, index, members in units:
         token_ids = ids[at: at + len(prompts)]

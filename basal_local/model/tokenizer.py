@@ -41,7 +41,7 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
     lo, hi = 0, n - 1  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:  # only the part not known to agree (a document's ids: 18k per prompt)
             lo = mid
         else:
             hi = mid - 1
@@ -139,21 +139,32 @@ class BasalTokenizer:
         enc = self._tok.encode(text, add_special_tokens=False)
         return enc.ids, [tuple(o) for o in enc.offsets]
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], remember: int = 0) -> list[list[int]]:
         """Ids of each text, equal to `encode` of each. Where the vocabulary allows exact splits (`_splits`),
-        the text the prompts share (template + state) is tokenized once and long texts in pieces."""
+        the text the prompts share (template + state) is tokenized once and long texts in pieces; with
+        `remember` (the characters of the first text that are template + state), that shared text's ids are kept,
+        so the next request about the same document tokenizes only its questions (`REMEMBER_*`)."""
         texts = list(texts)
         if not texts:
             return []
         if not self._splits:
             return self._run(texts)
-        cut = 0
+        known = self._known(texts)
+        if known is not None:  # a kept text every prompt starts with, at a point where ids may be cut
+            head, ids = known
+            return [ids + tail for tail in self.encode_batch([t[len(head):] for t in texts])]
+        cut = len(texts[0])
         if len(texts) > 1:
             cut = safe_cut(texts[0], min(common_prefix_len(texts[0], t) for t in texts[1:]))
+        keep = safe_cut(texts[0], min(remember, cut) + 1) if remember else 0
+        if keep >= REMEMBER_MIN_CHARS:
+            head = texts[0][:keep]
+            ids = [i for chunk in self._run(self._pieces(head)) for i in chunk]
+            self._remember(head, ids)
+            return [ids + tail for tail in self.encode_batch([t[keep:] for t in texts])]
+        if len(texts) == 1:
+            cut = 0
         shared = cut >= SHARED_MIN_CHARS
-        known = self._known(texts[0][:cut]) if cut >= REMEMBER_MIN_CHARS else None
-        if known is not None:
-            return [known + tail for tail in self._run([t[cut:] for t in texts])]
         parts = [self._pieces(texts[0][:cut])] + [[t[cut:]] for t in texts] if shared else \
             [self._pieces(t) for t in texts]
         ids = self._run([p for ps in parts for p in ps])
@@ -161,16 +172,20 @@ class BasalTokenizer:
         for ps in parts:
             joined.append([i for chunk in ids[at:at + len(ps)] for i in chunk])
             at += len(ps)
-        if cut >= REMEMBER_MIN_CHARS:
-            self._remember(texts[0][:cut], joined[0])
         return [joined[0] + tail for tail in joined[1:]] if shared else joined
 
-    def _known(self, text: str) -> list[int] | None:
+    def _known(self, texts: list[str]) -> tuple[str, list[int]] | None:
+        """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut)."""
         with self._shared_lock:
-            ids = self._shared.get(text)
-            if ids is not None:
-                self._shared.move_to_end(text)
-            return ids
+            best = None
+            for head, ids in self._shared.items():
+                n = len(head)
+                if (best is None or n > len(best[0])) and all(len(t) > n and t[n] == " " and t.startswith(head)
+                                                                for t in texts):
+                    best = (head, ids)
+            if best is not None:
+                self._shared.move_to_end(best[0])
+            return best
 
     def _remember(self, text: str, ids: list[int]) -> None:
         with self._shared_lock:
