@@ -42,6 +42,17 @@ print("cache:", r["cache"], "memory:", r["memory"])
 PY
   el bench
 fi
+if has ab; then  # the single-decision and batch figures of .whl/ab's wheel (the landed main) and ours, side by side
+  rm -rf /tmp/site-ab && mkdir -p /tmp/site-ab && cp -r /tmp/site/. /tmp/site-ab/ && \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-ab .whl/ab/*.whl
+  for who in ab ours ab ours; do
+    site=/tmp/site; [ $who = ab ] && site=/tmp/site-ab
+    (cd /tmp && PYTHONPATH=$site python3 -m basal_local.cli bench --model $M --device cuda --json 2> /dev/null) \
+      > "$OUT/ab-$who.json"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'single median', r['single_ms']['median'], 'p90', r['single_ms'].get('p90'), 'batch32/s', r['throughput']['batch32']['decisions_per_s'])" "$OUT/ab-$who.json" $who
+  done
+  el ab
+fi
 if has http; then
   for cache in off auto; do
     port=$((8100 + RANDOM % 500))
