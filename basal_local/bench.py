@@ -377,19 +377,10 @@ def _cuda_memory(backend) -> dict[str, float]:
 
 
 def torch_options(args):
-    """The torch backend's options from bench's flags (backends/torch/options.py); None: the defaults."""
-    from basal_local.backends.torch.options import TorchOptions
+    """The torch backend's options from bench's flags (basal_local/settings.py TorchSettings)."""
+    from .settings import TorchSettings
 
-    values = {"gemm": getattr(args, "gemm", None), "fp8_gemms": getattr(args, "fp8_gemms", None),
-              "cublaslt": False if getattr(args, "no_cublaslt", False) else None,
-              "attention_alt_tiling": False if getattr(args, "no_alt_tiling", False) else None,
-              "cuda_graphs": False if getattr(args, "no_cuda_graphs", False) else None}
-    try:
-        return TorchOptions.from_settings(**values)
-    except ValueError as exc:
-        from .commands import UserError
-
-        raise UserError(str(exc)) from None
+    return TorchSettings.from_flags(args).options()
 
 
 def bench_extras(model_dir, device: str, dtype: str, attention: str = "auto", long_doc: bool = False,

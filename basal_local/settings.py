@@ -1,5 +1,6 @@
 """Every setting declared once (STYLE.md 16-17): its field, type, default, range, `config.toml` key, CLI flag and
-`--help` text, in one `setting(...)` call on a field of `EngineSettings` or `Settings`.
+`--help` text, in one `setting(...)` call on a field of `Settings`, `EngineSettings` or `TorchSettings` (one flat
+namespace of `config.toml` keys).
 
 From those declarations `add_flags` builds the `serve` flags (their help ends in the declared default),
 `Settings.load` reads `config.toml` (an unknown key is an error naming the file, the key and the nearest known
@@ -17,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .backends.torch.options import FP8_GEMMS, GEMM_ROUTES, TorchOptions
 from .paths import home_dirs
 
 
@@ -39,6 +41,8 @@ class Spec:
     show_default: bool = True
     number_ok: bool = False  # a str setting that config.toml may also give as a number (gpu_memory = 0.8)
     flag_zero: bool = False  # the flag also takes 0 (the port: the system picks one; the command handles it)
+    items: tuple[str, ...] | None = None  # a list setting: the names its items may be
+    comma: bool = False  # a list setting whose text (flag, config string) is a comma list: "gate_up,down"
 
 
 def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
@@ -51,6 +55,8 @@ def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> A
 
 
 def _range_text(spec: Spec) -> str:
+    if spec.items:
+        return "a comma list of " + ", ".join(spec.items)
     if spec.choices:
         return "one of " + ", ".join(spec.choices)
     noun = {int: "a whole number", float: "a number", bool: "true or false", str: "text",
@@ -68,6 +74,7 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
     """The value as the field's type, or ValueError with a sentence saying what is allowed. `from_text`: the value
     is a flag's or a variable's text (config.toml values keep their TOML type)."""
     wanted = _range_text(spec)
+    given = value  # a comma list's error shows the text as written
     if value is None and spec.optional:
         return None
     kind = spec.kind
@@ -94,14 +101,17 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
             if not isinstance(value, str):
                 raise TypeError
         elif kind is list:
-            value = [value] if isinstance(value, str) else value
+            if isinstance(value, str):
+                value = [p.strip() for p in value.split(",") if p.strip()] if spec.comma else [value]
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise TypeError
+            if spec.items is not None and not set(value) <= set(spec.items):
+                raise ValueError
         elif kind is dict:
             if not isinstance(value, dict):
                 raise TypeError
     except (TypeError, ValueError):
-        raise ValueError(f"{key} = {value!r}: must be {wanted}") from None
+        raise ValueError(f"{key} = {given!r}: must be {wanted}") from None
     bad = (spec.choices is not None and value not in spec.choices
            or spec.minimum is not None and value < spec.minimum
            or spec.maximum is not None and value > spec.maximum
@@ -150,6 +160,39 @@ class EngineSettings:
     pipeline: bool = setting(True, "answer each batch before forming the next (default: on CUDA, the next batch is "
                                    "packed and launched while the device computes the one before)",
                              flag="--no-pipeline", action="negate", show_default=False)
+
+
+@dataclass
+class TorchSettings:
+    """The torch backend's product options (backends/torch/options.py `TorchOptions` holds their defaults and the
+    measuring tools' knobs); they act on CUDA, the CPU reference ignores them."""
+
+    gemm: str = setting(TorchOptions.gemm, "CUDA GEMM route: cuBLAS at row counts verified to give the same bits "
+                                           "(verified), fixed row chunks (chunked), plain cuBLAS (cublas: not "
+                                           "batch-invariant) or the Triton GEMM (triton)", flag="--gemm",
+                        choices=GEMM_ROUTES)
+    cublaslt: bool = setting(TorchOptions.cublaslt, "pinned cuBLASLt algorithms where they give the same bits and "
+                                                    "are faster (--no-cublaslt: never)", flag="--no-cublaslt",
+                             action="negate", show_default=False)
+    fp8_gemms: list[str] = setting(list(TorchOptions.fp8_gemms), "with --dtype fp8: the projections quantized to "
+                                                                 "float8", kind=list, flag="--fp8-gemms",
+                                   metavar="LIST", items=FP8_GEMMS, comma=True)
+    attention_alt_tiling: bool = setting(TorchOptions.attention_alt_tiling, "the 128-query attention tiling for "
+                                         "small and long forwards where it gives the default tiling's bits "
+                                         "(--no-alt-tiling: never)", flag="--no-alt-tiling", action="negate",
+                                         show_default=False)
+    cuda_graphs: bool = setting(TorchOptions.cuda_graphs, "CUDA graphs per forward size (--no-cuda-graphs: every "
+                                                          "forward eagerly)", flag="--no-cuda-graphs",
+                                action="negate", show_default=False)
+
+    def options(self) -> TorchOptions:
+        """The backend's options object (the measuring knobs at their defaults)."""
+        return TorchOptions.from_settings(**{key: getattr(self, key) for key, *_ in declared(TorchSettings)})
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> TorchSettings:
+        """From the torch flags alone (bench, which reads no config.toml); argparse has checked them."""
+        return cls(**flag_overrides(args, ("torch",)))
 
 
 @dataclass
@@ -217,6 +260,7 @@ class Settings:
     # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
     aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
     engine: EngineSettings = field(default_factory=EngineSettings)
+    torch: TorchSettings = field(default_factory=TorchSettings)
 
     @classmethod
     def load(cls, overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
@@ -225,9 +269,12 @@ class Settings:
         return load(overrides, config_file)
 
 
-def all_settings() -> list[tuple[str, Spec, Any, bool]]:
-    """(key, spec, default, is_engine) of every declared setting."""
-    return [(k, s, d, False) for k, s, d in declared(Settings)] + [(k, s, d, True) for k, s, d in declared(EngineSettings)]
+SECTIONS = {"": Settings, "engine": EngineSettings, "torch": TorchSettings}  # "" the daemon's own; else a field of it
+
+
+def all_settings(sections: tuple[str, ...] = tuple(SECTIONS)) -> list[tuple[str, Spec, Any, str]]:
+    """(key, spec, default, section) of every declared setting of those sections (one flat namespace of keys)."""
+    return [(k, s, d, name) for name in sections for k, s, d in declared(SECTIONS[name])]
 
 
 def _unknown(path: Path, key: str, known: list[str]) -> ValueError:
@@ -248,16 +295,16 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
     path = config_file or config_path()
-    specs = {key: (spec, engine) for key, spec, _, engine in all_settings()}
+    specs = {key: (spec, section) for key, spec, _, section in all_settings()}
     settings = Settings()
 
     def put(key: str, value: Any, source: str, from_text: bool) -> None:
-        spec, engine = specs[key]
+        spec, section = specs[key]
         try:
             value = check(key, spec, value, from_text)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
-        setattr(settings.engine if engine else settings, key, value)
+        setattr(getattr(settings, section) if section else settings, key, value)
 
     for key, value in _read_config(path).items():
         if key not in specs:
@@ -298,34 +345,47 @@ def _flag_type(key: str, spec: Spec):
     return parse
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Every declared setting that has a flag, with its declared help and default."""
-    for key, spec, default, _ in all_settings():
+GROUPS = {"torch": "torch backend (CUDA)"}  # sections whose flags `-h` lists under a heading of their own
+
+
+def shown_default(default: Any) -> str:
+    """A default as `--help` shows it."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return ",".join(default) if isinstance(default, list) else str(default)
+
+
+def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """Every declared setting of those sections that has a flag, with its declared help and default."""
+    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items() if name in sections}
+    for key, spec, default, section in all_settings(sections):
         if spec.flag is None:
             continue
-        shown = ("on" if default else "off") if isinstance(default, bool) else \
-            f"{default:g}" if isinstance(default, float) else default
+        shown = shown_default(default)
         text = spec.help + (f" (default {shown})" if spec.show_default else "") + \
             (f"; also {spec.env}" if spec.env else "")
         dest = spec.dest or key
+        target = groups.get(section, parser)
         if spec.action == "store_true":
-            parser.add_argument(spec.flag, action="store_true", dest=dest, default=None, help=text)
+            target.add_argument(spec.flag, action="store_true", dest=dest, default=None, help=text)
         elif spec.action == "negate":
-            parser.add_argument(spec.flag, action="store_false", dest=dest, default=None, help=text)
+            target.add_argument(spec.flag, action="store_false", dest=dest, default=None, help=text)
         elif spec.action == "boolean":
-            parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=None, help=text)
+            target.add_argument(spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=None, help=text)
         elif spec.action == "append":
-            parser.add_argument(spec.flag, action="append", dest=dest, metavar=spec.metavar, help=text)
+            target.add_argument(spec.flag, action="append", dest=dest, metavar=spec.metavar, help=text)
         elif spec.choices:
-            parser.add_argument(spec.flag, dest=dest, choices=spec.choices, metavar=spec.metavar, help=text)
+            target.add_argument(spec.flag, dest=dest, choices=spec.choices, metavar=spec.metavar, help=text)
         else:
-            parser.add_argument(spec.flag, dest=dest, type=_flag_type(key, spec), metavar=spec.metavar, help=text)
+            target.add_argument(spec.flag, dest=dest, type=_flag_type(key, spec), metavar=spec.metavar, help=text)
 
 
-def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given as flags in `args` (absent or unset flags left out)."""
+def flag_overrides(args: argparse.Namespace, sections: tuple[str, ...] = tuple(SECTIONS)) -> dict[str, Any]:
+    """The settings of those sections given as flags in `args` (absent or unset flags left out)."""
     out = {}
-    for key, spec, _, _ in all_settings():
+    for key, spec, _, _ in all_settings(sections):
         if spec.flag is not None:
             value = getattr(args, spec.dest or key, None)
             if value is not None:
