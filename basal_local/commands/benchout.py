@@ -7,6 +7,9 @@ import json
 import sys
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 
 def flatten(result: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
     """(dotted name, value) rows; lists and leaves print as they are, dicts open into their keys."""
@@ -24,9 +27,6 @@ def print_result(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"basal-local bench ({result.get('mode', '')})", title_justify="left")
     table.add_column("figure", style="bold")
     table.add_column("value", overflow="fold")
