@@ -115,8 +115,8 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
     from .commands import check_url, get_json
-    from .commands.bench import run_bench
     from .commands.serving import check_device, check_gpu_memory
 
     if args.http:

@@ -154,7 +154,7 @@ def test_serve_and_bench_show_the_torch_options_under_one_heading(command, capsy
 
 
 def test_bench_flags_give_the_backend_its_options():
-    from basal_local.commands.bench import torch_options
+    from basal_local.bench import torch_options
 
     args = build_parser().parse_args(["bench", "--gemm", "triton", "--no-cuda-graphs", "--fp8-gemms", "down"])
     assert torch_options(args) == TorchOptions(gemm="triton", cuda_graphs=False, fp8_gemms=("down",))

@@ -21,16 +21,17 @@ import numpy as np
 from basal_local.backends.select import make_backend
 
 from ..api.systemone import validate_systemone
-from ..bench import Ticker, percentile, phase, single_question_requests
 from ..engine.engine import ModelEngine
 from ..engine.gate import DeviceGate
 from ..engine.lane import Flight
 from ..engine.scheduler import Job
 from ..model.directory import ModelDir, load_model_dir
 from ..protocol.questions import DecisionRequest
+from ..samples import single_question_requests
 from ..settings import EngineSettings
 from ..telemetry import Telemetry
 from . import UserError
+from .benchout import Ticker, percentile, phase
 
 LONG_DOC_QUESTIONS = {
     "party": {"type": "choice", "instructions": "Which party bears the cost of the annual audit?",

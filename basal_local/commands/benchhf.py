@@ -18,9 +18,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from ..api.systemone import validate_systemone
-from ..bench import percentile, single_question_requests
 from ..engine.plan import RequestPlan, plan_request
 from ..model.directory import load_model_dir
+from ..samples import single_question_requests
+from .benchout import percentile
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float16}
 

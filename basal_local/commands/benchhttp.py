@@ -15,8 +15,9 @@ import time
 import urllib.parse
 from typing import Any
 
-from ..bench import percentile, single_question_requests
+from ..samples import single_question_requests
 from . import auth_headers, get_json
+from .benchout import percentile
 
 MAX_RETRIES = 20  # 529s for one request before it counts as failed
 GONE_AFTER = 3  # connection failures in a row that mean the daemon is gone
