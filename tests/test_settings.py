@@ -194,3 +194,18 @@ def test_api_stats_shows_the_torch_options_from_config_and_flags(tiny_model, tmp
     assert status == 200 and stats["backend"] == "torch"
     assert stats["torch_options"] == {"gemm": "chunked", "cublaslt": False, "fp8_gemms": "qkv,down",
                                       "attention_alt_tiling": True, "cuda_graphs": False}
+
+
+def test_a_replica_worker_loads_its_backend_with_the_options_of_its_spec(tiny_model):
+    """--replica-processes: the options travel in the worker's spec (replicas/worker.py) to its backend."""
+    import queue
+
+    from basal_local.replicas.worker import WorkerSpec, _load
+
+    wanted = TorchOptions(gemm="triton", cublaslt=False)
+    spec = WorkerSpec(tiny_model, "torch", "cpu", "f32", EngineSettings(), replica=0, torch_options=wanted)
+    engine, _, ready = _load(spec, queue.SimpleQueue())
+    try:
+        assert engine.backend.options == wanted and ready.backend == "torch"
+    finally:
+        engine.stop()
