@@ -21,14 +21,16 @@ from .commands.benchhttp import bench_http, bench_http_invariance
 from .commands.benchout import Ticker, http_failure, phase, print_result
 from .model.registry import demo_model_dir, resolve_model
 from .samples import sample_requests, single_question_requests
-from .settings import TorchSettings
+from .settings import flag_overrides
+from .settings import torch_options as options_from
 
 __all__ = ["Ticker", "run_bench", "sample_requests", "single_question_requests", "torch_options"]
 
 
 def torch_options(args: argparse.Namespace):
-    """The torch backend's options from bench's flags (basal_local/settings.py TorchSettings)."""
-    return TorchSettings.from_flags(args).options()
+    """The torch backend's options from bench's flags (the "torch" settings of basal_local/settings.py; bench
+    reads no config.toml)."""
+    return options_from(flag_overrides(args, "torch"))
 
 
 def run_bench(args: argparse.Namespace) -> int:

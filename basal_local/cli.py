@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "tree", "sdpa", "metal"], default="auto",
                    help="the forward's ops: tree = the Triton kernels (CUDA default), sdpa = their plain-torch / MLX "
                         "twins (CPU default), metal = the Metal kernel (MLX on a Mac)")
-    add_flags(p, ("torch",))  # the torch backend's options, as `serve` declares them
+    add_flags(p, "torch")  # the torch backend's options, as `serve` declares them
     p.add_argument("--baseline", choices=["none", "transformers", "transformers-compiled", "both"], default="none",
                    help="also time Hugging Face transformers on the same decisions (side by side): eager, "
                         "under torch.compile(mode='reduce-overhead'), or both")

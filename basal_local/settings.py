@@ -1,6 +1,6 @@
 """Every setting declared once (STYLE.md 16-17): its field, type, default, range, `config.toml` key, CLI flag and
-`--help` text, in one `setting(...)` call on a field of `Settings`, `EngineSettings` or `TorchSettings` (one flat
-namespace of `config.toml` keys).
+`--help` text, in one `setting(...)` call on a field of `EngineSettings` or `Settings` (the torch backend's options
+are fields of `Settings` in the group "torch": `Settings.torch_options()` gives the backend its `TorchOptions`).
 
 From those declarations `add_flags` builds the `serve` flags (their help ends in the declared default),
 `Settings.load` reads `config.toml` (an unknown key is an error naming the file, the key and the nearest known
@@ -43,6 +43,7 @@ class Spec:
     flag_zero: bool = False  # the flag also takes 0 (the port: the system picks one; the command handles it)
     items: tuple[str, ...] | None = None  # a list setting: the names its items may be
     comma: bool = False  # a list setting whose text (flag, config string) is a comma list: "gate_up,down"
+    group: str | None = None  # flags that `-h` lists under a heading of their own (GROUPS); `bench` takes "torch"
 
 
 def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
@@ -163,39 +164,6 @@ class EngineSettings:
 
 
 @dataclass
-class TorchSettings:
-    """The torch backend's product options (backends/torch/options.py `TorchOptions` holds their defaults and the
-    measuring tools' knobs); they act on CUDA, the CPU reference ignores them."""
-
-    gemm: str = setting(TorchOptions.gemm, "CUDA GEMM route: cuBLAS at row counts verified to give the same bits "
-                                           "(verified), fixed row chunks (chunked), plain cuBLAS (cublas: not "
-                                           "batch-invariant) or the Triton GEMM (triton)", flag="--gemm",
-                        choices=GEMM_ROUTES)
-    cublaslt: bool = setting(TorchOptions.cublaslt, "pinned cuBLASLt algorithms where they give the same bits and "
-                                                    "are faster (--no-cublaslt: never)", flag="--no-cublaslt",
-                             action="negate", show_default=False)
-    fp8_gemms: list[str] = setting(list(TorchOptions.fp8_gemms), "with --dtype fp8: the projections quantized to "
-                                                                 "float8", kind=list, flag="--fp8-gemms",
-                                   metavar="LIST", items=FP8_GEMMS, comma=True)
-    attention_alt_tiling: bool = setting(TorchOptions.attention_alt_tiling, "the 128-query attention tiling for "
-                                         "small and long forwards where it gives the default tiling's bits "
-                                         "(--no-alt-tiling: never)", flag="--no-alt-tiling", action="negate",
-                                         show_default=False)
-    cuda_graphs: bool = setting(TorchOptions.cuda_graphs, "CUDA graphs per forward size (--no-cuda-graphs: every "
-                                                          "forward eagerly)", flag="--no-cuda-graphs",
-                                action="negate", show_default=False)
-
-    def options(self) -> TorchOptions:
-        """The backend's options object (the measuring knobs at their defaults)."""
-        return TorchOptions.from_settings(**{key: getattr(self, key) for key, *_ in declared(TorchSettings)})
-
-    @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> TorchSettings:
-        """From the torch flags alone (bench, which reads no config.toml); argparse has checked them."""
-        return cls(**flag_overrides(args, ("torch",)))
-
-
-@dataclass
 class Settings:
     """The daemon's settings; `engine` holds the engine's."""
 
@@ -257,10 +225,28 @@ class Settings:
     drain_s: float = setting(10.0, "on SIGTERM, wait this long for requests in flight", flag="--drain",
                              metavar="SECONDS", minimum=0)
     metrics: bool = setting(False, "Prometheus text at /metrics", flag="--metrics", action="store_true")
+    # the torch backend's product options (backends/torch/options.py TorchOptions: their defaults, and the measuring
+    # tools' knobs); they act on CUDA, the CPU reference ignores them
+    gemm: str = setting(TorchOptions.gemm, "CUDA GEMM route: cuBLAS at row counts verified to give the same bits "
+                                           "(verified), fixed row chunks (chunked), plain cuBLAS (cublas: not "
+                                           "batch-invariant) or the Triton GEMM (triton)", flag="--gemm",
+                        choices=GEMM_ROUTES, group="torch")
+    cublaslt: bool = setting(TorchOptions.cublaslt, "pinned cuBLASLt algorithms where they give the same bits and "
+                                                    "are faster (--no-cublaslt: never)", flag="--no-cublaslt",
+                             action="negate", show_default=False, group="torch")
+    fp8_gemms: list[str] = setting(list(TorchOptions.fp8_gemms), "with --dtype fp8: the projections quantized to "
+                                                                 "float8", kind=list, flag="--fp8-gemms",
+                                   metavar="LIST", items=FP8_GEMMS, comma=True, group="torch")
+    attention_alt_tiling: bool = setting(TorchOptions.attention_alt_tiling, "the 128-query attention tiling for "
+                                         "small and long forwards where it gives the default tiling's bits "
+                                         "(--no-alt-tiling: never)", flag="--no-alt-tiling", action="negate",
+                                         show_default=False, group="torch")
+    cuda_graphs: bool = setting(TorchOptions.cuda_graphs, "CUDA graphs per forward size (--no-cuda-graphs: every "
+                                                          "forward eagerly)", flag="--no-cuda-graphs",
+                                action="negate", show_default=False, group="torch")
     # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
     aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
     engine: EngineSettings = field(default_factory=EngineSettings)
-    torch: TorchSettings = field(default_factory=TorchSettings)
 
     @classmethod
     def load(cls, overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
@@ -268,13 +254,24 @@ class Settings:
         checked against its declaration; errors are sentences naming where the value came from."""
         return load(overrides, config_file)
 
+    def torch_options(self) -> TorchOptions:
+        """The torch backend's options from the "torch" settings (the measuring knobs at their defaults)."""
+        return torch_options({key: getattr(self, key) for key in torch_keys()})
 
-SECTIONS = {"": Settings, "engine": EngineSettings, "torch": TorchSettings}  # "" the daemon's own; else a field of it
+
+def all_settings() -> list[tuple[str, Spec, Any, bool]]:
+    """(key, spec, default, is_engine) of every declared setting."""
+    return [(k, s, d, False) for k, s, d in declared(Settings)] + [(k, s, d, True) for k, s, d in declared(EngineSettings)]
 
 
-def all_settings(sections: tuple[str, ...] = tuple(SECTIONS)) -> list[tuple[str, Spec, Any, str]]:
-    """(key, spec, default, section) of every declared setting of those sections (one flat namespace of keys)."""
-    return [(k, s, d, name) for name in sections for k, s, d in declared(SECTIONS[name])]
+def torch_keys() -> list[str]:
+    """The settings of the group "torch": the product options of backends/torch/options.py."""
+    return [key for key, spec, _, _ in all_settings() if spec.group == "torch"]
+
+
+def torch_options(values: dict[str, Any]) -> TorchOptions:
+    """TorchOptions from checked "torch" settings (a Settings' fields, or bench's flags; absent: the defaults)."""
+    return TorchOptions.from_settings(**values)
 
 
 def _unknown(path: Path, key: str, known: list[str]) -> ValueError:
@@ -295,16 +292,16 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
     path = config_file or config_path()
-    specs = {key: (spec, section) for key, spec, _, section in all_settings()}
+    specs = {key: (spec, engine) for key, spec, _, engine in all_settings()}
     settings = Settings()
 
     def put(key: str, value: Any, source: str, from_text: bool) -> None:
-        spec, section = specs[key]
+        spec, engine = specs[key]
         try:
             value = check(key, spec, value, from_text)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
-        setattr(getattr(settings, section) if section else settings, key, value)
+        setattr(settings.engine if engine else settings, key, value)
 
     for key, value in _read_config(path).items():
         if key not in specs:
@@ -345,7 +342,7 @@ def _flag_type(key: str, spec: Spec):
     return parse
 
 
-GROUPS = {"torch": "torch backend (CUDA)"}  # sections whose flags `-h` lists under a heading of their own
+GROUPS = {"torch": "torch backend (CUDA)"}  # the headings of the flag groups in `-h`
 
 
 def shown_default(default: Any) -> str:
@@ -357,17 +354,18 @@ def shown_default(default: Any) -> str:
     return ",".join(default) if isinstance(default, list) else str(default)
 
 
-def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
-    """Every declared setting of those sections that has a flag, with its declared help and default."""
-    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items() if name in sections}
-    for key, spec, default, section in all_settings(sections):
-        if spec.flag is None:
+def add_flags(parser: argparse.ArgumentParser, group: str | None = None) -> None:
+    """Every declared setting that has a flag (only those of `group` when it is given), with its declared help and
+    default; a grouped flag under its group's heading."""
+    headings = {name: parser.add_argument_group(title) for name, title in GROUPS.items() if group in (None, name)}
+    for key, spec, default, _ in all_settings():
+        if spec.flag is None or group is not None and spec.group != group:
             continue
         shown = shown_default(default)
         text = spec.help + (f" (default {shown})" if spec.show_default else "") + \
             (f"; also {spec.env}" if spec.env else "")
         dest = spec.dest or key
-        target = groups.get(section, parser)
+        target = headings.get(spec.group, parser) if spec.group else parser
         if spec.action == "store_true":
             target.add_argument(spec.flag, action="store_true", dest=dest, default=None, help=text)
         elif spec.action == "negate":
@@ -382,11 +380,11 @@ def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple
             target.add_argument(spec.flag, dest=dest, type=_flag_type(key, spec), metavar=spec.metavar, help=text)
 
 
-def flag_overrides(args: argparse.Namespace, sections: tuple[str, ...] = tuple(SECTIONS)) -> dict[str, Any]:
-    """The settings of those sections given as flags in `args` (absent or unset flags left out)."""
+def flag_overrides(args: argparse.Namespace, group: str | None = None) -> dict[str, Any]:
+    """The settings given as flags in `args` (absent or unset flags left out; only `group`'s when it is given)."""
     out = {}
-    for key, spec, _, _ in all_settings(sections):
-        if spec.flag is not None:
+    for key, spec, _, _ in all_settings():
+        if spec.flag is not None and (group is None or spec.group == group):
             value = getattr(args, spec.dest or key, None)
             if value is not None:
                 out[key] = value

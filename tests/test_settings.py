@@ -13,11 +13,11 @@ from basal_local.cli import build_parser
 from basal_local.settings import (
     EngineSettings,
     Settings,
-    TorchSettings,
     all_settings,
     check,
     flag_overrides,
     shown_default,
+    torch_keys,
 )
 
 from .conftest import Daemon, http
@@ -31,8 +31,8 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def test_every_field_is_declared_and_every_flag_maps_to_its_field():
     declared = {key for key, *_ in all_settings()}
-    names = {f.name for f in dataclasses.fields(Settings) if f.name not in ("engine", "torch")} | \
-        {f.name for f in dataclasses.fields(EngineSettings)} | {f.name for f in dataclasses.fields(TorchSettings)}
+    names = {f.name for f in dataclasses.fields(Settings) if f.name != "engine"} | \
+        {f.name for f in dataclasses.fields(EngineSettings)}
     assert declared == names
     actions = {a.option_strings[0]: a for a in serve_parser()._actions if a.option_strings}
     for key, spec, default, _ in all_settings():
@@ -74,7 +74,7 @@ def test_a_flag_and_the_same_key_in_config_toml_give_the_same_settings(tmp_path)
     from_file = Settings.load({}, tmp_path / "config.toml")
     assert from_flags == from_file
     assert from_file.engine.max_batch_tokens == 512 and from_file.port == 8123 and from_file.engine.pipeline is False
-    assert from_file.torch.options() == TorchOptions(gemm="chunked", cublaslt=False, fp8_gemms=("gate_up", "down"),
+    assert from_file.torch_options() == TorchOptions(gemm="chunked", cublaslt=False, fp8_gemms=("gate_up", "down"),
                                                      attention_alt_tiling=False, cuda_graphs=False)
 
 
@@ -135,9 +135,9 @@ def test_check_keeps_floats_exact_and_refuses_bools_as_numbers():
 
 
 def test_the_torch_settings_are_the_backends_product_options_with_its_defaults():
-    """TorchSettings declares exactly TorchOptions' product options, with TorchOptions' own defaults."""
-    assert {f.name for f in dataclasses.fields(TorchSettings)} == set(PRODUCT)
-    assert TorchSettings().options() == TorchOptions()
+    """The "torch" settings are exactly TorchOptions' product options, with TorchOptions' own defaults."""
+    assert set(torch_keys()) == set(PRODUCT)
+    assert Settings().torch_options() == TorchOptions()
     assert TorchOptions().product() == {"gemm": "verified", "cublaslt": True, "fp8_gemms": "qkv,o,gate_up,down",
                                         "attention_alt_tiling": True, "cuda_graphs": True}
 

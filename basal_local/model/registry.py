@@ -11,7 +11,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import scan_cache_dir, snapshot_download
+import huggingface_hub
 
 from ..paths import home_dirs
 
@@ -93,7 +93,7 @@ def resolve_model(ref: str) -> Path:
         raise ModelNotFound(f"{exc}; or a model directory") from None
     try:
         options = {k: v for k, v in hub_options().items() if k == "cache_dir"}
-        return Path(snapshot_download(repo, revision=revision, local_files_only=True, **options))
+        return Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True, **options))
     except Exception:
         raise ModelNotFound(f"{repo} is not downloaded yet: run `basal-local pull {ref}` first "
                             f"(or try the demo: `basal-local serve --demo`)") from None
@@ -104,7 +104,7 @@ def pull(ref: str) -> Path:
     repo, revision = split_ref(ref)
     patterns = pull_patterns(ref)
     extra = {"allow_patterns": patterns} if patterns else {}
-    return Path(snapshot_download(repo, revision=revision, **extra, **hub_options()))
+    return Path(huggingface_hub.snapshot_download(repo, revision=revision, **extra, **hub_options()))
 
 
 @dataclass
@@ -126,7 +126,7 @@ def cached_models() -> list[CachedModel]:
                   for tag, (suffix, _) in PORT_TAGS.items() if suffix and not suffix.endswith("GGUF")})
     short.update({repo + "-GGUF": f"{name}:gguf" for name, repo in SHORT_NAMES.items()})
     try:
-        info = scan_cache_dir(hub_options().get("cache_dir"))
+        info = huggingface_hub.scan_cache_dir(hub_options().get("cache_dir"))
         repos = [r for r in info.repos if r.repo_type == "model"]
     except Exception:  # no cache folder yet
         repos = []

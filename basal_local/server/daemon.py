@@ -47,7 +47,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
         # one gate per replica slot: models on the same device and slot take turns, replicas run side by side
         gates: dict[tuple[str, int], DeviceGate] = {}
         state.engine_settings = settings.engine
-        torch_options = settings.torch.options()
+        torch_options = settings.torch_options()
         for i, path in enumerate(model_dirs, 1):
             log.info("loading model %d/%d from %s", i, len(model_dirs), path)
             model = load_model_dir(path)
@@ -105,7 +105,7 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
     """`--replica-processes`: one worker process per device and replica slot, loading side by side."""
     specs = [WorkerSpec(model.path, settings.backend, device, settings.dtype, settings.engine, replica=r,
                         log_level=logging.getLogger("basal_local").getEffectiveLevel(), gpu_memory=settings.gpu_memory,
-                        torch_options=settings.torch.options())
+                        torch_options=settings.torch_options())
              for r, (device, _) in enumerate((d, s) for d in devices for s in range(settings.replicas))]
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
