@@ -225,6 +225,8 @@ class Settings:
     drain_s: float = setting(10.0, "on SIGTERM, wait this long for requests in flight", flag="--drain",
                              metavar="SECONDS", minimum=0)
     metrics: bool = setting(False, "Prometheus text at /metrics", flag="--metrics", action="store_true")
+    # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
+    aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
     # the torch backend's product options (backends/torch/options.py TorchOptions: their defaults, and the measuring
     # tools' knobs); they act on CUDA, the CPU reference ignores them
     gemm: str = setting(TorchOptions.gemm, "CUDA GEMM route: cuBLAS at row counts verified to give the same bits "
@@ -244,8 +246,6 @@ class Settings:
     cuda_graphs: bool = setting(TorchOptions.cuda_graphs, "CUDA graphs per forward size (--no-cuda-graphs: every "
                                                           "forward eagerly)", flag="--no-cuda-graphs",
                                 action="negate", show_default=False, group="torch")
-    # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
-    aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     @classmethod

@@ -47,7 +47,6 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
         # one gate per replica slot: models on the same device and slot take turns, replicas run side by side
         gates: dict[tuple[str, int], DeviceGate] = {}
         state.engine_settings = settings.engine
-        torch_options = settings.torch_options()
         for i, path in enumerate(model_dirs, 1):
             log.info("loading model %d/%d from %s", i, len(model_dirs), path)
             model = load_model_dir(path)
@@ -63,7 +62,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
             for device in model_devices:
                 for slot in range(settings.replicas):
                     backend = make_backend(settings.backend, device, memory_limit=settings.gpu_memory,
-                                           torch_options=torch_options)
+                                           torch_options=settings.torch_options())
                     info = backend.load(model.path, settings.dtype)
                     state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
                     gate = gates.setdefault((backend.device, slot), DeviceGate(settings.engine.long_slice_ms / 1000.0))
@@ -81,7 +80,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
                              f"({', '.join(state.engines)})")
         state.default_model = default
         state.aliases = resolve_aliases(settings.aliases, list(state.engines), default)
-        state.torch_options = torch_options.product() if state.backend_name == "torch" else None
+        state.torch_options = settings.torch_options().product() if state.backend_name == "torch" else None
         if freeze:
             freeze_heap()
         state.ready = True
