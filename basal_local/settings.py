@@ -75,7 +75,6 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
     """The value as the field's type, or ValueError with a sentence saying what is allowed. `from_text`: the value
     is a flag's or a variable's text (config.toml values keep their TOML type)."""
     wanted = _range_text(spec)
-    given = value  # a comma list's error shows the text as written
     if value is None and spec.optional:
         return None
     kind = spec.kind
@@ -112,7 +111,7 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
             if not isinstance(value, dict):
                 raise TypeError
     except (TypeError, ValueError):
-        raise ValueError(f"{key} = {given!r}: must be {wanted}") from None
+        raise ValueError(f"{key} = {value!r}: must be {wanted}") from None
     bad = (spec.choices is not None and value not in spec.choices
            or spec.minimum is not None and value < spec.minimum
            or spec.maximum is not None and value > spec.maximum

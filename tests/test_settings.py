@@ -92,7 +92,7 @@ def test_a_flag_and_the_same_key_in_config_toml_give_the_same_settings(tmp_path)
     ("[aliases]\njev = 3", "", "[aliases] must map names"),
     ("gemm = \"fast\"", "", "gemm = 'fast': must be one of verified, chunked, cublas, triton"),
     ("fp8_gemms = [\"gate\", \"down\"]", "", "must be a comma list of qkv, o, gate_up, down"),
-    ("fp8_gemms = \"qkv,up\"", "", "fp8_gemms = 'qkv,up': must be a comma list of qkv, o, gate_up, down"),
+    ("fp8_gemms = \"qkv,up\"", "", "fp8_gemms = ['qkv', 'up']: must be a comma list of qkv, o, gate_up, down"),
     ("cuda_graphs = \"no\"", "", "cuda_graphs = 'no': must be true or false"),
     ("cuda_graph = false", "", "unknown setting 'cuda_graph' (did you mean 'cuda_graphs'?)"),
 ])
