@@ -3,8 +3,9 @@
 # (run here, in the repository root, with the project's venv active):
 #   bash tools/ab_prepare.sh OLD NEW [DIR] [--tests]     (bash tools/ab_prepare.sh --check DIR: only the check)
 # DIR (default dist/engine) gets old/ and new/ (one basal-local wheel each, `pip wheel --no-deps` of each commit),
-# whl/ (the daemon's dependency closure for CPython $PYVER (default 3.12) on manylinux x86-64, at the versions of this venv where it
-# has them), and with --tests the tests folders of both commits (tests/, oldtests/: gpu_ab.sh's CUDA tests).
+# whl/ (the daemon's dependency closure for CPython $PYVER, default 3.12, on manylinux x86-64, at the versions of
+# this venv where it has them), and with --tests the tests folders of both commits (tests/, oldtests/: gpu_ab.sh's
+# CUDA tests).
 # The heavy packages the GPU image already holds (torch, numpy, tokenizers, safetensors, huggingface_hub,
 # prometheus-client) are not carried; the check at the end proves that every requirement of every carried wheel is
 # met by another carried wheel or by a package of that image, and prints the folder's size (a call carries 64 MiB).
@@ -17,7 +18,7 @@ from pathlib import Path
 from pip._vendor.packaging.requirements import Requirement
 from pip._vendor.packaging.version import Version
 
-# the 'cuda' image's Python packages (/work/.library/device/KINDS.md, "Python packages already there")
+# the Python packages preinstalled on the GPU machines (their image's package list; a name only, versions unknown)
 IMAGE = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers

@@ -2,7 +2,7 @@
 # Two commits side by side on one H200, interleaved (issue 24's proof): the 4.5B test model, the in-process bench of
 # both, HTTP 1 and 32 clients against a daemon of each, 2 replica processes on one GPU (32 clients), the answers of
 # both daemons compared bitwise, then a second in-process pair if time is left.
-# Prepare here (the folder is ignored by git; the device call carries it):
+# Prepare here (the folder is ignored by git; copy it to the GPU machine with the checkout):
 #   bash tools/ab_prepare.sh OLD NEW dist/engine     # old/, new/ (one wheel each) and whl/ (the dependency closure)
 # then on the GPU machine, from the repository root, carrying dist/engine:
 #   bash tools/engine_ab.sh                          # ORDER="new old" runs every pair the other way round
@@ -14,7 +14,7 @@
 set -uo pipefail
 R=${R:-/tmp}  # the scratch folder
 export PYTHONUNBUFFERED=1 BASAL_LOCAL_HOME=$R/bh
-# every record goes to $W; $OUT/ab.tgz holds them all after each stage (a device call returns at most 8 files)
+# every record goes to $W; $OUT/ab.tgz holds them all after each stage (one archive to bring back from the GPU machine)
 D=${AB_DIR:-$PWD/dist/engine}; OUT=${OUT:-/tmp/out}; W=$R/ab; mkdir -p $OUT $W
 DEV=${DEV:-cuda}; PRESET=${PRESET:-4.5B}; PY=${PY:-python3}; ORDER=${ORDER:-old new}; STAGES=${STAGES:-bench http proc2 bench2}; REVERSE=$(echo $ORDER | awk '{print $2, $1}')
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; tar czf $OUT/ab.tgz -C $W .; }

@@ -9,7 +9,7 @@
 # HTTP (c1, c32 + invariance 8), then a second in-process pair. The log is stdout.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 BASAL_LOCAL_HOME=/tmp/bh
-# every record goes to $W; $OUT/ab.tgz holds them all after each stage (a device call returns at most 8 files)
+# every record goes to $W; $OUT/ab.tgz holds them all after each stage (one archive to bring back from the GPU machine)
 D=${D:-$PWD/dist/torchgpu}; OUT=${OUT:-/tmp/out}; W=/tmp/ab; mkdir -p $OUT $W
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; tar czf $OUT/ab.tgz -C $W .; }
 left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
