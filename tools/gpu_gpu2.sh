@@ -4,7 +4,7 @@
 # cuda:0,cuda:1 (throughput at 64 clients, answers bitwise equal to the one-GPU daemon's). Results in $OUT.
 # Here: .whl holds the basal-local wheel and the daemon's wheels (litestar, msgspec, uvicorn, zstandard, ...).
 # STAGES (default "tests bench http coalesce multi max"; also multiproc, ray, gemm, hostprof, mini, compiled, httptools,
-# sweep, tokpool, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop, fp8sub (after max; FP8_SUBSETS),
+# sweep, proc1, nopipe, profmax (after max), attn (tools/attn_bench.py; ATTN_TILINGS), uvloop, fp8sub (after max; FP8_SUBSETS),
 # prof (4.5B kernel profile), maxab (the max bench with .whl/ab's wheel beside ours, twice), gsweep (tools/graph_sweep.py), gsweepab (graph replays on max: ab wheel / ours / ours untimed), ltprobe (tools/lt_probe.py; LTPROBE_ROWS), maxlt (after max: the max bench with and without cuBLASLt pins, twice);
 # BENCH_TILINGS / MAX_TILINGS: attention tilings (block_m:block_n:warps:stages, or default) of the bench / max runs; HTTP_RUNS (default "c1 c32i c64": cN = N clients, i = + the
 # invariance check, n = a new connection per request); MULTI_RUNS (default "c64 c128"); MULTI_DEVICES (multiproc's,
@@ -195,8 +195,6 @@ if has uvloop; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 .whl/extra/*.whl &&
     PYTHONPATH=/tmp/site3:$PYTHONPATH ANSWERS= serve_and_measure 1gpu-uvloop "${UVLOOP_RUNS:-c1 c32}" --device ${DEV:-cuda}
 fi
-# the same daemon tokenizing every text on the tokenizer's thread pool (serial below 8,192 characters is the default)
-has tokpool && BASAL_LOCAL_TOKENIZE_SERIAL_CHARS=0 ANSWERS= serve_and_measure 1gpu-tokpool "c32" --device ${DEV:-cuda}
 # two replica processes on one GPU (workers forked from the forkserver): they start, answer, and answer bitwise alike
 if has proc1; then
   serve_and_measure 1gpu-proc2 "c32" --device ${DEV:-cuda} --replicas 2 --replica-processes

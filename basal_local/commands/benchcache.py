@@ -23,7 +23,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from . import auth_headers, get_json
+from . import UserError, auth_headers, get_json
 
 # five other questions about the long document of the long-document bench (bench.LONG_DOC_QUESTIONS)
 OTHER_QUESTIONS = {
@@ -53,23 +53,24 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
 
     from ..api.answers import response_body
     from ..api.systemone import validate_systemone
-    from ..bench import LONG_DOC_QUESTIONS, _load, long_document
     from ..engine.engine import EngineSettings, ModelEngine
     from ..engine.gate import DeviceGate
     from ..model.directory import load_model_dir
     from ..telemetry import Telemetry
+    from .benchengine import LONG_DOC_QUESTIONS, long_document, templates_only
 
     model = load_model_dir(model_dir)
     if doc_tokens + 700 > model.config.max_position_embeddings:
         doc_tokens = model.config.max_position_embeddings - 700
 
-    templates = sum(len(model.tokenizer.template_prefix(lang)) for lang in ("pl", "en"))
-
-    def engine(templates_only: bool) -> ModelEngine:
+    def engine(only: bool) -> ModelEngine:
         backend = make_backend("torch", device, "auto", memory_limit=gpu_memory, torch_options=torch_options)
-        _load(backend, model, dtype)
+        try:
+            backend.load(model.path, dtype)
+        except ValueError as exc:  # a dtype it cannot run, weights over --gpu-memory: the user's error
+            raise UserError(f"cannot load {model.name} on {backend.device}: {exc}") from None
         # templates only: a pool with room for the templates and nothing more (no batch can store a document)
-        cache = f"{(templates + 1) * backend.kv_bytes_per_token() / 1e6:.6f}MB" if templates_only else "auto"
+        cache = templates_only(model, backend) if only else "auto"
         e = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(prefix_cache=cache))
         e.start()
         return e

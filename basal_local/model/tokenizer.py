@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,14 +113,14 @@ def _fixed_tokenizer_json(raw: dict) -> dict:
 class BasalTokenizer:
     """Tokenizes whole rendered prompts (special tokens are literal text in the prompt)."""
 
-    def __init__(self, tokenizer_json: Path, bos_token: str) -> None:
+    def __init__(self, tokenizer_json: Path, bos_token: str, serial_chars: int = SERIAL_CHARS) -> None:
         raw = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
         fixed = _fixed_tokenizer_json(raw)
         self._tok = Tokenizer.from_str(json.dumps(fixed))
         self._splits = splits_at_spaces(fixed)
         # encode_batch_fast (tokenizers >= 0.20.2) skips the character offsets that ids alone never need
         self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        self.serial_chars = int(os.environ.get("BASAL_LOCAL_TOKENIZE_SERIAL_CHARS", SERIAL_CHARS))
+        self.serial_chars = serial_chars  # below this many characters in all, `_run` tokenizes one text at a time
         self.bos = bos_token
         # the ids of the text recent requests' prompts shared (template + state): a new question about a known
         # document tokenizes only its own text (encode is deterministic, so a hit returns exactly its ids)
@@ -199,11 +198,11 @@ class BasalTokenizer:
 
     def _run(self, texts: list[str]) -> list[list[int]]:
         """Short work one text after another with `encode` in the calling thread, the rest in one call on the
-        pool, which also releases the GIL for the daemon's other threads. `BASAL_LOCAL_TOKENIZE_SERIAL_CHARS`
-        moves the line (0: always the pool).
+        pool, which also releases the GIL for the daemon's other threads; `serial_chars` draws the line (0: always
+        the pool, as the tests use it).
         `encode_batch_fast` one text at a time is faster alone (157 vs 233 us a single decision's texts on the
         H200 host, tools/tok_bench.py) but through the pool: with 32 clients the daemon's planning p50 went 0.6 ->
-        3.4 ms and 190-199 -> 183 req/s, and 1 client gained nothing measurable (docs/PERFORMANCE.md)."""
+        3.4 ms and 190-199 -> 183 req/s, and 1 client gained nothing measurable."""
         if sum(len(t) for t in texts) < self.serial_chars:
             return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
         return [e.ids for e in self._batch(texts, add_special_tokens=False)]

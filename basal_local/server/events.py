@@ -121,7 +121,7 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
     snap = state.telemetry.snapshot()
     snap.update({"version": __version__, "ready": state.ready, "load_error": state.load_error,
                  "backend": state.backend_name, "device": state.device, "dtype": state.dtype,
-                 "models": _models(state), "default_model": state.default_model,
+                 "torch_options": state.torch_options, "models": _models(state), "default_model": state.default_model,
                  "limits": {"max_inflight": state.max_inflight, "max_body_bytes": MAX_BODY_BYTES},
                  "inflight": state.inflight, "queues": _queues(state),
                  "subscribers": state.telemetry.bus.subscribers})
