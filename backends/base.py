@@ -20,10 +20,12 @@ class PackedBatch:
 
     token_ids, positions, token_block: [T] (positions = the token's index in its own prompt)
     block_parent: [B] parent block or -1 for a row root; blocks are in DFS pre-order
-    block_prefix: [B] index into `prefixes` of the cached template K/V the block's row continues, or -1
+    block_prefix: [B] index into `prefixes` of the cached K/V the block's row continues, or -1
     readout_index: [R] the token whose logits are read (the last token of a prompt; identical prompts share)
     letter_ids: [L] the union of letter token ids of the batch; forward returns logits [R, L]
-    prefixes: names of cached prefixes (the template per language) the backend holds K/V for
+    prefixes: names of cached prefixes (a template, or a template + state of the state cache) the backend
+        holds K/V for; prefix_lengths: how many of each one's first tokens the rows continue (empty: all)
+    fills: K/V this forward stores for later batches (the state cache, engine/prefix_cache.py)
     """
 
     token_ids: np.ndarray
@@ -34,6 +36,8 @@ class PackedBatch:
     readout_index: np.ndarray
     letter_ids: np.ndarray
     prefixes: list[str] = field(default_factory=list)
+    prefix_lengths: list[int] = field(default_factory=list)
+    fills: list[Fill] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +52,23 @@ class PackedBatch:
         return cls(token_ids=ids, positions=np.arange(n, dtype=np.int64), token_block=np.zeros(n, dtype=np.int32),
                    block_parent=np.array([-1], dtype=np.int32), block_prefix=np.array([-1], dtype=np.int32),
                    readout_index=rows, letter_ids=np.array([0], dtype=np.int64), prefixes=[])
+
+
+@dataclass
+class Fill:
+    """Store a prefix's K/V in the backend's pool rows offset .. offset + parent_len + len(tokens) - 1: the first
+    parent_len rows copied from the cached prefix `parent`, the rest the K/V this forward computes at its
+    token indices `tokens` (in position order). Backends without a pool keep them under `name`."""
+
+    name: str
+    offset: int
+    parent: str | None
+    parent_len: int
+    tokens: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return self.parent_len + int(self.tokens.shape[0])
 
 
 @dataclass
@@ -67,8 +88,18 @@ class Backend(Protocol):
 
     def load(self, model_dir: Path, dtype: str) -> ModelInfo: ...
 
-    def add_prefix(self, key: str, token_ids: list[int]) -> None:
-        """Compute and keep the K/V of a prefix (the template) that rows may continue."""
+    def add_prefix(self, key: str, token_ids: list[int], offset: int | None = None) -> None:
+        """Compute and keep the K/V of a prefix (a template) that rows may continue; `offset`: at these rows of
+        the pool `open_cache` made (None: wherever the backend puts it, growing its store)."""
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's cached K/V over every layer."""
+
+    def open_cache(self, capacity: int) -> None:
+        """Hold K/V for `capacity` tokens of cached prefixes (before warmup: CUDA graphs read the pool)."""
+
+    def drop_prefix(self, key: str) -> None:
+        """Forget a cached prefix (its rows may be reused)."""
 
     def forward(self, batch: PackedBatch) -> np.ndarray:
         """Letter logits, float32, [len(readout_index), len(letter_ids)]."""

@@ -17,18 +17,19 @@ HELP = ("a size (24, 24GB, 22.5GiB, 16000MB) or a share of the GPU's memory (0.8
         "a share")
 
 
-def parse_limit(value: str | float | int) -> tuple[str, float]:
-    """("share", 0 < s <= 1) or ("bytes", n) from a --gpu-memory value; ValueError with the accepted forms."""
+def parse_limit(value: str | float | int, flag: str = "--gpu-memory") -> tuple[str, float]:
+    """("share", 0 < s <= 1) or ("bytes", n) from a --gpu-memory (or --prefix-cache) value; ValueError with the
+    accepted forms."""
     text = str(value).strip().lower().replace(" ", "")
     match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%|[a-z]*)", text)
     if not match or match.group(2) not in (*_UNITS, "%"):
-        raise ValueError(f"--gpu-memory {value!r}: not a memory size; give {HELP}")
+        raise ValueError(f"{flag} {value!r}: not a memory size; give {HELP}" + (", auto or off" if flag != "--gpu-memory" else ""))
     number, unit = float(match.group(1)), match.group(2)
     if number <= 0:
-        raise ValueError(f"--gpu-memory {value!r}: must be more than 0; give {HELP}")
+        raise ValueError(f"{flag} {value!r}: must be more than 0; give {HELP}")
     if unit == "%":
         if number > 100:
-            raise ValueError(f"--gpu-memory {value!r}: a share is at most 100%")
+            raise ValueError(f"{flag} {value!r}: a share is at most 100%")
         return "share", number / 100.0
     if unit == "" and number <= 1:
         return "share", number

@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "tree", "sdpa", "metal"], default="auto",
                    help="the forward's ops: tree = the Triton kernels (CUDA default), sdpa = their plain-torch / MLX "
                         "twins (CPU default), metal = the Metal kernel (MLX on a Mac)")
-    add_torch_options(p)
+    add_flags(p, "torch")  # the torch backend's options, as `serve` declares them
     p.add_argument("--baseline", choices=["none", "transformers", "transformers-compiled", "both"], default="none",
                    help="also time Hugging Face transformers on the same decisions (side by side): eager, "
                         "under torch.compile(mode='reduce-overhead'), or both")
@@ -346,6 +346,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time a synthetic ~4.2k- and ~16.5k-token contract with 5 questions")
     p.add_argument("--invariance", type=int, default=0, metavar="N",
                    help="also check N times that a request alone and amid 31 others gets bitwise equal logits")
+    p.add_argument("--cache", action="store_true",
+                   help="in-process: the state cache's figures instead: a long document with 5 questions, then 5 other "
+                        "questions, on an engine caching only the templates and on one with the cache (side by side)")
+    p.add_argument("--doc-tokens", type=_positive, default=17800, metavar="N",
+                   help="with --cache: the document's length in tokens (default 17800)")
+    p.add_argument("--documents", type=_positive, default=0, metavar="N",
+                   help="with --cache: documents to time (default 3); with --http: a mixed stream of N documents, "
+                        "--per-document requests each, in random order")
+    p.add_argument("--per-document", type=_positive, default=10, metavar="N", dest="per_document",
+                   help="with --http --documents: requests per document (default 10)")
     p.set_defaults(func=cmd_bench)
     seen: set[int] = set()
     for command in sub.choices.values():  # -v after the subcommand too (`basal-local serve -v`)
@@ -354,26 +364,6 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                                  help="log more (and show tracebacks)")
     return parser
-
-
-def add_torch_options(p) -> None:
-    """The torch backend's product options (backends/torch/options.py), for serve and bench."""
-    from .backends.torch.options import FP8_GEMMS, GEMM_ROUTES
-
-    g = p.add_argument_group("torch backend (CUDA)")
-    g.add_argument("--gemm", choices=GEMM_ROUTES, default=None,
-                   help="GEMM route: cuBLAS at row counts verified to give the same bits (verified, default), fixed "
-                        "row chunks, plain cuBLAS (not batch-invariant), or the Triton GEMM")
-    g.add_argument("--no-cublaslt", action="store_true", dest="no_cublaslt",
-                   help="no pinned cuBLASLt algorithms (default: pinned where they agree and are faster)")
-    g.add_argument("--fp8-gemms", dest="fp8_gemms", metavar="LIST",
-                   help=f"with --dtype fp8: the projections quantized, a comma list of {','.join(FP8_GEMMS)} "
-                        "(default: all)")
-    g.add_argument("--no-alt-tiling", action="store_true", dest="no_alt_tiling",
-                   help="no 128-query attention tiling for small and long forwards (default: where it gives the "
-                        "same bits)")
-    g.add_argument("--no-cuda-graphs", action="store_true", dest="no_cuda_graphs",
-                   help="run every forward eagerly (default: CUDA graphs per size)")
 
 
 def main(argv: list[str] | None = None) -> int:

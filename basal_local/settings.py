@@ -1,5 +1,6 @@
 """Every setting declared once (STYLE.md 16-17): its field, type, default, range, `config.toml` key, CLI flag and
-`--help` text, in one `setting(...)` call on a field of `EngineSettings` or `Settings`.
+`--help` text, in one `setting(...)` call on a field of `EngineSettings` or `Settings` (the torch backend's options
+are fields of `Settings` in the group "torch": `Settings.torch_options()` gives the backend its `TorchOptions`).
 
 From those declarations `add_flags` builds the `serve` flags (their help ends in the declared default),
 `Settings.load` reads `config.toml` (an unknown key is an error naming the file, the key and the nearest known
@@ -17,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .backends.torch.options import FP8_GEMMS, GEMM_ROUTES, TorchOptions
 from .paths import home_dirs
 
 
@@ -39,6 +41,10 @@ class Spec:
     show_default: bool = True
     number_ok: bool = False  # a str setting that config.toml may also give as a number (gpu_memory = 0.8)
     flag_zero: bool = False  # the flag also takes 0 (the port: the system picks one; the command handles it)
+    validate: str | None = None  # a further check by name (VALIDATORS): the form of a size, say
+    items: tuple[str, ...] | None = None  # a list setting: the names its items may be
+    comma: bool = False  # a list setting whose text (flag, config string) is a comma list: "gate_up,down"
+    group: str | None = None  # flags that `-h` lists under a heading of their own (GROUPS); `bench` takes "torch"
 
 
 def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
@@ -51,6 +57,8 @@ def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> A
 
 
 def _range_text(spec: Spec) -> str:
+    if spec.items:
+        return "a comma list of " + ", ".join(spec.items)
     if spec.choices:
         return "one of " + ", ".join(spec.choices)
     noun = {int: "a whole number", float: "a number", bool: "true or false", str: "text",
@@ -94,14 +102,22 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
             if not isinstance(value, str):
                 raise TypeError
         elif kind is list:
-            value = [value] if isinstance(value, str) else value
+            if isinstance(value, str):
+                value = [p.strip() for p in value.split(",") if p.strip()] if spec.comma else [value]
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise TypeError
+            if spec.items is not None and not set(value) <= set(spec.items):
+                raise ValueError
         elif kind is dict:
             if not isinstance(value, dict):
                 raise TypeError
     except (TypeError, ValueError):
         raise ValueError(f"{key} = {value!r}: must be {wanted}") from None
+    if spec.validate is not None:
+        try:
+            VALIDATORS[spec.validate](value)
+        except ValueError as exc:
+            raise ValueError(f"{key} = {value!r}: {exc}") from None
     bad = (spec.choices is not None and value not in spec.choices
            or spec.minimum is not None and value < spec.minimum
            or spec.maximum is not None and value > spec.maximum
@@ -109,6 +125,16 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
     if bad:
         raise ValueError(f"{key} = {value!r}: must be {wanted}")
     return value
+
+
+def _cache_size(value: Any) -> None:
+    from .backends.memory import parse_limit
+
+    if str(value).strip().lower() not in ("auto", "off"):
+        parse_limit(str(value), flag="--prefix-cache")
+
+
+VALIDATORS = {"prefix_cache": _cache_size}
 
 
 def declared(cls: type) -> list[tuple[str, Spec, Any]]:
@@ -137,8 +163,12 @@ class EngineSettings:
     max_row_tokens: int = setting(32768, "tokens one row of a forward may hold", minimum=1)
     max_forward_tokens: int = setting(8192, "tokens one forward may hold (CUDA graphs are captured up to it)",
                                       minimum=1)
-    prefix_cache: bool = setting(True, "keep the chat template's K/V per language (--no-prefix-cache: do not)",
-                                 flag="--no-prefix-cache", action="negate", show_default=False)
+    # the state cache (engine/prefix_cache.py): K/V of templates and documents kept for later requests
+    prefix_cache: str = setting("auto", "memory for K/V kept between requests (the templates, and documents, so a new "
+                                        "question about a known document computes only its own tokens): a size "
+                                        "(8GB), a share of the free GPU memory (0.5, 50%%), auto (most of a large "
+                                        "GPU's free memory, little on the CPU or a Mac) or off", flag="--prefix-cache",
+                                metavar="SIZE|SHARE|off", number_ok=True, validate="prefix_cache")
     # after a batch of n requests, wait up to this long (and at most a quarter of that batch's time) for n/2 to
     # queue before starting a small batch, so closed-loop clients do not alternate full and tiny batches.
     # Off by default: 20 ms on the H200 (32 HTTP clients) gave p99 282 vs 314 ms and -1.5 % req/s, one trial
@@ -216,6 +246,25 @@ class Settings:
     metrics: bool = setting(False, "Prometheus text at /metrics", flag="--metrics", action="store_true")
     # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
     aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
+    # the torch backend's product options (backends/torch/options.py TorchOptions: their defaults, and the measuring
+    # tools' knobs); they act on CUDA, the CPU reference ignores them
+    gemm: str = setting(TorchOptions.gemm, "CUDA GEMM route: cuBLAS at row counts verified to give the same bits "
+                                           "(verified), fixed row chunks (chunked), plain cuBLAS (cublas: not "
+                                           "batch-invariant) or the Triton GEMM (triton)", flag="--gemm",
+                        choices=GEMM_ROUTES, group="torch")
+    cublaslt: bool = setting(TorchOptions.cublaslt, "pinned cuBLASLt algorithms where they give the same bits and "
+                                                    "are faster (--no-cublaslt: never)", flag="--no-cublaslt",
+                             action="negate", show_default=False, group="torch")
+    fp8_gemms: list[str] = setting(list(TorchOptions.fp8_gemms), "with --dtype fp8: the projections quantized to "
+                                                                 "float8", kind=list, flag="--fp8-gemms",
+                                   metavar="LIST", items=FP8_GEMMS, comma=True, group="torch")
+    attention_alt_tiling: bool = setting(TorchOptions.attention_alt_tiling, "the 128-query attention tiling for "
+                                         "small and long forwards where it gives the default tiling's bits "
+                                         "(--no-alt-tiling: never)", flag="--no-alt-tiling", action="negate",
+                                         show_default=False, group="torch")
+    cuda_graphs: bool = setting(TorchOptions.cuda_graphs, "CUDA graphs per forward size (--no-cuda-graphs: every "
+                                                          "forward eagerly)", flag="--no-cuda-graphs",
+                                action="negate", show_default=False, group="torch")
     engine: EngineSettings = field(default_factory=EngineSettings)
 
     @classmethod
@@ -224,10 +273,24 @@ class Settings:
         checked against its declaration; errors are sentences naming where the value came from."""
         return load(overrides, config_file)
 
+    def torch_options(self) -> TorchOptions:
+        """The torch backend's options from the "torch" settings (the measuring knobs at their defaults)."""
+        return torch_options({key: getattr(self, key) for key in torch_keys()})
+
 
 def all_settings() -> list[tuple[str, Spec, Any, bool]]:
     """(key, spec, default, is_engine) of every declared setting."""
     return [(k, s, d, False) for k, s, d in declared(Settings)] + [(k, s, d, True) for k, s, d in declared(EngineSettings)]
+
+
+def torch_keys() -> list[str]:
+    """The settings of the group "torch": the product options of backends/torch/options.py."""
+    return [key for key, spec, _, _ in all_settings() if spec.group == "torch"]
+
+
+def torch_options(values: dict[str, Any]) -> TorchOptions:
+    """TorchOptions from checked "torch" settings (a Settings' fields, or bench's flags; absent: the defaults)."""
+    return TorchOptions.from_settings(**values)
 
 
 def _unknown(path: Path, key: str, known: list[str]) -> ValueError:
@@ -290,43 +353,60 @@ def _flag_type(key: str, spec: Spec):
         if spec.flag_zero and text.strip() == "0":
             return 0
         try:
+            if spec.validate is not None:  # its own sentence names the flag and the accepted forms
+                VALIDATORS[spec.validate](text)
             return check(spec.flag or key, spec, text, from_text=True)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text} must be {_range_text(spec)}") from None
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) if spec.validate else
+                                             f"{text} must be {_range_text(spec)}") from None
 
     parse.__name__ = spec.kind.__name__  # argparse names the type in its own messages
     return parse
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Every declared setting that has a flag, with its declared help and default."""
+GROUPS = {"torch": "torch backend (CUDA)"}  # the headings of the flag groups in `-h`
+
+
+def shown_default(default: Any) -> str:
+    """A default as `--help` shows it."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return ",".join(default) if isinstance(default, list) else str(default)
+
+
+def add_flags(parser: argparse.ArgumentParser, group: str | None = None) -> None:
+    """Every declared setting that has a flag (only those of `group` when it is given), with its declared help and
+    default; a grouped flag under its group's heading."""
+    headings = {name: parser.add_argument_group(title) for name, title in GROUPS.items() if group in (None, name)}
     for key, spec, default, _ in all_settings():
-        if spec.flag is None:
+        if spec.flag is None or group is not None and spec.group != group:
             continue
-        shown = ("on" if default else "off") if isinstance(default, bool) else \
-            f"{default:g}" if isinstance(default, float) else default
+        shown = shown_default(default)
         text = spec.help + (f" (default {shown})" if spec.show_default else "") + \
             (f"; also {spec.env}" if spec.env else "")
         dest = spec.dest or key
+        target = headings.get(spec.group, parser) if spec.group else parser
         if spec.action == "store_true":
-            parser.add_argument(spec.flag, action="store_true", dest=dest, default=None, help=text)
+            target.add_argument(spec.flag, action="store_true", dest=dest, default=None, help=text)
         elif spec.action == "negate":
-            parser.add_argument(spec.flag, action="store_false", dest=dest, default=None, help=text)
+            target.add_argument(spec.flag, action="store_false", dest=dest, default=None, help=text)
         elif spec.action == "boolean":
-            parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=None, help=text)
+            target.add_argument(spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=None, help=text)
         elif spec.action == "append":
-            parser.add_argument(spec.flag, action="append", dest=dest, metavar=spec.metavar, help=text)
+            target.add_argument(spec.flag, action="append", dest=dest, metavar=spec.metavar, help=text)
         elif spec.choices:
-            parser.add_argument(spec.flag, dest=dest, choices=spec.choices, metavar=spec.metavar, help=text)
+            target.add_argument(spec.flag, dest=dest, choices=spec.choices, metavar=spec.metavar, help=text)
         else:
-            parser.add_argument(spec.flag, dest=dest, type=_flag_type(key, spec), metavar=spec.metavar, help=text)
+            target.add_argument(spec.flag, dest=dest, type=_flag_type(key, spec), metavar=spec.metavar, help=text)
 
 
-def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given as flags in `args` (absent or unset flags left out)."""
+def flag_overrides(args: argparse.Namespace, group: str | None = None) -> dict[str, Any]:
+    """The settings given as flags in `args` (absent or unset flags left out; only `group`'s when it is given)."""
     out = {}
     for key, spec, _, _ in all_settings():
-        if spec.flag is not None:
+        if spec.flag is not None and (group is None or spec.group == group):
             value = getattr(args, spec.dest or key, None)
             if value is not None:
                 out[key] = value

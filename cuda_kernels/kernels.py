@@ -75,16 +75,21 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
                       COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr):
     pid = tl.program_id(0)
-    n_work = tl.load(NT) * N_HEADS
+    # one work item per (tile, K/V head): its rows are (query, head) pairs of the REP query heads that read that
+    # K/V head, so each key tile is loaded once for all of them (GQA); a row's arithmetic is the same either way
+    n_kv = N_HEADS // REP
+    QPT = BLOCK_M // REP  # queries per tile (plan.py tiles hold at most this many)
+    n_work = tl.load(NT) * n_kv
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_r = tl.arange(0, RANGES)
     in_rec = 10 + 3 * offs_r < REC  # range slots that lie inside a record
+    query = offs_m // REP
     for w in range(pid, n_work, NPROG):
-        tile = w // N_HEADS
-        head = w % N_HEADS
-        kvh = head // REP
+        tile = w // n_kv
+        kvh = w % n_kv
+        head = kvh * REP + offs_m % REP
         rec = TILES + tile * REC
         q_off = tl.load(rec)
         n_q = tl.load(rec + 1)
@@ -97,10 +102,10 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
         r_pos = tl.load(rec + 8 + 3 * offs_r, mask=in_rec, other=0)
         r_shift = tl.load(rec + 9 + 3 * offs_r, mask=in_rec, other=0) - r_pos
         r_end = tl.where(offs_r < n_r, r_pos + tl.load(rec + 10 + 3 * offs_r, mask=in_rec, other=0), 0)
-        m_valid = offs_m < n_q
-        rows = tl.load(QROWS + q_off + offs_m, mask=m_valid, other=0)
+        m_valid = (query < n_q) & (offs_m < QPT * REP)
+        rows = tl.load(QROWS + q_off + query, mask=m_valid, other=0)
         q_pos = tl.load(POS + rows, mask=m_valid, other=0)
-        q = tl.load(Q + rows[:, None] * stride_qt + head * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None],
+        q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None],
                     other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -111,11 +116,17 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
             m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
         out = acc / l_i[:, None]
         if COMPACT:
-            dest = q_off + offs_m
+            dest = q_off + query
         else:
             dest = rows
-        tl.store(OUT + dest[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=m_valid[:, None])
+        tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=m_valid[:, None])
+
+
+def queries_per_tile(block_m: int, n_heads: int, n_kv: int) -> int:
+    """The most queries a tile of the plan may hold for a tiling of `block_m` rows: the kernel's rows are the
+    (query, head) pairs of one K/V head's query heads."""
+    return max(1, block_m // (n_heads // n_kv))
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
@@ -126,7 +137,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
 
     tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
     of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work.
-    `tiling`: (block_m, block_n, warps, stages), the tiles planned with that block_m (the forward's options)."""
+    `tiling`: (block_m, block_n, warps, stages), the tiles planned with `queries_per_tile(block_m, ...)` queries
+    at most (the forward's options)."""
     block_m, block_n, warps, stages = tiling
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     assert q.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d and q.stride(1) == d

@@ -66,7 +66,8 @@ def forward(backend, batch) -> np.ndarray:
     """The letter logits [R, L] of a packed batch, over a CPU torch backend's weights and cached prefixes."""
     cfg = backend.config
     hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    prefixes = [backend.prefix_kv[name] for name in batch.prefixes]
+    lengths = batch.prefix_lengths or [None] * len(batch.prefixes)
+    prefixes = [backend.cached_kv(name, n) for name, n in zip(batch.prefixes, lengths)]
     mask = dense_mask(batch, [p[0] for p in prefixes])
     x = backend.embed_tokens[torch.from_numpy(batch.token_ids.astype(np.int64))]
     for i, layer in enumerate(backend.layers):

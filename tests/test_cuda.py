@@ -124,7 +124,7 @@ def test_cuda_tree_kernel_matches_twin(small_model):
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         for readout in (None, batch.readout_index):
             p = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows,
-                                DEFAULT_TILING[0], rows=readout)
+                                kernels.queries_per_tile(DEFAULT_TILING[0], hq, hkv), rows=readout)
             n_out = t if readout is None else len(readout)
             out = torch.full((n_out, hq * d), float("nan"), dtype=dtype, device="cuda")
             kernels.tree_attention(q, k, v, pk, pv, pos, torch.from_numpy(p.tiles).cuda(),
@@ -338,3 +338,57 @@ def test_cuda_gpu_memory_limit_refuses_and_is_enforced(small_model):
         torch.empty(10 ** 8, dtype=torch.uint8, device="cuda")  # within the limit: fine
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype):
+    """The numerics contract of the state cache (engine/prefix_cache.py): a new question about a cached document,
+    answered from the pool (CUDA graphs for the short one, the long lane for the long one), gives bitwise the
+    logits of the same request on an engine that never saw the document; the document's first request too."""
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.engine.engine import EngineSettings, ModelEngine
+    from basal_local.engine.gate import DeviceGate
+    from basal_local.telemetry import Telemetry
+
+    from .test_prefix_cache import body, document, validate_systemone
+
+    md = load_model_dir(small_model)
+
+    def engine():
+        b = TorchBackend(device="cuda")
+        b.load(small_model, dtype)
+        e = ModelEngine(md, b, DeviceGate(), Telemetry(), EngineSettings(prefix_cache="2GB"))
+        e.start()
+        return e
+
+    def logits(e, payload):
+        plan = e.plan(validate_systemone({**payload, "model": md.name}, md.name))
+        job_logits = []
+        original = e.complete_batch
+
+        def capture(flight, lane):  # the raw letter logits of the request's prompts, as the lane read them
+            outputs = [f.result() for f in flight.launched]
+            job_logits.extend(outputs[b][r, cols].copy() for b, r, cols in flight.pack.readouts)
+            return original(flight, lane)
+
+        e.complete_batch = capture
+        try:
+            outcome = e.submit(plan).result(600)
+        finally:
+            e.complete_batch = original
+        return job_logits, outcome
+
+    cached, fresh = engine(), engine()
+    try:
+        for doc in (document(80, words=300), document(81, words=3000)):  # main lane, then the long lane
+            first, _ = logits(cached, body(doc, 1))
+            hit, outcome = logits(cached, body(doc, 2))
+            assert outcome.cached_tokens > 250
+            miss, _ = logits(fresh, body(doc, 2))
+            assert len(hit) == len(miss) and all(np.array_equal(a, b) for a, b in zip(hit, miss))
+            again, _ = logits(fresh, body(doc, 1))  # fresh computed doc for question 2 first: a hit for 1 now
+            assert all(np.array_equal(a, b) for a, b in zip(first, again))
+        assert cached.cache_snapshot()["hits"] == 2
+    finally:
+        cached.stop(60)
+        fresh.stop(60)

@@ -8,7 +8,14 @@ import json
 import pytest
 
 from basal_local.model import load_model_dir
-from basal_local.model.tokenizer import PIECE_CHARS, _fixed_tokenizer_json, safe_cut, splits_at_spaces
+from basal_local.model.tokenizer import (
+    PIECE_CHARS,
+    SERIAL_CHARS,
+    BasalTokenizer,
+    _fixed_tokenizer_json,
+    safe_cut,
+    splits_at_spaces,
+)
 
 from .reference import ReferenceTokenizer, render
 
@@ -32,10 +39,10 @@ def test_shared_head_ids_equal_whole_prompts(toks):
     assert tok.encode_batch(texts[:1]) == [ref.ids(texts[0])]
 
 
-@pytest.mark.parametrize("serial_chars", [0, 10**9])  # every text on the thread pool / one by one
-def test_long_text_in_parallel_pieces_equals_whole(toks, serial_chars, monkeypatch):
-    tok, ref = toks
-    monkeypatch.setattr(tok, "serial_chars", serial_chars)
+@pytest.mark.parametrize("serial_chars", [0, SERIAL_CHARS, 10**9])  # all on the pool / the product's line / serial
+def test_long_text_in_parallel_pieces_equals_whole(toks, tiny_model, serial_chars):
+    _, ref = toks
+    tok = BasalTokenizer(tiny_model / "tokenizer.json", load_model_dir(tiny_model).tokenizer.bos, serial_chars)
     words = ["umowa", "the", "  ", "\u2581", "x\u2581", " \u2581y", "<|im_end|>", "§12.", "zażółć", "\n", "\t", "a"]
     text = "<s>" + " ".join(words[(i * 7) % len(words)] for i in range(2 * PIECE_CHARS // 3))
     assert len(text) > 2 * PIECE_CHARS

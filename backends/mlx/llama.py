@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import host
-from ..base import ModelInfo, PackedBatch
+from ..base import Fill, ModelInfo, PackedBatch
 from .ported import fuse
 from .quantize import QUANTIZED, Quantized, quantized_layers
 from .tree_attention import TreeAttention
@@ -230,30 +230,68 @@ class MLXBackend:
 
     def forward_steps(self, batch: PackedBatch, _capture: list | None = None,
                       _sync: bool = True) -> Iterator[np.ndarray | None]:
-        prefixes = [self.prefix_kv[name] for name in batch.prefixes]
+        lengths = batch.prefix_lengths or [self.prefix_kv[name][0] for name in batch.prefixes]
+        prefixes = [(n, [(k[:n], v[:n]) for k, v in self.prefix_kv[name][1]])
+                    for name, n in zip(batch.prefixes, lengths)]
+        fills = [(f, mx.array(np.asarray(f.tokens, dtype=np.int32)), []) for f in batch.fills]
+        layer_kv: list | None = [] if fills else _capture
         with mx.stream(self.mx_device):
             attention = TreeAttention(batch, [p[0] for p in prefixes], self.attention)
             cos, sin = self._rope(batch.positions)
             x = self.embed_tokens[mx.array(batch.token_ids.astype(np.int32))]  # [T, H]
         last = len(self.layers) - 1
-        for i in range(last):
+        for i in range(len(self.layers)):
             with mx.stream(self.mx_device):
-                x = self._layer(i, x, cos, sin, prefixes, attention, capture=_capture)
+                x = self._layer(i, x, cos, sin, prefixes, attention, capture=layer_kv,
+                                rows=batch.readout_index if i == last else None)
+                if fills:
+                    k, v = layer_kv.pop()
+                    if _capture is not None:
+                        _capture.append((k, v))
+                    for f, idx, kept in fills:  # K/V kept for later batches (the state cache)
+                        new_k, new_v = k[idx], v[idx]
+                        if f.parent_len:  # the rows it continues, then its own
+                            pk, pv = self.prefix_kv[f.parent][1][i]
+                            new_k = mx.concatenate([pk[:f.parent_len], new_k], axis=0)
+                            new_v = mx.concatenate([pv[:f.parent_len], new_v], axis=0)
+                        kept.append((new_k, new_v))
+            if i == last:
+                break
             if _sync:
-                mx.eval(x)  # the work of this layer is done at the yield, so a parked long lane frees the device
+                # the work of this layer is done at the yield, so a parked long lane frees the device
+                mx.eval(x, *[a for _, _, kept in fills for a in kept[-1]])
                 yield None
         with mx.stream(self.mx_device):
-            x = self._layer(last, x, cos, sin, prefixes, attention, rows=batch.readout_index, capture=_capture)
+            kept_arrays = [a for _, _, kept in fills for kv in kept for a in kv]
+            if kept_arrays:
+                mx.eval(x, *kept_arrays)
             logits = self._letter_logits(x, batch.letter_ids)
+        for f, _, kept in fills:
+            self.prefix_kv[f.name] = (f.length, kept)
         yield logits
 
-    def add_prefix(self, key: str, token_ids: list[int]) -> None:
+    def add_prefix(self, key: str, token_ids: list[int], offset: int | None = None) -> None:
+        """Compute and keep a prefix's K/V under `key` (MLX keeps each prefix as its own arrays: `offset`, the
+        state cache's pool row, only matters to backends with one pool)."""
         n = len(token_ids)
-        captured: list[tuple[mx.array, mx.array]] = []
-        for _ in self.forward_steps(PackedBatch.single(token_ids), _capture=captured):
+        batch = PackedBatch.single(token_ids)
+        batch.fills = [Fill(key, offset or 0, None, 0, np.arange(n, dtype=np.int64))]
+        for _ in self.forward_steps(batch):
             pass
-        mx.eval(*[a for kv in captured for a in kv])
-        self.prefix_kv[key] = (n, captured)
+
+    def open_cache(self, capacity: int) -> None:
+        """Nothing to allocate: each cached prefix is its own arrays (the state cache counts their bytes)."""
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.config
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # f32 K/V
+
+    def drop_prefix(self, key: str) -> None:
+        self.prefix_kv.pop(key, None)
+
+    def device_memory(self) -> None:
+        """The state cache plans with the RAM here (unified memory on a Mac, the CPU otherwise)."""
+        return None
 
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
         """The hidden states after the final RMSNorm of one prompt (plain causal forward), f32 [T, hidden]."""

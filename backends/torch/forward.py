@@ -70,10 +70,11 @@ class Forward:
         self.tiling = tuple(options.attention_tiling) if self.use_triton else (64, 64, 4, 2)
         self.alt_tiling = self._pick_alt_tiling() if self.use_triton and options.attention_alt_tiling and \
             backend.dtype != torch.float32 else None
-        self.prefix_rows: dict[str, tuple[int, int]] = {}
+        self.prefix_rows: dict[str, tuple[int, int]] = {}  # cached prefix -> (pool row, length)
         self.prefix_k: list[torch.Tensor] = []
         self.prefix_v: list[torch.Tensor] = []
-        self.set_prefixes({})
+        self.capacity = 0
+        self.open_pool(0)
         cos, sin = host.rope_tables(backend.config)
         self.cos, self.sin = torch.from_numpy(cos).to(backend.device), torch.from_numpy(sin).to(backend.device)
 
@@ -137,7 +138,13 @@ class Forward:
         return self.alt_tiling is not None and (tokens <= ALT_MAX_TOKENS or tokens > TOKEN_BUCKETS[-1])
 
     def block_m(self, tokens: int) -> int:
-        return self.alt_tiling[0] if self.alt(tokens) else self.tiling[0]
+        """Queries per tile of the plan: the kernel's rows are (query, head) pairs of one K/V head's query heads
+        (kernels.queries_per_tile); the twins take tiles of the tiling's rows in queries."""
+        rows = self.alt_tiling[0] if self.alt(tokens) else self.tiling[0]
+        if not self.use_triton:
+            return rows
+        cfg = self.b.config
+        return max(1, rows // (cfg.num_attention_heads // cfg.num_key_value_heads))
 
     def _alt_tiling_agrees(self, tiling: tuple[int, int, int, int]) -> bool:
         """Tree attention of one random tree (a cached prefix, a root, children and a grandchild) with the
@@ -162,7 +169,8 @@ class Forward:
         for rows in (None, readout):
             for name, til in (("default", self.tiling), ("alt", tiling)):
                 p = tplan.tile_plan(positions, token_block, np.array(parents, np.int32),
-                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)], til[0], rows=rows)
+                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)],
+                                    max(1, til[0] // (hq // hkv)), rows=rows)
                 out = torch.zeros(t if rows is None else len(rows), hq * d, dtype=dt, device=dev)
                 self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
                                         torch.from_numpy(p.q_rows).to(dev),
@@ -171,19 +179,43 @@ class Forward:
                 outs[(rows is None, name)] = out
         return all(torch.equal(outs[(full, "default")], outs[(full, "alt")]) for full in (True, False))
 
-    # ---- cached prefixes -------------------------------------------------------------------------------------
-    def set_prefixes(self, prefix_kv: dict) -> None:
-        """Lay the cached prefixes' K/V out as one [P, Hkv, D] buffer per layer (rows by prefix)."""
-        names = list(prefix_kv)
-        offset = 0
-        for name in names:
-            self.prefix_rows[name] = (offset, prefix_kv[name][0])
-            offset += prefix_kv[name][0]
-        cfg = self.b.config
-        empty = torch.zeros(0, cfg.num_key_value_heads, cfg.head_dim, dtype=self.b.dtype, device=self.b.device)
+    # ---- cached prefixes: one pool of K/V rows per layer -------------------------------------------------
+    def open_pool(self, capacity: int) -> None:
+        """A [capacity, Hkv, D] K and V buffer per layer (the templates and the state cache, by row); the rows
+        already held are kept. CUDA graphs read these buffers, so a new pool means new graphs."""
+        cfg, dev, dt = self.b.config, self.b.device, self.b.dtype
+        old = self.prefix_k, self.prefix_v
         self.prefix_k, self.prefix_v = (
-            [torch.cat([prefix_kv[n][1][i][j] for n in names]) if names else empty for i in range(len(self.b.layers))]
-            for j in (0, 1))
+            [torch.empty(capacity, cfg.num_key_value_heads, cfg.head_dim, dtype=dt, device=dev)
+             for _ in self.b.layers] for _ in (0, 1))
+        keep = min(capacity, old[0][0].shape[0]) if old[0] else 0
+        for i in range(len(old[0])):
+            if keep:
+                self.prefix_k[i][:keep].copy_(old[0][i][:keep])
+                self.prefix_v[i][:keep].copy_(old[1][i][:keep])
+        self.capacity = capacity
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.b.config
+        return 2 * len(self.b.layers) * cfg.num_key_value_heads * cfg.head_dim * \
+            torch.tensor([], dtype=self.b.dtype).element_size()
+
+    def fill_rows(self, batch: PackedBatch) -> list[tuple[int, int, torch.Tensor]]:
+        """Per fill of the batch: (first pool row the forward writes, rows, the forward's token indices); the
+        parent's rows are copied here, once for every layer (pool to pool, distinct rows)."""
+        out = []
+        for f in batch.fills:
+            if f.offset + f.length > self.capacity:
+                raise ValueError(f"cached prefix {f.name!r} ends at row {f.offset + f.length}, past the pool's "
+                                 f"{self.capacity}")
+            if f.parent_len:
+                src, _ = self.prefix_rows[f.parent]
+                for pool in (*self.prefix_k, *self.prefix_v):
+                    pool[f.offset:f.offset + f.parent_len].copy_(pool[src:src + f.parent_len])
+            idx = torch.from_numpy(np.ascontiguousarray(f.tokens, dtype=np.int64)).to(self.b.device)
+            out.append((f.offset + f.parent_len, int(idx.shape[0]), idx))
+            self.prefix_rows[f.name] = (f.offset, f.length)
+        return out
 
     # ---- inputs ------------------------------------------------------------------------------------------
     @staticmethod
@@ -205,6 +237,8 @@ class Forward:
         if batch.num_tokens > size:
             raise RuntimeError(f"forward inputs need {batch.num_tokens} slots, the upload buffer has {size}")
         rows = [self.prefix_rows[name] for name in batch.prefixes]
+        if batch.prefix_lengths:  # the rows continue these many tokens of each cached prefix
+            rows = [(offset, used) for (offset, _), used in zip(rows, batch.prefix_lengths)]
         args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, self.block_m(size))
         full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
         if full.num_tiles > tile_cap or last.num_tiles > r_cap:
@@ -274,6 +308,10 @@ class Forward:
             if capture is not None:
                 _, k, val = self._split(qkv)
                 capture.append((k.clone(), val.clone()))
+            for row, n, idx in v.get("fills", ()):  # K/V kept for later batches (the state cache)
+                _, k, val = self._split(qkv)
+                self.prefix_k[i][row:row + n].copy_(k.index_select(0, idx))
+                self.prefix_v[i][row:row + n].copy_(val.index_select(0, idx))
             attn = self._attention(i, qkv, v, last)
             if last:
                 x = x.index_select(0, v["readout"])
@@ -304,6 +342,8 @@ class Forward:
 
     def steps(self, batch: PackedBatch, capture: list | None = None) -> Iterator[np.ndarray | None]:
         v = self.upload(batch)
+        if batch.fills:
+            v["fills"] = self.fill_rows(batch)
         for h in self.layers(v, capture, sync=True):
             if h is None:
                 yield None

@@ -60,8 +60,9 @@ class Launched:
 
 
 def tile_cap(size: int) -> int:
-    """Tile records a graph of `size` tokens holds: one per 64 queries plus one per (partial) block."""
-    return size // 64 + size // 4 + 8
+    """Tile records a graph of `size` tokens holds: one per 8 queries (a tile of 64 rows over 8 query heads of a
+    K/V head) plus one per (partial) block."""
+    return size // 8 + size // 4 + 8
 
 
 class Graphs:
@@ -85,7 +86,7 @@ class Graphs:
     def _graph_for(self, batch: PackedBatch) -> _Graph | None:
         """The captured graph a batch fits, with its inputs uploaded; None where it runs eagerly."""
         if batch.num_tokens > TOKEN_BUCKETS[-1] or len(batch.readout_index) > READOUT_BUCKETS[-1] or \
-                len(batch.letter_ids) > LETTER_CAP:
+                len(batch.letter_ids) > LETTER_CAP or batch.fills:  # a forward that fills the state cache: eager
             return None
         size = self.bucket(batch.num_tokens)
         r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))

@@ -85,7 +85,8 @@ class TorchBackend:
         self.attention = attention
         self.fwd = None  # forward.Forward, made at load
         self.graphs = None  # graphs.Graphs on CUDA with the kernels
-        self.prefix_kv: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._legacy_end = 0  # where add_prefix without an offset puts a prefix (no state cache opened)
+        self._managed = False  # open_cache ran: the engine's state cache places every prefix
 
     def _device_scope(self):
         if self.device.startswith("cuda"):
@@ -202,6 +203,8 @@ class TorchBackend:
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.memory_limit_bytes is not None:
             out["device_limit_bytes"] = self.memory_limit_bytes
+        if self.fwd is not None:
+            out["prefix_cache_bytes"] = self.fwd.capacity * self.fwd.kv_bytes_per_token()
         return out
 
     # ---- forward -------------------------------------------------------------------------------------------
@@ -234,14 +237,56 @@ class TorchBackend:
                 raise self._out_of_memory(exc, "warming up (CUDA graphs, a long-document forward)") from None
 
     @_on_device
-    def add_prefix(self, key: str, token_ids: list[int]) -> None:
-        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for _ in self.fwd.steps(PackedBatch.single(token_ids), capture=captured):
+    def add_prefix(self, key: str, token_ids: list[int], offset: int | None = None) -> None:
+        """Compute a prefix's K/V into the pool: at `offset` (the state cache's rows) or after the last one."""
+        from ..base import Fill
+
+        n = len(token_ids)
+        if offset is None:
+            if self._managed:
+                raise ValueError("the state cache places the prefixes: give add_prefix its offset")
+            offset = self._legacy_end
+            self._legacy_end += n
+            if self._legacy_end > self.fwd.capacity:
+                self._grow(max(self._legacy_end, 2 * self.fwd.capacity))
+        batch = PackedBatch.single(token_ids)
+        batch.fills = [Fill(key, offset, None, 0, np.arange(n, dtype=np.int64))]
+        for _ in self.fwd.steps(batch):
             pass
-        self.prefix_kv[key] = (len(token_ids), captured)
-        self.fwd.set_prefixes(self.prefix_kv)
+
+    def _grow(self, capacity: int) -> None:
+        self.fwd.open_pool(capacity)
         if self.graphs is not None:
-            self.graphs.clear()
+            self.graphs.clear()  # captured graphs read the old pool
+
+    @_on_device
+    def open_cache(self, capacity: int) -> None:
+        """The pool of K/V rows the state cache places prefixes in (before warmup: the graphs read it)."""
+        self._managed = True
+        self._grow(max(int(capacity), self._legacy_end))
+
+    def kv_bytes_per_token(self) -> int:
+        return self.fwd.kv_bytes_per_token()
+
+    def drop_prefix(self, key: str) -> None:
+        self.fwd.prefix_rows.pop(key, None)
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes the state cache may plan with on a GPU (after --gpu-memory), or None off a GPU."""
+        if not self.device.startswith("cuda"):
+            return None
+        with self._device_scope():
+            free, total = torch.cuda.mem_get_info()
+            if self.memory_limit_bytes is not None:
+                free = min(free, self.memory_limit_bytes - torch.cuda.memory_reserved())
+                total = self.memory_limit_bytes
+        return max(0, int(free)), int(total)
+
+    def cached_kv(self, key: str, length: int | None = None) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(tokens, per layer (K, V)) of a cached prefix's first `length` tokens (tests read them)."""
+        offset, n = self.fwd.prefix_rows[key]
+        n = n if length is None else length
+        return n, [(k[offset:offset + n], v[offset:offset + n]) for k, v in zip(self.fwd.prefix_k, self.fwd.prefix_v)]
 
     @_on_device
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:

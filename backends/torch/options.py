@@ -17,7 +17,8 @@ FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 # tree attention's (block_m, block_n, warps, stages): part of the numerics contract (the key tile fixes the
 # order of the softmax reduction), the same for every call of a process
 DEFAULT_TILING = (64, 64, 4, 2)
-# the options a user chooses (the rest exist for the measuring tools)
+# the options a user chooses, declared as the settings of the group "torch" in basal_local/settings.py (the rest exist for the
+# measuring tools)
 PRODUCT = ("gemm", "cublaslt", "fp8_gemms", "attention_alt_tiling", "cuda_graphs")
 
 

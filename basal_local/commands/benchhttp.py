@@ -9,12 +9,15 @@ from __future__ import annotations
 import collections
 import http.client
 import json
+import random
 import threading
 import time
 import urllib.parse
 from typing import Any
 
+from ..samples import single_question_requests
 from . import auth_headers, get_json
+from .benchout import percentile
 
 MAX_RETRIES = 20  # 529s for one request before it counts as failed
 GONE_AFTER = 3  # connection failures in a row that mean the daemon is gone
@@ -78,16 +81,8 @@ class Client:
         return body, int(resp.headers.get("x-basal-batch-requests", "1"))
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(round(q * len(ordered) + 0.5)) - 1))
-    return ordered[rank]
-
-
 def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_key: str | None = None,
                progress=None) -> dict[str, Any]:
-    from ..bench import single_question_requests
-
     url = url.rstrip("/")
     model = get_json(url, "/v1/models", timeout=30, flag="--http", api_key=api_key)["models"][0]["name"]
     bodies = single_question_requests(model)
@@ -164,9 +159,9 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
         result["error"] = "no request succeeded"
         return result
     result.update({"req_per_s": round(len(latencies) / elapsed, 2),
-                   "latency_ms": {"p50": round(_percentile(latencies, .5), 2),
-                                  "p95": round(_percentile(latencies, .95), 2),
-                                  "p99": round(_percentile(latencies, .99), 2)},
+                   "latency_ms": {"p50": round(percentile(latencies, .5), 2),
+                                  "p95": round(percentile(latencies, .95), 2),
+                                  "p99": round(percentile(latencies, .99), 2)},
                    "mean_batch_requests": round(sum(batch_sizes) / len(batch_sizes), 2)})
     return result
 
@@ -179,10 +174,6 @@ def _post_basal(url: str, body: dict[str, Any], api_key: str | None) -> tuple[di
 def bench_http_invariance(url: str, trials: int, api_key: str | None = None) -> dict[str, Any]:
     """Over HTTP: a request's answers alone, then again sent at the same moment as 31 others (so they share
     batches); the probabilities must be the same bits (JSON floats print every bit of a float64)."""
-    import random
-
-    from ..bench import single_question_requests
-
     url = url.rstrip("/")
     model = get_json(url, "/v1/models", timeout=30, flag="--http", api_key=api_key)["models"][0]["name"]
     bodies = single_question_requests(model)

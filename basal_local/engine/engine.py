@@ -33,7 +33,8 @@ from .evidence import attach_evidence
 from .gate import DeviceGate
 from .lane import Flight, Lane
 from .packer import pack_prompts
-from .plan import RequestPlan, finish, plan_request
+from .plan import RequestPlan, finish, packed_size, plan_request
+from .prefix_cache import PrefixCache, budget_bytes, plan_fills
 from .pretty import batch_tree, unit_label
 from .requests import RoundResult, run_request
 from .scheduler import Job
@@ -82,12 +83,7 @@ class ModelEngine:
         self.batches = 0
         # called by a lane whose batch raised, before its jobs fail; True = the jobs were handed elsewhere
         self.on_batch_failure: Callable[[ModelEngine, Exception, list[Job]], bool] | None = None
-        self.prefixes: dict[str, list[int]] = {}
-        if self.settings.prefix_cache:
-            for lang in ("pl", "en"):
-                ids = model.tokenizer.template_prefix(lang)
-                backend.add_prefix(lang, ids)
-                self.prefixes[lang] = ids
+        self.cache, self.prefixes = self._open_cache(model, backend)
         warmup = getattr(backend, "warmup", None)
         if warmup is not None:  # e.g. capture CUDA graphs before the first request
             warmup(self.settings.max_forward_tokens)
@@ -95,6 +91,36 @@ class ModelEngine:
         self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
         # evidence forwards and the planning of later rounds (engine/requests.py), off the lanes and the caller
         self.helpers = ThreadPoolExecutor(2, f"{model.name}-helpers")
+
+    def _open_cache(self, model: ModelDir, backend: Backend) -> tuple[PrefixCache | None, Any]:
+        """The state cache (engine/prefix_cache.py) with the templates pinned in it; a backend without a pool
+        (a test's fake) keeps only the templates, by language."""
+        setting = self.settings.prefix_cache
+        existing = getattr(backend, "state_cache", None)
+        if existing is not None and existing.setting == str(setting):
+            return existing, existing  # another engine on this backend (the pool is the backend's)
+        if not hasattr(backend, "open_cache"):
+            prefixes: dict[str, list[int]] = {}
+            if setting != "off":
+                for lang in ("pl", "en"):
+                    prefixes[lang] = model.tokenizer.template_prefix(lang)
+                    backend.add_prefix(lang, prefixes[lang])
+            return None, prefixes
+        per_token = backend.kv_bytes_per_token()
+        templates = {lang: model.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+        capacity = budget_bytes(setting, backend.device_memory()) // per_token
+        if setting != "off":  # the templates always fit, whatever the budget
+            capacity = max(capacity, sum(len(ids) for ids in templates.values()))
+        cache = PrefixCache(capacity, per_token, enabled=setting != "off", setting=str(setting))
+        cache.on_drop = backend.drop_prefix
+        backend.open_cache(cache.capacity)
+        backend.state_cache = cache
+        for lang, ids in templates.items():
+            entry = cache.pin(lang, ids)
+            if entry is not None:
+                backend.add_prefix(lang, ids, entry.offset)
+                cache.publish(entry)
+        return cache, cache
 
     def lanes(self) -> list[Lane]:
         return [self.main] + ([self.long] if self.long else [])
@@ -131,7 +157,10 @@ class ModelEngine:
     def submit_round(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
                      request_id: str = "") -> Future[RoundResult]:
         """Queue one round of a request; its future is the lane's answer."""
-        job = Job(plan, plan.packed_tokens, plan.prompt_specs(), is_cancelled=is_cancelled, arrival=plan.arrival,
+        specs = plan.prompt_specs()
+        # what this engine's cache leaves to compute now (planned elsewhere, or the cache changed since)
+        tokens = packed_size(specs, self.prefixes) if self.cache is not None else plan.packed_tokens
+        job = Job(plan, tokens, specs, is_cancelled=is_cancelled, arrival=plan.arrival,
                   request_id=request_id, background=plan.background)
         if not plan.questions:  # every question fixed: nothing to compute
             job.resolve(RoundResult(finish(plan, [], self.model.calibration), 0.0, 0.0, 1, 0))
@@ -158,7 +187,18 @@ class ModelEngine:
             memory = {}
         return {"model": self.model.name, "replica": self.replica, "device": self.backend.device, "alive": alive,
                 "batches": self.batches, "waiting": waiting, "queued_tokens": self.queued_tokens(),
-                "requests": waiting, "lanes": lanes, "memory": memory}
+                "requests": waiting, "lanes": lanes, "memory": memory, "prefix_cache": self.cache_snapshot()}
+
+    def cache_snapshot(self) -> dict[str, Any]:
+        if self.cache is None:
+            return {"enabled": False, "setting": str(self.settings.prefix_cache), "budget_bytes": 0, "bytes": 0,
+                    "nodes": 0, "pinned": 0, "tokens": 0, "capacity_tokens": 0, "hits": 0, "misses": 0,
+                    "hit_tokens": 0, "evictions": 0}
+        return self.cache.snapshot()
+
+    def round_cost(self, plan: RequestPlan, specs: Sequence[Any]) -> int:
+        """Tokens a round of `plan` would compute here now (what this engine's cache holds excluded)."""
+        return packed_size(specs, self.prefixes) if self.cache is not None else plan.packed_tokens
 
     def waiting(self) -> int:
         return sum(lane.waiting() for lane in self.lanes())
@@ -231,20 +271,40 @@ class ModelEngine:
                     owners.append((j, q, o))
             specs.extend(job.specs)
         s = self.settings
-        pack = pack_prompts(specs, self.prefixes, s.max_row_tokens, s.max_forward_tokens)
+        lease, cached = None, None
+        if self.cache is None:
+            pack = pack_prompts(specs, self.prefixes, s.max_row_tokens, s.max_forward_tokens)
+        else:
+            # packing, holding what it reads and reserving what it writes: one step against evictions
+            with self.cache.lock:
+                pack = pack_prompts(specs, self.prefixes, s.max_row_tokens, s.max_forward_tokens)
+                lease = self.cache.lease()
+                cached = plan_fills(jobs, specs, pack, lease)
         batch_id = self.telemetry.next_batch_id()
         self.telemetry.batch_started(batch_id, self.model.name, lane.label, [j.request_id for j in jobs],
                                      pack.packed_tokens)
-        launched = [self._launch(b, lane) for b in pack.batches]
+        try:
+            launched = [self._launch(b, lane) for b in pack.batches]
+        except BaseException:
+            if lease is not None:
+                lease.abort()
+            raise
         now = time.perf_counter()
         return Flight(list(jobs), pack, owners, len(specs), launched, batch_id, started, now - started,
-                       device_start=now)
+                      device_start=now, lease=lease, cached=cached)
 
     def complete_batch(self, flight: Flight, lane: Lane) -> None:
         """Wait for a launched batch's logits and answer its jobs."""
         jobs, pack, started, batch_id = flight.jobs, flight.pack, flight.started, flight.batch_id
         flight.waited = not flight.done()
-        outputs = [f.result() for f in flight.launched]
+        try:
+            outputs = [f.result() for f in flight.launched]
+        except BaseException:
+            if flight.lease is not None:
+                flight.lease.abort()
+            raise
+        if flight.lease is not None:
+            flight.lease.commit()
         flight.ended = time.perf_counter()
         logits: list[list[list[np.ndarray]]] = [[[None] * len(qp.token_ids) for qp in job.plan.questions]
                                                 for job in jobs]  # type: ignore[misc]
@@ -270,4 +330,5 @@ class ModelEngine:
                 job.fail(exc)
                 continue
             queue_ms = (started - job.arrival) * 1000.0
-            job.resolve(RoundResult(outcome, queue_ms, compute_ms, len(jobs), batch_id))
+            cached = flight.cached[j] if flight.cached else 0
+            job.resolve(RoundResult(outcome, queue_ms, compute_ms, len(jobs), batch_id, cached))

@@ -41,6 +41,8 @@ class Flight:
     waited: bool = False  # whether the lane had to wait for them (then `ended` is when the device finished)
     after: float = 0.0  # when the batch before it ended, if the device was still busy with that at its launch
     overlap: bool = False  # whether the next batch may form while it computes (a known, long enough device time)
+    lease: Any = None  # the state cache's entries it reads and writes (prefix_cache.Lease), settled once answered
+    cached: list[int] | None = None  # per job: tokens of its prompts continued from the cache
 
     def done(self) -> bool:
         return all(f.done() for f in self.launched)
@@ -150,6 +152,7 @@ class Lane:
                 if flight.done() or not flight.overlap:  # answer it before taking new work
                     self._complete(flight)
                     flight = None
+                    self.running_tokens = 0  # idle until the next batch (routing reads it meanwhile)
             batch: list[Job] = []
             launched: Flight | None = None
             try:

@@ -8,8 +8,9 @@ packed forward exactly equal to one causal forward per prompt.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,8 @@ class PromptSpec:
     token_ids: Sequence[int]
     lang: str
     letter_ids: Sequence[int]
+    # what the state cache answered for it, and when (split_cached_prefix): (cache, generation, name, used)
+    memo: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -141,28 +144,56 @@ def _deepen(block: _Block) -> None:
         _deepen(child)
 
 
-def split_cached_prefix(spec: PromptSpec, prefixes: dict[str, Sequence[int]]) -> tuple[str | None, list[int]]:
-    """(name of the cached prefix the prompt continues, or None; the token ids after it)."""
-    ids = list(spec.token_ids)
-    cached = prefixes.get(spec.lang)
-    if cached is not None and len(ids) > len(cached) and ids[: len(cached)] == list(cached):
-        return spec.lang, ids[len(cached):]
-    return None, ids
+class TemplatePrefixes:
+    """The cached prefixes as a dict language -> template ids (the packer's view without a state cache)."""
+
+    def __init__(self, prefixes: Mapping[str, Sequence[int]]) -> None:
+        self.prefixes = prefixes
+
+    def split(self, ids: list[int], lang: str) -> tuple[str | None, int]:
+        cached = self.prefixes.get(lang)
+        if cached is not None and len(ids) > len(cached) and ids[: len(cached)] == list(cached):
+            return lang, len(cached)
+        return None, 0
+
+
+def prefix_view(prefixes) -> TemplatePrefixes | Any:
+    """What the packer asks `split(ids, lang)` -> (name of the cached prefix a prompt continues, its tokens used):
+    a dict of templates, or a state cache (engine/prefix_cache.py)."""
+    if prefixes is None or isinstance(prefixes, Mapping):
+        return TemplatePrefixes(prefixes or {})
+    return prefixes
+
+
+def split_cached_prefix(spec: PromptSpec, prefixes) -> tuple[str | None, int, list[int]]:
+    """(name of the cached prefix the prompt continues, or None; how many of its tokens; the ids after them)."""
+    ids = spec.token_ids if type(spec.token_ids) is list else list(spec.token_ids)
+    view = prefix_view(prefixes)
+    generation = getattr(view, "generation", None)  # the state cache's: bumped whenever a lookup may change
+    memo = spec.memo
+    if generation is not None and memo is not None and memo[0] is view and memo[1] == generation:
+        name, used = memo[2], memo[3]
+    else:
+        name, used = view.split(ids, spec.lang)
+        if generation is not None:
+            spec.memo = (view, generation, name, used)
+    return name, used, ids[used:]
 
 
 class TrieSizer:
-    """Packed size of a growing set of prompts: one trie per (language, cached prefix), as the rows will be."""
+    """Packed size of a growing set of prompts: one trie per (language, cached prefix, tokens of it used), as the
+    rows will be."""
 
-    def __init__(self, prefixes: dict[str, Sequence[int]]) -> None:
-        self.prefixes = prefixes
-        self.tries: dict[tuple[str, str | None], PrefixTrie] = {}
+    def __init__(self, prefixes) -> None:
+        self.prefixes = prefix_view(prefixes)
+        self.tries: dict[tuple[str, str | None, int], PrefixTrie] = {}
         self.tokens = 0
 
     def add(self, specs: Sequence[PromptSpec]) -> int:
         added = 0
         for spec in specs:
-            prefix, ids = split_cached_prefix(spec, self.prefixes)
-            added += self.tries.setdefault((spec.lang, prefix), PrefixTrie()).insert(ids, 0)
+            prefix, used, ids = split_cached_prefix(spec, self.prefixes)
+            added += self.tries.setdefault((spec.lang, prefix, used), PrefixTrie()).insert(ids, 0)
         self.tokens += added
         return added
 
@@ -172,6 +203,7 @@ class _Row:
     lang: str
     prefix: str | None
     trie: PrefixTrie
+    used: int = 0  # tokens of the cached prefix the row continues (its trie's offset)
 
 
 @dataclass
@@ -186,24 +218,24 @@ class PackPlan:
     rows: list[_Row]
 
 
-def pack_prompts(prompts: Sequence[PromptSpec], prefixes: dict[str, Sequence[int]] | None = None,
+def pack_prompts(prompts: Sequence[PromptSpec], prefixes=None,
                  max_row_tokens: int = TREE_MAX_TOKENS, max_forward_tokens: int = FORWARD_MAX_TOKENS,
                  max_depth: int = MAX_TREE_DEPTH) -> PackPlan:
-    """Pack prompts into language rows and forwards. `prefixes` maps a language to its cached template ids."""
-    prefixes = prefixes or {}
+    """Pack prompts into language rows and forwards. `prefixes`: a dict language -> cached template ids, or the
+    state cache (`prefix_view`); a row is one (language, cached prefix, tokens of it continued)."""
+    view = prefix_view(prefixes)
     rows: list[_Row] = []
-    open_rows: dict[tuple[str, str | None], _Row] = {}
+    open_rows: dict[tuple[str, str | None, int], _Row] = {}
     # questions about the same state next to each other: stable order by token ids within a language
     order = sorted(range(len(prompts)), key=lambda i: (prompts[i].lang, tuple(prompts[i].token_ids)))
     for i in order:
         spec = prompts[i]
-        prefix, ids = split_cached_prefix(spec, prefixes)
-        key = (spec.lang, prefix)
-        offset = len(spec.token_ids) - len(ids)
+        prefix, used, ids = split_cached_prefix(spec, view)
+        key = (spec.lang, prefix, used)
         row = open_rows.get(key)
         full = row is not None and row.trie.num_tokens and row.trie.num_tokens + len(ids) > max_row_tokens
         if row is None or (full and row.trie.num_tokens + row.trie.growth(ids) > max_row_tokens):
-            row = _Row(spec.lang, key[1], PrefixTrie(offset, max_depth))
+            row = _Row(spec.lang, prefix, PrefixTrie(used, max_depth), used)
             rows.append(row)
             open_rows[key] = row
         row.trie.insert(ids, i)
@@ -234,14 +266,17 @@ def _emit(rows: list[_Row], prompts: Sequence[PromptSpec], batch_no: int,
     block_prefix: list[int] = []
     readout_index: list[int] = []
     prefix_names: list[str] = []
+    prefix_lengths: list[int] = []
+    used_no: dict[tuple[str, int], int] = {}
     letters: dict[int, int] = {}
     prompt_readout: dict[int, int] = {}
     for row in rows:
         prefix_no = -1
         if row.prefix is not None:
-            if row.prefix not in prefix_names:
+            prefix_no = used_no.setdefault((row.prefix, row.used), len(prefix_names))
+            if prefix_no == len(prefix_names):
                 prefix_names.append(row.prefix)
-            prefix_no = prefix_names.index(row.prefix)
+                prefix_lengths.append(row.used)
         base = len(block_parent)
         for block, parent in row.trie.blocks():
             b = len(block_parent)
@@ -263,4 +298,4 @@ def _emit(rows: list[_Row], prompts: Sequence[PromptSpec], batch_no: int,
         token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
         token_block=np.asarray(token_block, dtype=np.int32), block_parent=np.asarray(block_parent, dtype=np.int32),
         block_prefix=np.asarray(block_prefix, dtype=np.int32), readout_index=np.asarray(readout_index, dtype=np.int64),
-        letter_ids=np.asarray(list(letters), dtype=np.int64), prefixes=prefix_names)
+        letter_ids=np.asarray(list(letters), dtype=np.int64), prefixes=prefix_names, prefix_lengths=prefix_lengths)

@@ -63,7 +63,7 @@ class RequestPlan:
     carried: dict[UnitKey, list[float]] = field(default_factory=dict)  # unit probabilities of earlier rounds
     evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     error: AnswerRefused | None = None  # set by finish when an answer refuses (act max_error without defer)
-    context: tuple[BasalTokenizer, int, dict[str, Sequence[int]]] | None = None
+    context: tuple[BasalTokenizer, int, Any] | None = None  # tokenizer, positions, the prefixes' view
     background: bool = False  # batch work: computed only when no interactive request waits (scheduler)
 
     def prompt_specs(self) -> list[PromptSpec]:
@@ -105,12 +105,15 @@ def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalToken
                     max_positions: int) -> tuple[list[QuestionPlan], int]:
     texts = [p for unit in units for p in unit[3]]
     ids: list[list[int]] = []
+    # where the state ends in the prompts: the tokenizer keeps the ids of template + state of a long document
+    state = request.state_text
+    remember = texts[0].find(state) + len(state) if texts and len(state) >= 1024 and state in texts[0] else 0
     if units and len(request.state_text) > max_positions:
         # a long state is in every prompt: measure the first unit's prompts alone before the rest
-        ids = tokenizer.encode_batch(units[0][3])
+        ids = tokenizer.encode_batch(units[0][3], remember)
         _check_context(units[0][0], ids, max_positions, request.model)
     if len(texts) > len(ids):
-        ids += tokenizer.encode_batch(texts[len(ids):])
+        ids += tokenizer.encode_batch(texts[len(ids):], remember)
     plans, at = [], 0
     for q, lang, perms, prompts, role, index, members in units:
         token_ids = ids[at: at + len(prompts)]
@@ -122,12 +125,12 @@ def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalToken
 
 
 def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positions: int,
-                 prefixes: dict[str, Sequence[int]] | None = None) -> RequestPlan:
+                 prefixes: Any = None) -> RequestPlan:
     """Render and tokenize every round-1 unit; raises ContextTooLong for too-long prompts."""
     started = time.perf_counter()
     check_size_cheaply(request, tokenizer, max_positions)
     plans, tokens = _tokenize_units(request, _render_units(request, tokenizer.bos), tokenizer, max_positions)
-    plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, dict(prefixes or {})))
+    plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, prefixes or {}))
     plan.packed_tokens = packed_size(plan.prompt_specs(), prefixes or {})
     plan.planning_s = time.perf_counter() - started
     return plan
@@ -157,8 +160,9 @@ def check_size_cheaply(request: DecisionRequest, tokenizer: BasalTokenizer, max_
             raise ContextTooLong(q.qid, chars // per_token, max_positions, request.model, at_least=True)
 
 
-def packed_size(specs: Sequence[PromptSpec], prefixes: dict[str, Sequence[int]]) -> int:
-    """Tokens the prefix tries of these prompts hold (each language row, cached template excluded)."""
+def packed_size(specs: Sequence[PromptSpec], prefixes: Any) -> int:
+    """Tokens the prefix tries of these prompts hold (each row, what it continues from the cache excluded);
+    `prefixes`: templates by language, or the state cache (packer.prefix_view)."""
     return TrieSizer(prefixes).add(specs)
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .packer import PackPlan
+from .prefix_cache import is_state
 
 
 def format_pack(pack: PackPlan, tokenizer=None, width: int = 60) -> str:
@@ -13,7 +14,8 @@ def format_pack(pack: PackPlan, tokenizer=None, width: int = 60) -> str:
              f"vs {pack.unpacked_tokens} unpacked "
              f"({100.0 * (1 - pack.packed_tokens / max(pack.unpacked_tokens, 1)):.1f} % saved)"]
     for n, row in enumerate(pack.rows):
-        prefix = f"cached template {row.prefix} + " if row.prefix else ""
+        prefix = (f"cached {'state' if is_state(row.prefix) else 'template'} {row.prefix} ({row.used} tok) + "
+                  if row.prefix else "")
         lines.append(f"row {n} [{row.lang}] {prefix}{row.trie.num_tokens} tokens, {row.trie.num_prompts} prompts")
         depth_of: dict[int, int] = {}
         for i, (block, parent) in enumerate(row.trie.blocks()):
@@ -83,8 +85,10 @@ def batch_tree(rows_: Sequence[Any], owners: list[tuple[str, str, int, str]]) ->
                 children[parent].append(node)
                 below[parent] = _merge(below[parent], below[i])
         top = [nodes[i] for i, (_b, parent) in enumerate(blocks) if parent < 0]
-        prefix_tokens = row.trie.root.start  # the cached template's length (0 when not cached)
+        prefix_tokens = row.trie.root.start  # the cached prefix's tokens the row continues (0 when none)
+        # cached_tokens: continued from the cache (the template, or a template + state: then cache_hit)
         rows.append({"lang": row.lang, "prefix": row.prefix, "prefix_tokens": prefix_tokens,
+                     "cached_tokens": prefix_tokens, "cache_hit": is_state(row.prefix),
                      "tokens": row.trie.num_tokens, "prompts": row.trie.num_prompts, "children": top})
     return rows
 

@@ -26,6 +26,7 @@ class RoundResult:
     compute_ms: float
     batch_requests: int
     batch_id: int
+    cached_tokens: int = 0  # tokens of its prompts continued from cached K/V (the template, a cached state)
 
 
 RoundSubmit = Callable[[RequestPlan, Callable[[], bool], str], "Future[RoundResult]"]
@@ -76,6 +77,7 @@ def run_request(plan: RequestPlan, submit_round: RoundSubmit, is_cancelled: Call
         outcome = result.outcome
         outcome.queue_ms, outcome.compute_ms = totals
         outcome.batch_requests, outcome.batch_id = result.batch_requests, result.batch_id
+        outcome.cached_tokens = result.cached_tokens
         try:
             outer.set_result(outcome)
         except InvalidStateError:

@@ -84,7 +84,7 @@ def hrrn_order(jobs: list[Job], now: float, rate: float, overhead_s: float = BAT
     return sorted(jobs, key=lambda j: (j.background, -response_ratio(j, now, rate, overhead_s)))
 
 
-def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequence[int]],
+def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: Any,
                schedule: str, rate: float, now: float | None = None,
                overhead_s: float = BATCH_OVERHEAD_S) -> tuple[list[Job], list[Job]]:
     """Take the first job in queue order and each later one whose trie growth still fits the budget.
@@ -110,7 +110,7 @@ def form_batch(queue: list[Job], max_batch_tokens: int, prefixes: dict[str, Sequ
 
 
 def _fill(ordered: list[Job], max_batch_tokens: int,
-          prefixes: dict[str, Sequence[int]]) -> tuple[list[Job], list[Job]]:
+          prefixes: Any) -> tuple[list[Job], list[Job]]:
     if len(ordered) <= 1:  # nothing to size against (a job larger than the budget runs alone anyway)
         return ordered, []
     batch = [ordered[0]]

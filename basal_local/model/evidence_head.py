@@ -204,7 +204,7 @@ class EvidenceHead:
 
 def write_random_head(path: Path, hidden_size: int, k: int = 16, seed: int = 0) -> None:
     """A random head in the real file format (torch zip pickle), for generated test models."""
-    import torch
+    import torch  # only to write the file; reading it needs no torch (an MLX install has none)
 
     gen = torch.Generator().manual_seed(seed)
     state = OrderedDict()

@@ -7,8 +7,13 @@ and `huggingface-cli` share them; nothing is ever downloaded implicitly (only `b
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+import huggingface_hub
+
+from ..paths import home_dirs
 
 SHORT_NAMES = {"mini": "Remek/basal-1.5-mini", "4.5B": "Remek/basal-1.5-4.5B", "max": "Remek/basal-1.5-max"}
 DEMO_NAME = "basal-demo"
@@ -87,10 +92,8 @@ def resolve_model(ref: str) -> Path:
     except ModelNotFound as exc:
         raise ModelNotFound(f"{exc}; or a model directory") from None
     try:
-        from huggingface_hub import snapshot_download
-
         options = {k: v for k, v in hub_options().items() if k == "cache_dir"}
-        return Path(snapshot_download(repo, revision=revision, local_files_only=True, **options))
+        return Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True, **options))
     except Exception:
         raise ModelNotFound(f"{repo} is not downloaded yet: run `basal-local pull {ref}` first "
                             f"(or try the demo: `basal-local serve --demo`)") from None
@@ -98,12 +101,10 @@ def resolve_model(ref: str) -> Path:
 
 def pull(ref: str) -> Path:
     """Download (or finish downloading) a model into the HF cache, with huggingface_hub's own progress bars."""
-    from huggingface_hub import snapshot_download
-
     repo, revision = split_ref(ref)
     patterns = pull_patterns(ref)
     extra = {"allow_patterns": patterns} if patterns else {}
-    return Path(snapshot_download(repo, revision=revision, **extra, **hub_options()))
+    return Path(huggingface_hub.snapshot_download(repo, revision=revision, **extra, **hub_options()))
 
 
 @dataclass
@@ -125,9 +126,7 @@ def cached_models() -> list[CachedModel]:
                   for tag, (suffix, _) in PORT_TAGS.items() if suffix and not suffix.endswith("GGUF")})
     short.update({repo + "-GGUF": f"{name}:gguf" for name, repo in SHORT_NAMES.items()})
     try:
-        from huggingface_hub import scan_cache_dir
-
-        info = scan_cache_dir(hub_options().get("cache_dir"))
+        info = huggingface_hub.scan_cache_dir(hub_options().get("cache_dir"))
         repos = [r for r in info.repos if r.repo_type == "model"]
     except Exception:  # no cache folder yet
         repos = []
@@ -155,8 +154,6 @@ def find_cached(ref: str) -> list[CachedModel]:
 
 
 def demo_model_path() -> Path:
-    from ..paths import home_dirs
-
     return home_dirs()["cache"] / "demo-model"
 
 
@@ -165,7 +162,7 @@ def demo_model_dir(on_generate=None) -> Path:
 
     `on_generate(path)` is called just before it is really generated (not when it is already there).
     """
-    from .testmodel import make_test_model
+    from .testmodel import make_test_model  # numpy and the tokenizer trainer: only to generate the demo model
 
     target = demo_model_path()
     marker = target / "basal.json"
@@ -175,8 +172,6 @@ def demo_model_dir(on_generate=None) -> Path:
         tmp = target.with_name(f"demo-model.tmp{os.getpid()}")
         make_test_model(tmp, preset="tiny", seed=0, name=DEMO_NAME)
         if target.exists():
-            import shutil
-
             shutil.rmtree(target)
         tmp.rename(target)
     return target

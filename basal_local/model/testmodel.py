@@ -15,8 +15,11 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from ..protocol.constants import CHAT_TEMPLATE, LETTERS, PREFILL, TEMPLATES_1_5
+from ..protocol.constants import CHAT_TEMPLATE, LETTERS, PREFILL, SYSTEM, TEMPLATES_1_5, USER_FORMAT
+from .config import LlamaConfig
+from .evidence_head import HEAD_FILE, write_random_head
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -51,8 +54,6 @@ TEST_CALIBRATION = {
 
 
 def _corpus() -> list[str]:
-    from ..protocol.constants import SYSTEM, USER_FORMAT
-
     assets = resources.files("basal_local.assets")
     lines = []
     for name in ("corpus_pl.txt", "corpus_en.txt"):
@@ -66,8 +67,6 @@ def _corpus() -> list[str]:
 
 def train_tokenizer(vocab_size: int = 4000) -> dict:
     """A BPE tokenizer.json in the Basal layout, trained on the bundled texts. Deterministic."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
     alphabet = sorted(set("".join(_corpus())) | set(LETTERS) | set("{}[]\":,.0123456789-+eE\n\t <>|_"))
@@ -109,7 +108,7 @@ def _joins_quote_and_letter(merge) -> bool:
 
 
 def _random_weights(shapes: dict[str, tuple[int, ...]], seed: int, device: str = "cpu"):
-    import torch
+    import torch  # optional here: without torch the weights are drawn with numpy (write_numpy_weights)
 
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
@@ -177,9 +176,6 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
     it is installed, as before; NumPy on a torch-less install such as Apple Silicon).
     `evidence_head` (default: for the test presets tiny/small, where torch can write the file) adds a random
     evidence head. `progress(step)` is told each phase (the CLI prints them)."""
-    from .config import LlamaConfig
-    from .evidence_head import HEAD_FILE, write_random_head
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     out = Path(directory).expanduser()
@@ -224,7 +220,7 @@ def make_test_model(directory: str | Path, preset: str = "tiny", seed: int = 0, 
             raise ValueError("random weights on a GPU need torch; without torch use --device cpu")
         write_numpy_weights(out / "model.safetensors", parsed.weight_shapes(), seed)
     else:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # imports torch (see _random_weights)
 
         tensors = _random_weights(parsed.weight_shapes(), seed, device)
         say("writing model.safetensors")

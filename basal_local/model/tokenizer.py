@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
-import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +25,10 @@ SHARED_MIN_CHARS = 256
 PIECE_CHARS = 4096
 # texts of fewer characters in all are tokenized one by one, not on the tokenizer's thread pool (BasalTokenizer._run)
 SERIAL_CHARS = 8192
+# shared texts this long are remembered (their ids), the last REMEMBER_TEXTS of them
+REMEMBER_MIN_CHARS = 2048
+REMEMBER_TEXTS = 32
+REMEMBER_CHARS = 16_000_000  # and at most this many characters of them in all
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
@@ -35,7 +40,7 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
     lo, hi = 0, n - 1  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:  # only the part not known to agree (a document's ids: 18k per prompt)
             lo = mid
         else:
             hi = mid - 1
@@ -108,15 +113,19 @@ def _fixed_tokenizer_json(raw: dict) -> dict:
 class BasalTokenizer:
     """Tokenizes whole rendered prompts (special tokens are literal text in the prompt)."""
 
-    def __init__(self, tokenizer_json: Path, bos_token: str) -> None:
+    def __init__(self, tokenizer_json: Path, bos_token: str, serial_chars: int = SERIAL_CHARS) -> None:
         raw = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
         fixed = _fixed_tokenizer_json(raw)
         self._tok = Tokenizer.from_str(json.dumps(fixed))
         self._splits = splits_at_spaces(fixed)
         # encode_batch_fast (tokenizers >= 0.20.2) skips the character offsets that ids alone never need
         self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        self.serial_chars = int(os.environ.get("BASAL_LOCAL_TOKENIZE_SERIAL_CHARS", SERIAL_CHARS))
+        self.serial_chars = serial_chars  # below this many characters in all, `_run` tokenizes one text at a time
         self.bos = bos_token
+        # the ids of the text recent requests' prompts shared (template + state): a new question about a known
+        # document tokenizes only its own text (encode is deterministic, so a hit returns exactly its ids)
+        self._shared: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._shared_lock = threading.Lock()
         if self._tok.token_to_id(bos_token) is None:
             raise TokenizerError(f"tokenizer_config.json: bos_token {bos_token!r} is not in the vocabulary")
         self.letter_ids = self._derive_letter_ids()
@@ -129,17 +138,31 @@ class BasalTokenizer:
         enc = self._tok.encode(text, add_special_tokens=False)
         return enc.ids, [tuple(o) for o in enc.offsets]
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], remember: int = 0) -> list[list[int]]:
         """Ids of each text, equal to `encode` of each. Where the vocabulary allows exact splits (`_splits`),
-        the text the prompts share (template + state) is tokenized once and long texts in pieces."""
+        the text the prompts share (template + state) is tokenized once and long texts in pieces; with
+        `remember` (the characters of the first text that are template + state), that shared text's ids are kept,
+        so the next request about the same document tokenizes only its questions (`REMEMBER_*`)."""
         texts = list(texts)
         if not texts:
             return []
         if not self._splits:
             return self._run(texts)
-        cut = 0
+        known = self._known(texts)
+        if known is not None:  # a kept text every prompt starts with, at a point where ids may be cut
+            head, ids = known
+            return [ids + tail for tail in self.encode_batch([t[len(head):] for t in texts])]
+        cut = len(texts[0])
         if len(texts) > 1:
             cut = safe_cut(texts[0], min(common_prefix_len(texts[0], t) for t in texts[1:]))
+        keep = safe_cut(texts[0], min(remember, cut) + 1) if remember else 0
+        if keep >= REMEMBER_MIN_CHARS:
+            head = texts[0][:keep]
+            ids = [i for chunk in self._run(self._pieces(head)) for i in chunk]
+            self._remember(head, ids)
+            return [ids + tail for tail in self.encode_batch([t[keep:] for t in texts])]
+        if len(texts) == 1:
+            cut = 0
         shared = cut >= SHARED_MIN_CHARS
         parts = [self._pieces(texts[0][:cut])] + [[t[cut:]] for t in texts] if shared else \
             [self._pieces(t) for t in texts]
@@ -150,13 +173,36 @@ class BasalTokenizer:
             at += len(ps)
         return [joined[0] + tail for tail in joined[1:]] if shared else joined
 
+    def _known(self, texts: list[str]) -> tuple[str, list[int]] | None:
+        """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut)."""
+        with self._shared_lock:
+            best = None
+            for head, ids in self._shared.items():
+                n = len(head)
+                # t[:n] == head, not t.startswith(head): a slice has the narrowest character width of its
+                # content, as head does, so the two compare as bytes; startswith compares char by char when the
+                # widths differ (a wide character after the state: 2 ms per 70k-character prompt)
+                if (best is None or n > len(best[0])) and all(len(t) > n and t[n] == " " and t[:n] == head
+                                                                for t in texts):
+                    best = (head, ids)
+            if best is not None:
+                self._shared.move_to_end(best[0])
+            return best
+
+    def _remember(self, text: str, ids: list[int]) -> None:
+        with self._shared_lock:
+            self._shared[text] = ids
+            while len(self._shared) > REMEMBER_TEXTS or \
+                    len(self._shared) > 1 and sum(len(t) for t in self._shared) > REMEMBER_CHARS:
+                self._shared.popitem(last=False)
+
     def _run(self, texts: list[str]) -> list[list[int]]:
         """Short work one text after another with `encode` in the calling thread, the rest in one call on the
-        pool, which also releases the GIL for the daemon's other threads. `BASAL_LOCAL_TOKENIZE_SERIAL_CHARS`
-        moves the line (0: always the pool).
+        pool, which also releases the GIL for the daemon's other threads; `serial_chars` draws the line (0: always
+        the pool, as the tests use it).
         `encode_batch_fast` one text at a time is faster alone (157 vs 233 us a single decision's texts on the
         H200 host, `git show 56232b5:tools/tok_bench.py`) but through the pool: with 32 clients the daemon's planning p50 went 0.6 ->
-        3.4 ms and 190-199 -> 183 req/s, and 1 client gained nothing measurable (docs/PERFORMANCE.md)."""
+        3.4 ms and 190-199 -> 183 req/s, and 1 client gained nothing measurable."""
         if sum(len(t) for t in texts) < self.serial_chars:
             return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
         return [e.ids for e in self._batch(texts, add_special_tokens=False)]

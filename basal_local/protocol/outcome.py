@@ -33,4 +33,5 @@ class Outcome:
     compute_ms: float = 0.0
     batch_requests: int = 1  # the last round's batch
     batch_id: int = 0
+    cached_tokens: int = 0  # the last round's tokens per prompt read from cached K/V (x-basal-cached-tokens)
     refused: tuple[str, str] | None = None  # (question id, why): an act `max_error` without a defer action

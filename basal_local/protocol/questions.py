@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -13,9 +14,15 @@ QuestionType = Literal["choice", "noul", "score", "multi", "act"]
 
 def detect_language(state_text: str, instructions_text: str) -> str:
     """§4.2: Polish iff any Polish diacritic occurs in the state or the instructions."""
-    if not PL_CHARS.isdisjoint(state_text) or not PL_CHARS.isdisjoint(instructions_text):  # C-speed scans
+    if _has_polish(state_text) or not PL_CHARS.isdisjoint(instructions_text):
         return "pl"
     return "en"
+
+
+@functools.lru_cache(maxsize=4)  # a few recent states (a state may be megabytes)
+def _has_polish(text: str) -> bool:
+    """The state's scan, once per state (every question of a request asks it; 1.4 ms per 70k characters)."""
+    return not PL_CHARS.isdisjoint(text)
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ class ProcessReplicaSet:
     def __post_init__(self) -> None:
         if not self.specs:
             raise ValueError("a replica set needs at least one replica")
-        if self.settings.prefix_cache:
+        if self.settings.prefix_cache != "off":
             for lang in ("pl", "en"):
                 self.prefixes[lang] = self.model.tokenizer.template_prefix(lang)
         _SETS.add(self)

@@ -2,8 +2,9 @@
 device").
 
 Each replica is a ModelEngine on its own device with its own gate and lanes. Each round of a request goes to the
-live replica with the least queued work, counted in packed tokens (a long document weighs what it costs, not one
-request). A replica whose batch fails is probed with a one-token forward: if the probe fails too, the device
+live replica where it costs least: that replica's queued work plus the tokens the round computes there, both in
+packed tokens (a long document weighs what it costs, not one request; a document the replica's state cache holds
+costs only its questions, so a request follows its document unless that replica's queue is longer by more). A replica whose batch fails is probed with a one-token forward: if the probe fails too, the device
 is gone, the replica leaves the rotation and its failed batch and queued requests run on the others; if the
 probe works, the failure was the batch's own and its requests get the error as on a single engine.
 """
@@ -57,11 +58,16 @@ class ReplicaSet:
         # the replicas share the model directory, so the plan (tokens, cached-prefix split) is the same on each
         return self.replicas[0].plan(request)
 
-    def _pick(self, exclude: ModelEngine | None = None) -> ModelEngine | None:
+    def _pick(self, exclude: ModelEngine | None = None, plan: RequestPlan | None = None) -> ModelEngine | None:
+        """The live replica where the round costs least: its queued tokens plus what the round computes there
+        (its state cache may hold the request's document: cache-aware routing)."""
         candidates = [e for e in self.live() if e is not exclude]
         if not candidates:
             return None
-        return min(candidates, key=lambda e: (e.queued_tokens(), e.replica))
+        if plan is None or len(candidates) == 1:
+            return min(candidates, key=lambda e: (e.queued_tokens(), e.replica))
+        specs = plan.prompt_specs()
+        return min(candidates, key=lambda e: (e.queued_tokens() + e.round_cost(plan, specs), e.replica))
 
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str = "") -> Future[Outcome]:
@@ -72,7 +78,7 @@ class ReplicaSet:
         (live[0] if live else self.replicas[0]).attach_evidence(plan)
 
     def _submit_round(self, plan: RequestPlan, is_cancelled: Callable[[], bool], request_id: str) -> Future[RoundResult]:
-        engine = self._pick()
+        engine = self._pick(plan=plan)
         if engine is None:
             future: Future[RoundResult] = Future()
             future.set_exception(EngineStopped())

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from basal_local.backends.select import make_backend
+from basal_local.backends.torch.options import TorchOptions
 
 from ..engine.engine import EngineSettings, ModelEngine, freeze_heap
 from ..engine.gate import DeviceGate
@@ -48,6 +49,7 @@ class WorkerSpec:
     replica: int
     log_level: int = logging.WARNING
     gpu_memory: str | float | None = None  # --gpu-memory (backends/memory.py)
+    torch_options: TorchOptions | None = None  # the torch backend's declared options (None: the defaults)
 
 
 class RelayTelemetry(Telemetry):
@@ -133,7 +135,7 @@ class _Requests:
         token = message.token
         plan = wire.decode_plan(message.plan)
         model = self.engine.model
-        plan.context = (model.tokenizer, model.config.max_position_embeddings, dict(self.engine.prefixes))
+        plan.context = (model.tokenizer, model.config.max_position_embeddings, self.engine.prefixes)
         future = self.engine.submit(plan, lambda: token in self.cancelled, message.request_id)
         future.add_done_callback(lambda f: self._answered(token, f))
 
@@ -147,7 +149,8 @@ class _Requests:
 
 def _load(spec: WorkerSpec, out: queue.SimpleQueue) -> tuple[ModelEngine, RelayTelemetry, wire.Ready]:
     model = load_model_dir(spec.model_path)
-    backend = make_backend(spec.backend, spec.device, memory_limit=spec.gpu_memory)
+    backend = make_backend(spec.backend, spec.device, memory_limit=spec.gpu_memory,
+                           torch_options=spec.torch_options)
     info = backend.load(model.path, spec.dtype)
     telemetry = RelayTelemetry(out)
     telemetry.memory_probe = backend.memory

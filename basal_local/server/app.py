@@ -193,7 +193,8 @@ def _answer(call: _Call, planned: RequestPlan, result: Outcome) -> Response:
     body = response_body(result, call.dialect, (time.perf_counter() - call.arrived) * 1000.0)
     headers = {**call.id_headers, "x-basal-queue-ms": f"{result.queue_ms:.3f}",
                "x-basal-compute-ms": f"{result.compute_ms:.3f}",
-               "x-basal-batch-requests": str(result.batch_requests)}
+               "x-basal-batch-requests": str(result.batch_requests),
+               "x-basal-cached-tokens": str(result.cached_tokens)}
     telemetry = call.state.telemetry
     telemetry.record_request(id=call.request_id, model=call.model_name, dialect=call.dialect,
                              questions=len(planned.request.questions),
@@ -201,6 +202,7 @@ def _answer(call: _Call, planned: RequestPlan, result: Outcome) -> Response:
                              compute_ms=round(result.compute_ms, 3), batch_id=result.batch_id,
                              batch_requests=result.batch_requests,
                              input_tokens=result.input_tokens, packed_tokens=result.packed_tokens,
+                             cached_tokens=result.cached_tokens,
                              total_ms=body["usage"]["latency_ms"], detail=request_detail(planned, body))
     call.status = 200
     call.timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "

@@ -61,7 +61,8 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
             replicas = []
             for device in model_devices:
                 for slot in range(settings.replicas):
-                    backend = make_backend(settings.backend, device, memory_limit=settings.gpu_memory)
+                    backend = make_backend(settings.backend, device, memory_limit=settings.gpu_memory,
+                                           torch_options=settings.torch_options())
                     info = backend.load(model.path, settings.dtype)
                     state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
                     gate = gates.setdefault((backend.device, slot), DeviceGate(settings.engine.long_slice_ms / 1000.0))
@@ -79,6 +80,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
                              f"({', '.join(state.engines)})")
         state.default_model = default
         state.aliases = resolve_aliases(settings.aliases, list(state.engines), default)
+        state.torch_options = settings.torch_options().product() if state.backend_name == "torch" else None
         if freeze:
             freeze_heap()
         state.ready = True
@@ -101,7 +103,8 @@ def use_processes(settings: Settings, devices: list[str]) -> bool:
 def _process_replicas(state: AppState, settings: Settings, model, devices: list[str]) -> ProcessReplicaSet:
     """`--replica-processes`: one worker process per device and replica slot, loading side by side."""
     specs = [WorkerSpec(model.path, settings.backend, device, settings.dtype, settings.engine, replica=r,
-                        log_level=logging.getLogger("basal_local").getEffectiveLevel(), gpu_memory=settings.gpu_memory)
+                        log_level=logging.getLogger("basal_local").getEffectiveLevel(), gpu_memory=settings.gpu_memory,
+                        torch_options=settings.torch_options())
              for r, (device, _) in enumerate((d, s) for d in devices for s in range(settings.replicas))]
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()

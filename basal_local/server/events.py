@@ -95,10 +95,24 @@ def _models(state: AppState) -> list[dict[str, Any]]:
                                     "temperatures": engine.model.calibration.temperatures,
                                     "thresholds": engine.model.calibration.thresholds},
                     "port": port_summary(engine.model),
+                    "prefix_cache": cache_totals(engine.describe(), str(s.prefix_cache)),
                     "engine": {"max_batch_tokens": s.max_batch_tokens, "schedule": s.schedule,
                                "long_tokens": s.long_tokens, "long_slice_ms": s.long_slice_ms,
                                "max_row_tokens": s.max_row_tokens, "max_forward_tokens": s.max_forward_tokens,
                                "prefix_cache": s.prefix_cache}})
+    return out
+
+
+CACHE_SUMS = ("budget_bytes", "bytes", "nodes", "pinned", "tokens", "capacity_tokens", "hits", "misses", "hit_tokens",
+              "evictions")
+
+
+def cache_totals(replicas: list[dict[str, Any]], setting: str) -> dict[str, Any]:
+    """A model's state cache over its replicas (each replica's own is in its describe entry)."""
+    caches = [r["prefix_cache"] for r in replicas if r.get("prefix_cache")]
+    out: dict[str, Any] = {"enabled": any(c.get("enabled") for c in caches), "setting": setting}
+    for key in CACHE_SUMS:
+        out[key] = sum(int(c.get(key, 0)) for c in caches)
     return out
 
 
@@ -107,7 +121,7 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
     snap = state.telemetry.snapshot()
     snap.update({"version": __version__, "ready": state.ready, "load_error": state.load_error,
                  "backend": state.backend_name, "device": state.device, "dtype": state.dtype,
-                 "models": _models(state), "default_model": state.default_model,
+                 "torch_options": state.torch_options, "models": _models(state), "default_model": state.default_model,
                  "limits": {"max_inflight": state.max_inflight, "max_body_bytes": MAX_BODY_BYTES},
                  "inflight": state.inflight, "queues": _queues(state),
                  "subscribers": state.telemetry.bus.subscribers})

@@ -45,6 +45,16 @@ class MetricsRecorder:
                                     "counted per prompt)", ["model"], registry=r)
         self.output_tokens = Counter("basal_output_tokens", "Generated tokens (always 0)", ["model"], registry=r)
         self.questions = Counter("basal_questions", "Questions answered", ["model"], registry=r)
+        # the state cache's own counters, read from the engines at each scrape (monotonic ones as *_total gauges)
+        self.cache_gauges = {key: Gauge(f"basal_prefix_cache_{name}", text, ["model", "replica"], registry=r)
+                             for key, name, text in (
+                                 ("hits", "hits_total", "Requests that continued a cached document"),
+                                 ("misses", "misses_total", "Requests that did not"),
+                                 ("hit_tokens", "hit_tokens_total", "Tokens read from the cache instead of computed"),
+                                 ("evictions", "evictions_total", "Cached prefixes evicted for room"),
+                                 ("bytes", "bytes", "Memory held by cached prefixes"),
+                                 ("budget_bytes", "budget_bytes", "The cache's memory budget (--prefix-cache)"),
+                                 ("nodes", "nodes", "Cached prefixes (templates included)"))}
         self.queue = Histogram("basal_queue_duration_seconds", "Arrival to start of batch", ["model", "lane"],
                                buckets=SECONDS, registry=r)
         self.batch = Histogram("basal_batch_duration_seconds", "Batch compute, gate waits included",
@@ -91,7 +101,12 @@ class MetricsRecorder:
 
     def render(self) -> bytes:
         for name, engine in list(self.state.engines.items()):
-            self.model_inflight.labels(name).set(sum(r["requests"] for r in engine.describe()))
+            replicas = engine.describe()
+            self.model_inflight.labels(name).set(sum(r["requests"] for r in replicas))
+            for r in replicas:  # the state cache, per replica (engine/prefix_cache.py)
+                cache, labels = r.get("prefix_cache") or {}, (name, str(r.get("replica", 0)))
+                for key, gauge in self.cache_gauges.items():
+                    gauge.labels(*labels).set(cache.get(key, 0))
         return generate_latest(self.registry)
 
 

@@ -55,7 +55,8 @@ def _decision(summary: str, description: str, errors: dict[str, str], models: li
         "description": "answers, keyed by question id",
         "headers": {**_HEADERS, "x-basal-queue-ms": {"schema": {"type": "string"}},
                     "x-basal-compute-ms": {"schema": {"type": "string"}},
-                    "x-basal-batch-requests": {"schema": {"type": "string"}}},
+                    "x-basal-batch-requests": {"schema": {"type": "string"}},
+                    "x-basal-cached-tokens": {"schema": {"type": "string"}}},
         "content": {"application/json": {"schema": _DECISION_RESPONSE}}}}
     for code, text in errors.items():
         responses[code] = {"description": text, "headers": _HEADERS,

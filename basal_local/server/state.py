@@ -35,6 +35,8 @@ class AppState:
     telemetry: Telemetry = field(default_factory=Telemetry)
     # the engines' settings as loaded (shown in /api/stats), one set for every model
     engine_settings: EngineSettings = field(default_factory=EngineSettings)
+    # the torch backend's product options as loaded (TorchOptions.product()); None on another backend
+    torch_options: dict[str, Any] | None = None
     ready: bool = False
     load_error: str | None = None
     stopping: bool = False

@@ -1,0 +1,46 @@
+"""The in-process bench computes through the engine's own path (commands/benchengine.py): its batches are the
+engine's batches, its answers are what the engine serves, and the logits it compares are the ones the engine read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from basal_local.commands.benchengine import Bench, bench_extras
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_model):
+    b = Bench(tiny_model, "torch", "cpu", "f32")
+    yield b
+    b.engine.stop()
+
+
+def test_a_bench_batch_is_the_engines_batch_and_answers_as_the_engine_serves(bench):
+    requests = bench.requests()[:3]
+    before = bench.engine.batches
+    flight = bench.decide(requests)
+    assert bench.engine.batches == before + 1 and len(flight.jobs) == 3
+    assert bench.engine.telemetry.snapshot()["batches"][-1]["requests"] == 3
+    alone = [bench.decide([r]).jobs[0].future.result().outcome for r in requests]
+    bench.engine.start()  # the serving path: the lane thread and the Engine protocol's submit, one at a time
+    for outcome, request in zip(alone, requests):  # (the CPU reference is exact per batch, not across batches)
+        served = bench.engine.submit(bench.engine.plan(request)).result(timeout=60)
+        assert {q: a.p_cal for q, a in outcome.answers.items()} == {q: a.p_cal for q, a in served.answers.items()}
+
+
+def test_the_logits_are_one_array_per_prompt_with_its_letters(bench):
+    request = bench.requests()[0]
+    logits, flight = bench.logits([request])
+    plan = flight.jobs[0].plan
+    prompts = [qp for qp in plan.questions for _ in qp.token_ids]
+    assert [len(x) for x in logits] == [len(qp.letter_ids) for qp in prompts]
+    again, _ = bench.logits([request])
+    assert all(np.array_equal(a, b) for a, b in zip(logits, again))
+
+
+def test_the_extras_report_invariance_and_skip_documents_longer_than_the_context(tiny_model):
+    out = bench_extras(tiny_model, "cpu", "f32", long_doc=True, invariance=1)
+    inv = out["invariance_alone_vs_amid_31"]
+    assert inv["trials"] == 1 and inv["bitwise_equal"] in (0, 1) and inv["max_abs_dlogit"] >= 0.0
+    assert set(out) >= {"long_doc_4200", "long_doc_16500"}

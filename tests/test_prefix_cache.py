@@ -1,0 +1,392 @@
+"""The cross-request state cache (engine/prefix_cache.py): the radix tree and its pool on their own, then through
+real engines (torch f32 and MLX on the CPU) against engines without the cache, then over HTTP.
+
+The reference for every answer is the same request on an engine with `--prefix-cache off` (which computes every
+prompt in full, the templates included): on the CPU the library GEMMs may round differently at another row
+count, so answers agree within 1e-6 there (bitwise on CUDA: tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from basal_local.api.answers import response_body
+from basal_local.api.systemone import validate_systemone
+from basal_local.backends.base import Ready
+from basal_local.backends.torch import TorchBackend
+from basal_local.engine.engine import EngineSettings, ModelEngine
+from basal_local.engine.gate import DeviceGate
+from basal_local.engine.prefix_cache import PrefixCache, budget_bytes
+from basal_local.model import load_model_dir
+from basal_local.replicas.inprocess import ReplicaSet
+from basal_local.settings import Settings
+from basal_local.telemetry import Telemetry
+
+from .conftest import Daemon, http
+
+M = "basal-test-tiny"
+WAIT = 120.0
+
+
+# ---- the tree and the pool on their own ---------------------------------------------------------------------
+def _cache(capacity: int = 1000) -> PrefixCache:
+    return PrefixCache(capacity, bytes_per_token=10)
+
+
+def _store(cache: PrefixCache, tokens: list[int]):
+    lease = cache.lease()
+    entry = lease.fill(tokens)
+    lease.commit()
+    return entry
+
+
+def test_a_prompt_continues_the_longest_shared_run_of_any_entry_even_mid_way():
+    cache = _cache()
+    a = _store(cache, list(range(100)))
+    b = _store(cache, list(range(50)) + [7] * 30)
+    assert cache.match(list(range(100)) + [5]).entry is a and cache.match(list(range(100)) + [5]).length == 100
+    m = cache.match(list(range(60)) + [9, 9])  # leaves a after 60 tokens: a's first 60 rows serve
+    assert m.entry is a and m.length == 60
+    m = cache.match(list(range(50)) + [7] * 10 + [1])  # the split edge: b's own branch
+    assert m.entry is b and m.length == 60
+    m = cache.match(list(range(50)) + [3])  # both share 50: either serves
+    assert m.entry in (a, b) and m.length == 50
+    assert cache.match([999, 1, 2]) is None
+    # the last token is always computed: an identical prompt continues all but its last token
+    assert cache.match(list(range(100))).length == 99
+    name, used = cache.split(list(range(30)) + [4])
+    assert name in (a.name, b.name) and used == 30
+
+
+def test_lookups_find_only_published_entries_and_a_failed_batch_leaves_nothing():
+    cache = _cache()
+    lease = cache.lease()
+    entry = lease.fill(list(range(40)))
+    assert entry is not None and cache.match(list(range(41))) is None  # being computed: not yet findable
+    assert cache.lease().fill(list(range(40))) is None  # the same tokens are not stored twice
+    lease.abort()
+    assert cache.match(list(range(41))) is None and cache.snapshot()["tokens"] == 0
+    assert cache.free == [(0, 1000)]
+
+
+def test_eviction_takes_the_least_recently_used_idle_entry_never_one_in_use_or_pinned():
+    cache = _cache(capacity=300)
+    template = cache.pin("en", list(range(1000, 1050)))
+    cache.publish(template)
+    a = _store(cache, [1] * 100)
+    b = _store(cache, [2] * 100)
+    reader = cache.lease()
+    reader.use(a.name)  # a batch reads a: a is newer than b now and held
+    c = _store(cache, [3] * 100)  # needs room: b is the idle, least recently used one
+    assert c is not None and b.name not in cache.entries and a.name in cache.entries
+    assert cache.stats["evictions"] == 1
+    # a held and the template pinned: even without c no run of 200 rows; nothing is evicted for nothing
+    assert cache.lease().fill([4] * 200) is None and c.name in cache.entries
+    reader.commit()
+    d = _store(cache, [4] * 200)  # now a is idle and older than c: a goes, then c
+    assert d is not None and "en" in cache.entries and a.name not in cache.entries
+    assert sum(e.length for e in cache.entries.values()) <= cache.capacity
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 120), st.booleans()), min_size=1, max_size=40))
+def test_random_streams_keep_the_pool_consistent(ops):
+    """Whatever is stored, read and dropped: entries never overlap, never exceed the capacity, free runs and
+    entries tile the pool exactly, and every lookup returns a prefix the entry really holds."""
+    cache = _cache(capacity=400)
+    held = []
+    for doc, length, hold in ops:
+        tokens = [doc * 1000 + i for i in range(length)]
+        lease = cache.lease()
+        m = cache.match(tokens + [7])
+        if m is not None:
+            assert m.entry.tokens[:m.length] == tokens[:m.length]
+            lease.use(m.entry.name)
+        lease.fill(tokens)
+        if hold:
+            held.append(lease)
+        else:
+            lease.commit()
+        if len(held) > 2:
+            held.pop(0).commit()
+        runs = sorted([(e.offset, e.length) for e in cache.entries.values()] + cache.free)
+        at = 0
+        for start, n in runs:
+            assert start == at and n > 0
+            at += n
+        assert at == cache.capacity
+
+
+def test_budget_forms():
+    gpu = (80_000_000_000, 141_000_000_000)
+    assert budget_bytes("off", gpu) == 0
+    assert budget_bytes("8GB", gpu) == 8_000_000_000
+    assert budget_bytes("25%", gpu) == 20_000_000_000
+    assert budget_bytes(0.5, None, ram=16 * 2 ** 30) == 8 * 2 ** 30
+    assert 0.5 * 80e9 < budget_bytes("auto", gpu) < 80e9  # most of a large GPU's free memory
+    assert budget_bytes("auto", (20e9, 24e9)) < 0.3 * 20e9  # less of a small one
+    assert budget_bytes("auto", None, ram=16 * 2 ** 30) < 2 ** 30  # little on a 16 GB Mac
+    for bad in ("lots", "-1GB", "0", "120%"):
+        with pytest.raises(ValueError, match="--prefix-cache"):
+            budget_bytes(bad, gpu)
+
+
+def test_the_setting_is_checked_where_it_is_read(tmp_path):
+    assert Settings.load({"prefix_cache": "2GB"}).engine.prefix_cache == "2GB"
+    with pytest.raises(ValueError, match="prefix_cache = 'plenty'"):
+        Settings.load({"prefix_cache": "plenty"})
+    config = tmp_path / "config.toml"
+    config.write_text("prefix_cache = 0.25\n")
+    assert Settings.load({}, config).engine.prefix_cache == 0.25
+
+
+# ---- through engines -------------------------------------------------------------------------------------------
+def document(seed: int, words: int = 220) -> str:
+    rng = random.Random(seed)
+    vocab = ["the", "parcel", "invoice", "arrived", "late", "broken", "contract", "payment", "was", "sent", "on",
+             "Monday", "customer", "asks", "for", "a", "refund", "because", "of", "damage", "delay", "and"]
+    return " ".join(rng.choice(vocab) for _ in range(words)) + "."
+
+
+def body(doc: str, variant: int) -> dict:
+    return {"model": M, "state": doc,
+            "questions": {f"q{variant}": {"type": "choice", "instructions": f"Which problem, reading {variant}?",
+                                          "criteria": {"a": "Damage", "b": "Delay", "c": None}},
+                          f"n{variant}": {"type": "noul", "instructions": f"Is it urgent (check {variant})?"}}}
+
+
+def probs(answers: dict) -> np.ndarray:
+    out = []
+    for key in sorted(answers):
+        a = answers[key]
+        out.extend(a["probabilities"].values() if "probabilities" in a else [a["noul"]])
+    return np.array(out, dtype=np.float64)
+
+
+def make_engine(model_dir, cache: str = "auto", backend: str = "torch", **kw) -> ModelEngine:
+    if backend == "mlx":
+        from basal_local.backends.mlx import MLXBackend
+
+        b = MLXBackend(device="cpu")
+    else:
+        b = TorchBackend(device="cpu")
+    b.load(model_dir, "f32")
+    engine = ModelEngine(load_model_dir(model_dir), b, DeviceGate(), Telemetry(),
+                         EngineSettings(long_tokens=kw.pop("long_tokens", 0), prefix_cache=cache, **kw))
+    engine.start()
+    return engine
+
+
+def ask(engine, payload: dict):
+    outcome = engine.submit(engine.plan(validate_systemone(payload, M))).result(WAIT)
+    return probs(response_body(outcome, "systemone", 0.0)["answers"]), outcome
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = make_engine(tiny_model, cache="off")
+    yield engine
+    engine.stop(WAIT)
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_a_new_question_about_a_known_document_computes_only_its_own_tokens(tiny_model, reference, backend):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+    engine = make_engine(tiny_model, backend=backend)
+    try:
+        doc = document(1)
+        first_p, first = ask(engine, body(doc, 1))
+        second_p, second = ask(engine, body(doc, 2))
+        want1, _ = ask(reference, body(doc, 1))
+        want2, full = ask(reference, body(doc, 2))
+        assert np.abs(first_p - want1).max() <= 1e-6 and np.abs(second_p - want2).max() <= 1e-6
+        snap = engine.cache_snapshot()
+        assert snap["hits"] == 1 and snap["misses"] == 1 and snap["nodes"] == 3  # two templates and the document
+        template = len(engine.model.tokenizer.template_prefix("en"))
+        assert first.cached_tokens == template  # the first time only the template was cached
+        assert second.cached_tokens > template + 200  # the document came from the cache
+        assert second.packed_tokens < full.packed_tokens - 200  # and was not computed again
+        assert snap["hit_tokens"] == second.cached_tokens
+        assert snap["bytes"] == snap["tokens"] * engine.backend.kv_bytes_per_token()
+    finally:
+        engine.stop(WAIT)
+
+
+def test_a_small_budget_evicts_and_every_answer_stays_the_reference(tiny_model, reference):
+    per_token = reference.backend.kv_bytes_per_token()
+    tok = reference.model.tokenizer
+    templates = sum(len(tok.template_prefix(lang)) for lang in ("pl", "en"))
+    doc = len(reference.plan(validate_systemone(body(document(10), 0), M)).questions[0].token_ids[0])
+    # room for the templates and about one and a half documents
+    engine = make_engine(tiny_model, cache=f"{(templates + 1.5 * doc) * per_token / 1e6}MB")
+    try:
+        docs = [document(10 + i) for i in range(3)]
+        for round_ in range(2):
+            for i, doc in enumerate(docs):
+                got, _ = ask(engine, body(doc, round_ * 3 + i))
+                want, _ = ask(reference, body(doc, round_ * 3 + i))
+                assert np.abs(got - want).max() <= 1e-6
+                snap = engine.cache_snapshot()
+                assert snap["tokens"] <= snap["capacity_tokens"]
+        assert engine.cache_snapshot()["evictions"] >= 3
+    finally:
+        engine.stop(WAIT)
+
+
+class _Held:
+    """A torch backend whose forwards wait for a release (to queue requests behind a batch)."""
+
+    def __init__(self, backend):
+        self.backend, self.gate = backend, threading.Event()
+        self.fills = 0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def forward(self, batch):
+        self.gate.wait(WAIT)
+        self.fills += len(batch.fills)
+        return self.backend.forward(batch)
+
+    def launch(self, batch):
+        return Ready(self.forward(batch))
+
+    def forward_steps(self, batch):
+        self.gate.wait(WAIT)
+        self.fills += len(batch.fills)
+        yield from self.backend.forward_steps(batch)
+
+
+def test_the_same_new_document_arriving_at_once_is_computed_once(tiny_model, reference):
+    b = TorchBackend(device="cpu")
+    b.load(tiny_model, "f32")
+    held = _Held(b)
+    engine = ModelEngine(load_model_dir(tiny_model), held, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    engine.start()
+    try:
+        doc = document(30)
+        blocker = engine.submit(engine.plan(validate_systemone(body(document(31), 0), M)))
+        futures = [engine.submit(engine.plan(validate_systemone(body(doc, v), M))) for v in range(4)]
+        held.gate.set()
+        blocker.result(WAIT)
+        outcomes = [f.result(WAIT) for f in futures]
+        assert held.fills == 2  # the blocker's document and this one, once
+        for v, outcome in enumerate(outcomes):
+            want, _ = ask(reference, body(doc, v))
+            assert np.abs(probs(response_body(outcome, "systemone", 0.0)["answers"]) - want).max() <= 1e-6
+    finally:
+        engine.stop(WAIT)
+
+
+def test_a_document_too_short_to_be_worth_a_pool_row_is_not_stored(tiny_model):
+    engine = make_engine(tiny_model)
+    try:
+        ask(engine, body("A short note.", 1))
+        assert engine.cache_snapshot()["nodes"] == 2  # the templates only
+    finally:
+        engine.stop(WAIT)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), min_size=3, max_size=8))
+def test_random_request_streams_answer_as_without_the_cache(tiny_model, reference, stream):
+    """Random documents (some a longer version of another) and questions through one cached engine with a
+    small pool, each answer against the uncached reference."""
+    engine = make_engine(tiny_model, cache=f"{2_000 * reference.backend.kv_bytes_per_token() / 1e6}MB")
+    try:
+        base = [document(40 + d) for d in range(3)]
+        docs = base + [base[0] + " " + document(50)]  # document 3 extends document 0
+        for d, v in stream:
+            got, _ = ask(engine, body(docs[d], v))
+            want, _ = ask(reference, body(docs[d], v))
+            assert np.abs(got - want).max() <= 1e-6
+    finally:
+        engine.stop(WAIT)
+
+
+def test_replicas_route_a_request_to_the_replica_holding_its_document(tiny_model):
+    engines = [make_engine(tiny_model) for _ in range(2)]
+    for r, e in enumerate(engines):
+        e.replica = r
+    replicas = ReplicaSet(engines)
+    try:
+        doc = document(60)
+        plan = engines[1].plan(validate_systemone(body(doc, 0), M))
+        engines[1].submit(plan).result(WAIT)  # replica 1 holds the document now
+        for v in range(1, 4):
+            replicas.submit(replicas.plan(validate_systemone(body(doc, v), M))).result(WAIT)
+        assert engines[1].cache_snapshot()["hits"] == 3 and engines[0].batches == 0
+        # a new document goes to the replica with less work (a tie: the first)
+        replicas.submit(replicas.plan(validate_systemone(body(document(61), 0), M))).result(WAIT)
+        assert engines[0].batches == 1
+    finally:
+        replicas.stop(WAIT)
+
+
+def test_off_keeps_nothing_and_answers_the_same(tiny_model, reference):
+    engine = make_engine(tiny_model, cache="off")
+    try:
+        _, outcome = ask(engine, body(document(2), 1))
+        assert outcome.cached_tokens == 0 and engine.cache_snapshot()["nodes"] == 0
+    finally:
+        engine.stop(WAIT)
+
+
+# ---- over HTTP -----------------------------------------------------------------------------------------------
+def test_the_daemon_reports_the_cache_in_headers_stats_and_metrics(tiny_model):
+    daemon = Daemon(["--model", str(tiny_model), "--device", "cpu", "--metrics", "--prefix-cache", "64MB"])
+    try:
+        daemon.wait_ready(timeout=240)
+        doc = document(70)
+        status, headers, _ = http("POST", daemon.url + "/v1/systemone", body(doc, 1))
+        assert status == 200
+        status, headers, _ = http("POST", daemon.url + "/v1/systemone", body(doc, 2))
+        assert status == 200 and int(headers["x-basal-cached-tokens"]) > 200
+        _, _, stats = http("GET", daemon.url + "/api/stats")
+        cache = stats["models"][0]["prefix_cache"]
+        assert cache["enabled"] and cache["setting"] == "64MB" and cache["hits"] == 1 and cache["nodes"] == 3
+        assert cache["budget_bytes"] <= 64_000_000 + cache["capacity_tokens"] and cache["bytes"] > 0
+        tree = stats["batches"][-1]["tree"]
+        assert any(row["cache_hit"] and row["cached_tokens"] > 200 for row in tree)
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        assert 'basal_prefix_cache_hits_total{model="basal-test-tiny",replica="0"} 1.0' in text
+    finally:
+        daemon.stop()
+
+
+def test_a_bad_prefix_cache_value_is_one_sentence(tiny_model):
+    from .test_cli import cli
+
+    run = cli("serve", "--model", str(tiny_model), "--prefix-cache", "plenty")
+    assert run.returncode == 2 and "--prefix-cache 'plenty': not a memory size" in run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_a_known_documents_text_is_not_tokenized_again(tiny_model):
+    """The tokenizer remembers the ids of long shared texts: the second request about a document tokenizes only
+    its own questions, and every prompt's ids are still exactly `encode` of the prompt."""
+    tok = load_model_dir(tiny_model).tokenizer
+    doc = document(90, words=600)
+    prompts = [f"<s>{doc} question {q}: which? A or B" for q in range(3)]
+    seen: list[int] = []
+    run = tok._run
+    tok._run = lambda texts: seen.append(sum(len(t) for t in texts)) or run(texts)
+    try:
+        first = tok.encode_batch(prompts, remember=len("<s>") + len(doc))
+        again = tok.encode_batch([f"<s>{doc} question {q}: which? A or B" for q in range(3, 6)])
+    finally:
+        tok._run = run
+    assert first == [tok.encode(p) for p in prompts]
+    assert again == [tok.encode(f"<s>{doc} question {q}: which? A or B") for q in range(3, 6)]
+    assert sum(seen[:-1]) > len(doc) and seen[-1] < 200  # the second time only the questions' text
+    one = tok.encode_batch([f"<s>{doc} another question? A or B"])  # one prompt starting with the kept text
+    assert one == [tok.encode(f"<s>{doc} another question? A or B")]
