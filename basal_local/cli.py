@@ -90,7 +90,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
         print(f"  writing the {args.format} layout...", flush=True)
         try:
-            convert_test_model(out, args.format, seed=args.seed)
+            convert_test_model(out, args.format, seed=args.seed, device=args.device)
         except ValueError as exc:
             raise UserError(str(exc)) from None
     print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")

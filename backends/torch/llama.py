@@ -86,6 +86,8 @@ class TorchBackend:
         self.fwd = None  # forward.Forward, made at load
         self.graphs = None  # graphs.Graphs on CUDA with the kernels
         self.prefix_kv: dict[str, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.fp8_checkpoint: list[dict] | None = None  # a ModelOpt FP8 checkpoint's scales per layer (load)
+        self.fp8_requantized = 0
 
     def _device_scope(self):
         if self.device.startswith("cuda"):
@@ -102,13 +104,20 @@ class TorchBackend:
 
         model_dir = Path(model_dir)
         cfg = self.config = LlamaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-        self.dtype_name = host.resolve_dtype(dtype, self.device == "cpu", tuple(DTYPES), "torch")
-        self.dtype = DTYPES[self.dtype_name]
         weights: dict[str, torch.Tensor] = {}
         from basal_local.model.formats import detect_format, torch_tensors
 
         self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
-        if self.format.family != "safetensors":
+        if dtype == "auto" and self.format.family == "fp8" and self.device.startswith("cuda"):
+            dtype = "fp8"  # the checkpoint's own e4m3 GEMMs; the CPU dequantizes it to f32 (the reference)
+        self.dtype_name = host.resolve_dtype(dtype, self.device == "cpu", tuple(DTYPES), "torch")
+        self.dtype = DTYPES[self.dtype_name]
+        if self.dtype_name == "fp8" and self.device.startswith("cuda"):
+            self._check_fp8_gpu()
+        self.fp8_checkpoint = None
+        if self.format.family == "fp8" and self.dtype_name == "fp8":
+            weights, self.fp8_checkpoint = self._load_fp8_checkpoint(cfg)
+        elif self.format.family != "safetensors":
             # GGUF and ModelOpt FP8 are dequantized at load to the run dtype (model/formats.py)
             for key, t in torch_tensors(self.format, cfg):
                 weights[key] = t.to(device=self.device, dtype=self.dtype)
@@ -147,6 +156,56 @@ class TorchBackend:
             self.graphs = Graphs(self.fwd)
         return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, self.dtype_name, self.device, params,
                          sum(t.numel() * t.element_size() for t in self._tensors()))
+
+    def _check_fp8_gpu(self) -> None:
+        from basal_local.cuda_kernels import fp8
+
+        ok, what = fp8.fp8_supported(self.device)
+        if not ok:
+            dequant = " (--dtype f16 loads this FP8 checkpoint dequantized)" if self.format.family == "fp8" else ""
+            raise ValueError(f"fp8 needs a GPU with fp8 tensor cores (compute capability 8.9 or later); {self.device}"
+                             f" is {what}{dequant}")
+
+    def _load_fp8_checkpoint(self, cfg) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        """A ModelOpt FP8 checkpoint as it is: e4m3 projection weights on the device (the fused ones' parts at
+        one scale where `fp8_scales` is "tensor": fp8.fuse_parts), everything else in the run dtype, and per
+        layer {weight slot: (weight scale, input scale)}. Projections outside `fp8_gemms` are dequantized."""
+        from basal_local.cuda_kernels import fp8
+        from basal_local.model.formats import torch_tensors
+
+        weights: dict[str, torch.Tensor] = {}
+        scales: dict[str, float] = {}
+        for key, t in torch_tensors(self.format, cfg, keep_fp8=True):
+            if key.endswith((".weight_scale", ".input_scale")):
+                scales[key] = float(t)
+            else:
+                weights[key] = t.to(self.device) if t.dtype == fp8.FP8 else t.to(device=self.device, dtype=self.dtype)
+        names = {"qkv": "qkv", "o_proj": "o", "gate_up": "gate_up", "down_proj": "down"}
+        per_layer, requantized = [], 0
+        fname = self.format.weights_file.name
+        for i in range(cfg.num_hidden_layers):
+            by_slot = {}
+            for slot, parts in host.FUSED.items():
+                keys = [f"model.layers.{i}.{part}.weight" for part in parts]
+                for k in keys:
+                    if k not in weights or weights[k].dtype != fp8.FP8 or k[:-7] + ".input_scale" not in scales:
+                        raise ValueError(f"{fname}: tensor {k!r} is not float8 e4m3 with its weight and input "
+                                         "scales, as a ModelOpt FP8 checkpoint holds every projection")
+                ws = [scales.pop(k[:-7] + ".weight_scale") for k in keys]
+                ins = [scales.pop(k[:-7] + ".input_scale") for k in keys]
+                qs = [weights[k] for k in keys]
+                if names[slot] not in self.options.fp8_gemms:
+                    weights.update({k: (q.float() * w).to(self.dtype) for k, q, w in zip(keys, qs, ws)})
+                    continue
+                qs, sw, s_in, changed = fp8.fuse_parts(qs, ws, ins, self.options.fp8_scales)
+                weights.update(zip(keys, qs))
+                by_slot[f"{slot}_weight"] = (sw, s_in)
+                requantized += changed
+            per_layer.append(by_slot)
+        if scales:
+            raise ValueError(f"{fname}: unknown tensor {next(iter(scales))!r}")
+        self.fp8_requantized = requantized
+        return weights, per_layer
 
     def describe(self) -> dict:
         """What runs (for /api/stats and the bench): the ops, the options, what load chose."""

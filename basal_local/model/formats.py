@@ -262,8 +262,11 @@ def gguf_tensors(fmt: WeightFormat, config, dequantize: bool = True) -> Iterator
         raise FormatError(f"{fname}: unknown tensor {next(iter(by_name))!r} ({len(by_name)} unknown in all)")
 
 
-def torch_tensors(fmt: WeightFormat, config) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, torch tensor) per weight, dequantized at load for the torch backend (bf16 passes as is)."""
+def torch_tensors(fmt: WeightFormat, config, keep_fp8: bool = False) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, torch tensor) per weight, dequantized at load for the torch backend (bf16 passes as is).
+
+    keep_fp8: a ModelOpt FP8 checkpoint's e4m3 weights as they are, each followed by its `weight_scale` and
+    `input_scale` (f32 scalars, checked finite and positive) for the fp8 GEMMs (cuda_kernels/fp8.py)."""
     import numpy as np
     import torch
     from safetensors import safe_open
@@ -282,8 +285,23 @@ def torch_tensors(fmt: WeightFormat, config) -> Iterator[tuple[str, Any]]:
                 continue
             t = fh.get_tensor(key)
             if fmt.family == "fp8" and t.dtype == torch.float8_e4m3fn:
-                t = t.float() * fh.get_tensor(key[: -len(".weight")] + ".weight_scale").float()
+                stem = key[: -len(".weight")]
+                if keep_fp8:
+                    yield key, t
+                    for kind in (".weight_scale", ".input_scale"):
+                        yield stem + kind, _fp8_scale(fh, fmt, stem + kind)
+                    continue
+                t = t.float() * _fp8_scale(fh, fmt, stem + ".weight_scale")
             yield key, t
+
+
+def _fp8_scale(fh, fmt: WeightFormat, key: str):
+    """A ModelOpt per-tensor scale as an f32 scalar tensor; FormatError unless finite and positive."""
+    t = fh.get_tensor(key).float().reshape(())
+    value = float(t)
+    if not (value > 0 and value < float("inf")):
+        raise FormatError(f"{fmt.weights_file.name}: tensor {key!r} is {value!r}, a scale must be finite and positive")
+    return t
 
 
 def calibration_file(path: Path, fmt: WeightFormat | None) -> tuple[Path | None, bool]:

@@ -4,6 +4,10 @@ Each layout is written with the format's own library, so our readers are tested 
 ours encoded: mlx's `mx.quantize` and safetensors writer (mlx-lm layout), the `gguf` package's writer and
 quantizers (K-quant blocks are random bytes, since any bytes are valid blocks), and torch's float8 e4m3 for
 the NVIDIA ModelOpt FP8 layout. Embeddings and output head stay bf16 (Q8_0 in GGUF), as upstream ships them.
+
+FP8 is calibrated as ModelOpt's FP8_DEFAULT_CFG is: per-tensor weight scales amax / 448, and static input
+scales amax / 448 of each projection's input over calibration prompts (the bundled sample requests run through
+the bf16 model on `device`, f32 on the CPU, f16 on CUDA).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ def _read_bf16(path: Path) -> dict[str, np.ndarray]:
     return {k: v.float().numpy() for k, v in load_file(str(path)).items()}
 
 
-def convert_test_model(directory: Path, fmt: str, seed: int = 0) -> None:
+def convert_test_model(directory: Path, fmt: str, seed: int = 0, device: str = "cpu") -> None:
     if fmt not in PORT_FORMATS:
         raise ValueError(f"unknown format {fmt!r} (choose from bf16, {', '.join(PORT_FORMATS)})")
     src = directory / "model.safetensors"
@@ -37,7 +41,7 @@ def convert_test_model(directory: Path, fmt: str, seed: int = 0) -> None:
         _write_gguf(directory, weights, config, fmt, seed)
         src.unlink()
     else:
-        _write_modelopt_fp8(directory, weights, config)
+        _write_modelopt_fp8(directory, weights, config, calibrate_inputs(directory, device))
     (directory / "config.json").write_text(json.dumps(config, indent=1))
 
 
@@ -134,7 +138,50 @@ def _random_k_blocks(rng, shape: tuple[int, int], qtype) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def _write_modelopt_fp8(directory: Path, weights: dict, config: dict) -> None:
+CALIBRATION_PROMPTS = 16
+
+
+def calibrate_inputs(directory: Path, device: str = "cpu", prompts: int = CALIBRATION_PROMPTS) -> dict[str, float]:
+    """{projection stem: input amax} over the first `prompts` sample requests (template prefix + state) run
+    through the bf16 model in `directory` (plain GEMMs, no padding rows, so the amax is of real rows only)."""
+    from importlib import resources
+
+    import torch
+
+    from ..backends.torch import TorchBackend
+    from ..backends.torch.options import TorchOptions
+    from .directory import load_model_dir
+
+    md = load_model_dir(directory)
+    backend = TorchBackend(device, options=TorchOptions(gemm="cublas", cuda_graphs=False))
+    backend.load(directory, "auto")
+    parts = {"qkv_weight": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "o_proj_weight": ("self_attn.o_proj",), "gate_up_weight": ("mlp.gate_proj", "mlp.up_proj"),
+             "down_proj_weight": ("mlp.down_proj",)}
+    stems = {id(getattr(layer, slot)): [f"model.layers.{i}.{p}" for p in names]
+             for i, layer in enumerate(backend.layers) for slot, names in parts.items()}
+    amax: dict[str, float] = {}
+    plain = backend.fwd.linear
+
+    def recording(x, w, b):
+        for stem in stems.get(id(w), ()):
+            amax[stem] = max(amax.get(stem, 0.0), float(x.float().abs().max()))
+        return plain(x, w, b)
+
+    backend.fwd.linear = recording
+    lines = resources.files("basal_local.assets").joinpath("sample_requests.jsonl").read_text(encoding="utf-8")
+    for line in [ln for ln in lines.splitlines() if ln.strip()][:prompts]:
+        req = json.loads(line)
+        lang = "pl" if str(req.get("id", "")).startswith("pl") else "en"
+        ids = md.tokenizer.template_prefix(lang) + md.tokenizer.encode(str(req.get("state", "")))
+        backend.final_hidden(np.asarray(ids[: md.config.max_position_embeddings], dtype=np.int64))
+    del backend
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return amax
+
+
+def _write_modelopt_fp8(directory: Path, weights: dict, config: dict, input_amax: dict[str, float]) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -147,7 +194,9 @@ def _write_modelopt_fp8(directory: Path, weights: dict, config: dict) -> None:
             out[name] = (t / scale).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
             stem = name[: -len(".weight")]
             out[stem + ".weight_scale"] = scale.reshape(()).float()
-            out[stem + ".input_scale"] = torch.tensor(0.02, dtype=torch.float32)  # static activation scale
+            # the static activation scale ModelOpt calibrates: the input's amax over the calibration prompts
+            amax = input_amax.get(stem, 0.0)
+            out[stem + ".input_scale"] = torch.tensor(amax / finfo.max if amax > 0 else 1.0, dtype=torch.float32)
         else:
             out[name] = t.to(torch.bfloat16)
     save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
