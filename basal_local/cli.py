@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto", help="(default auto)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32", "fp8"],
-                   help="(default auto; fp8: CUDA only, f16 with float8 GEMMs)")
+                   help="(default auto; fp8: CUDA only, f16 with float8 GEMMs; an FP8 checkpoint runs its own fp8 "
+                        "GEMMs on CUDA under auto, dequantized on the CPU)")
     p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
                    help="in-process: GPU memory the model may use, a size (24GB) or a share (0.8) (default: all)")
     p.add_argument("--repeat", type=_positive, default=1, help="passes over the sample set (default 1)")
