@@ -329,3 +329,64 @@ def test_make_test_model_calibrates_the_input_scales(fp8_port):
         assert all(0 < s[p + n] < 1 for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj",
                                                "mlp.down_proj"))
     assert len(set(s.values())) > 4  # really measured per projection, not one constant
+
+
+# ---- the same on a GPU (skipped without CUDA; tools/fp8_h200.sh runs them) -----------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_cuda_static_quantizer_matches_its_twin():
+    from basal_local.cuda_kernels import triton_kernels
+
+    kernels = triton_kernels()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for m, k in ((1, 64), (317, 2048), (70, 14336), (5, 160), (4096, 4096)):
+        x = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.float16)
+        x[0, :4] = torch.tensor([448.0, -1e-7, 6e4, -6e4])
+        for scale in (0.02, 0.0071, 1.0):
+            inv = fp8.inverse_scale(scale)
+            assert torch.equal(kernels.quant_static(x, inv).view(torch.uint8),
+                               fp8.quant_static(x, inv).view(torch.uint8)), (m, k, scale)
+
+
+@pytest.fixture(scope="module")
+def small_fp8_port(tmp_path_factory):
+    from .test_formats import make_port, reference_dir
+
+    root = tmp_path_factory.mktemp("fp8small")
+    port = make_port(root, "fp8", preset="small")
+    return port, reference_dir(port, "fp8", root)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["tensor", "channel"])
+def test_cuda_checkpoint_route_bitwise_invariant_and_close(small_fp8_port, mode):
+    """auto on CUDA runs an FP8 checkpoint on its own e4m3 GEMMs (the Triton static quantizer, _scaled_mm at the
+    verified row counts): a prompt alone, amid others and eager gives the same bits, and the letter logits stay
+    within the twin's envelope of the dequantized f32 reference."""
+    from basal_local.backends.torch.options import TorchOptions
+    from basal_local.engine.packer import PromptSpec
+
+    port, ref_dir = small_fp8_port
+    md, backend, prefixes = load_backend(port, device="cuda", dtype="auto", options=TorchOptions(fp8_scales=mode))
+    assert backend.dtype_name == "fp8" and backend.fwd.gemm == "fp8" and backend.graphs is not None
+    report = backend.fwd.report
+    assert report["fp8_quant"] == "triton static", report.get("fp8_quant_error")
+    assert report["fp8_mm"] in (("scaled_mm_cuda",) if mode == "tensor" else ("scaled_mm_cuda", "scaled_mm_cuda_bf16"))
+    assert backend.layers[0].qkv_weight.dtype == fp8.FP8
+    rng = random.Random(11)
+    specs = [s for seed in range(6) for s in random_specs(md, random.Random(seed))]
+    for trial in range(6):
+        target = rng.choice(specs)
+        alone = readout_logits(backend, pack_prompts([target], prefixes))[0]
+        mixed = readout_logits(backend, pack_prompts(rng.sample(specs, rng.randint(3, 40)) + [target], prefixes))[-1]
+        eager = readout_logits(backend, pack_prompts([PromptSpec(target.token_ids, target.lang, target.letter_ids)],
+                                                     prefixes))[0]
+        assert np.array_equal(alone, mixed) and np.array_equal(alone, eager), (trial, float(np.abs(alone - mixed).max()))
+    _, ref, _ = load_backend(ref_dir, device="cpu", dtype="f32")
+    pack = pack_prompts(specs[:12], prefixes)
+    a, b = readout_logits(ref, pack), readout_logits(backend, pack)
+    worst = max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+    scale = max(float(np.abs(x).max()) for x in a)
+    assert worst <= 0.1 * max(1.0, scale), (worst, scale)

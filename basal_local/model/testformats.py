@@ -33,15 +33,17 @@ def convert_test_model(directory: Path, fmt: str, seed: int = 0, device: str = "
     if fmt not in PORT_FORMATS:
         raise ValueError(f"unknown format {fmt!r} (choose from bf16, {', '.join(PORT_FORMATS)})")
     src = directory / "model.safetensors"
-    weights = _read_bf16(src)
     config = json.loads((directory / "config.json").read_text())
+    if fmt == "fp8":  # tensor by tensor on `device`: a max preset's f32 copy would not fit beside the rest
+        _write_modelopt_fp8(directory, config, calibrate_inputs(directory, device), device)
+        (directory / "config.json").write_text(json.dumps(config, indent=1))
+        return
+    weights = _read_bf16(src)
     if fmt in MLX_MODES:
         _write_mlx(directory, weights, config, *MLX_MODES[fmt])
-    elif fmt.startswith("gguf-"):
+    else:
         _write_gguf(directory, weights, config, fmt, seed)
         src.unlink()
-    else:
-        _write_modelopt_fp8(directory, weights, config, calibrate_inputs(directory, device))
     (directory / "config.json").write_text(json.dumps(config, indent=1))
 
 
@@ -181,24 +183,26 @@ def calibrate_inputs(directory: Path, device: str = "cpu", prompts: int = CALIBR
     return amax
 
 
-def _write_modelopt_fp8(directory: Path, weights: dict, config: dict, input_amax: dict[str, float]) -> None:
+def _write_modelopt_fp8(directory: Path, config: dict, input_amax: dict[str, float], device: str = "cpu") -> None:
     import torch
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     finfo = torch.finfo(torch.float8_e4m3fn)
     out = {}
-    for name, value in weights.items():
-        t = torch.from_numpy(value)
-        if is_projection(name) and name.endswith(".weight"):
-            scale = t.abs().max().clamp(min=1e-12) / finfo.max  # per-tensor, as FP8_DEFAULT_CFG
-            out[name] = (t / scale).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
-            stem = name[: -len(".weight")]
-            out[stem + ".weight_scale"] = scale.reshape(()).float()
-            # the static activation scale ModelOpt calibrates: the input's amax over the calibration prompts
-            amax = input_amax.get(stem, 0.0)
-            out[stem + ".input_scale"] = torch.tensor(amax / finfo.max if amax > 0 else 1.0, dtype=torch.float32)
-        else:
-            out[name] = t.to(torch.bfloat16)
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as fh:
+        for name in fh.keys():
+            t = fh.get_tensor(name).to(device).float()  # bf16 widened exactly; the same bits on any device
+            if is_projection(name) and name.endswith(".weight"):
+                scale = t.abs().max().clamp(min=1e-12) / finfo.max  # per-tensor, as FP8_DEFAULT_CFG
+                out[name] = (t / scale).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn).cpu()
+                stem = name[: -len(".weight")]
+                out[stem + ".weight_scale"] = scale.reshape(()).float().cpu()
+                # the static activation scale ModelOpt calibrates: the input's amax over the calibration prompts
+                amax = input_amax.get(stem, 0.0)
+                out[stem + ".input_scale"] = torch.tensor(amax / finfo.max if amax > 0 else 1.0, dtype=torch.float32)
+            else:
+                out[name] = t.to(torch.bfloat16).cpu()
     save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
     quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
     (directory / "hf_quant_config.json").write_text(json.dumps(
