@@ -316,3 +316,31 @@ def test_port_answers_through_the_engine(fmt, backend, tmp_path):
     assert len(answers) == 3 and all(a.answers for a in answers)  # each an Outcome with its questions
     assert md.calibration.file == ("CALIBRATION.mlx.json" if backend == "mlx" else
                                    ("CALIBRATION.fp8.json" if fmt == "fp8" else "CALIBRATION.json"))
+
+
+@pytest.mark.parametrize("fmt,dtype", [("bf16", "f32"), ("bf16", "fp8"), ("fp8", "fp8"), ("fp8", "f32"),
+                                       ("gguf-q8_0", "f32")])
+def test_gpu_memory_check_counts_the_weights_as_this_load_holds_them(fmt, dtype, tmp_path):
+    """--gpu-memory refuses before loading by the bytes the load will hold (backends/memory.weights_bytes): the
+    run dtype for bf16 and dequantized ports, one byte per e4m3 projection weight for an FP8 checkpoint on its
+    fp8 route, the float8 copy beside the f16 weight for dtype fp8; equal to what the loaded backend reports,
+    less the scales."""
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.model.formats import is_projection
+    from basal_local.model.testmodel import make_test_model
+
+    if fmt == "bf16":
+        path = make_test_model(tmp_path / "bf16", preset="tiny64", seed=5, evidence_head=False)
+    else:
+        path = make_port(tmp_path, fmt)
+    backend = TorchBackend("cpu")
+    backend.load(path, dtype)
+    planned = backend.planned_weight_bytes(backend.config, is_projection)
+    scales = 0
+    if backend.fwd._fp8 is not None:
+        scales = sum(s.numel() * 4 for _, _, s, _ in backend.fwd._fp8._by_id.values())
+    assert planned == backend.memory()["weights_bytes"] - scales
+    if fmt == "fp8" and dtype == "fp8":
+        assert backend._dtype_label() == "the checkpoint's fp8"
+    elif fmt.startswith("gguf"):
+        assert backend._dtype_label() == "f32 (a gguf-q8_0 checkpoint dequantized at load)"

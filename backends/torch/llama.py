@@ -115,6 +115,7 @@ class TorchBackend:
         if self.dtype_name == "fp8" and self.device.startswith("cuda"):
             self._check_fp8_gpu()
         self.fp8_checkpoint = None
+        self._apply_memory_limit(cfg)
         if self.format.family == "fp8" and self.dtype_name == "fp8":
             weights, self.fp8_checkpoint = self._load_fp8_checkpoint(cfg)
         elif self.format.family != "safetensors":
@@ -124,7 +125,6 @@ class TorchBackend:
         else:
             # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
             with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
-                self._apply_memory_limit(fh)
                 try:
                     for key in fh.keys():
                         weights[key] = fh.get_tensor(key).to(device=self.device, dtype=self.dtype)
@@ -212,10 +212,14 @@ class TorchBackend:
         return {"attention": self.attention, "gemm": self.fwd.gemm if self.fwd else "", "cuda_graphs":
                 self.graphs is not None, "options": self.options.product(), "plan": self.fwd.report if self.fwd else {}}
 
-    def _apply_memory_limit(self, fh) -> None:
-        """--gpu-memory: refuse weights that cannot fit, then cap torch's allocator on this device."""
+    def _apply_memory_limit(self, cfg) -> None:
+        """--gpu-memory: refuse weights that cannot fit (as this load will hold them: the run dtype, a ModelOpt
+        FP8 checkpoint's e4m3 projections at a byte each, dtype fp8's float8 copies beside the f16 weights),
+        then cap torch's allocator on this device."""
         if self.memory_limit is None:
             return
+        from basal_local.model.formats import is_projection
+
         from .. import memory
 
         if not self.device.startswith("cuda"):
@@ -225,13 +229,33 @@ class TorchBackend:
         index = torch.cuda.current_device() if index is None else index
         total = torch.cuda.get_device_properties(index).total_memory
         limit = memory.limit_bytes(self.memory_limit, total, self.device)
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        weights = sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys()) * size
-        if self.dtype_name == "fp8":  # the float8 copies of the GEMM weights are held beside the f16 ones
-            weights += weights // size
-        memory.check_weights_fit(weights, limit, self.memory_limit, self.device, self.dtype_name)
+        weights = self.planned_weight_bytes(cfg, is_projection)
+        memory.check_weights_fit(weights, limit, self.memory_limit, self.device, self._dtype_label())
         torch.cuda.set_per_process_memory_fraction(limit / total, index)
         self.memory_limit_bytes = limit
+
+    def planned_weight_bytes(self, cfg, is_projection) -> int:
+        """The device bytes of the weights this load holds (memory.weights_bytes), before any is read."""
+        from .. import memory
+
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        names = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+                 "up_proj": "gate_up", "down_proj": "down"}
+
+        def quantized(name: str) -> bool:
+            part = name.split(".")[-2] if name.endswith(".weight") else ""
+            return is_projection(name) and names.get(part) in self.options.fp8_gemms
+
+        if self.dtype_name != "fp8":
+            return memory.weights_bytes(cfg.weight_shapes(), size)
+        return memory.weights_bytes(cfg.weight_shapes(), size, 1 if self.format.family == "fp8" else size + 1, quantized)
+
+    def _dtype_label(self) -> str:
+        if self.dtype_name == "fp8" and self.format.family == "fp8":
+            return "the checkpoint's fp8"
+        if self.format.family != "safetensors":
+            return f"{self.dtype_name} (a {self.format.name} checkpoint dequantized at load)"
+        return self.dtype_name
 
     def _out_of_memory(self, exc: Exception, doing: str) -> Exception:
         """An out-of-memory error while loading, with what the limit allowed (the original without one)."""
