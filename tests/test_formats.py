@@ -247,8 +247,8 @@ def test_show_names_format_bits_dense_layers_and_calibration(tmp_path):
     assert (info["calibration_file"], info["calibration_inherited"]) == ("CALIBRATION.json", True)
 
 
-@pytest.mark.slow  # no gguf-q4_k_m: its blocks are random bytes (no K-quant quantizer), not a copy of the source
-@pytest.mark.parametrize("fmt", ["mlx-8bit", "mlx-fp4", "gguf-q8_0", "fp8"])
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["mlx-8bit", "mlx-fp4", "gguf-q8_0", "gguf-q4_k_m", "fp8"])
 def test_port_agreement_with_its_bf16_source_on_the_sample_set(fmt, tmp_path):
     """docs/PERFORMANCE.md's table: same decision share, max and median |Δp_cal| vs the bf16 source (-s prints)."""
     from basal_local.backends.torch import TorchBackend
@@ -344,3 +344,26 @@ def test_gpu_memory_check_counts_the_weights_as_this_load_holds_them(fmt, dtype,
         assert backend._dtype_label() == "the checkpoint's fp8"
     elif fmt.startswith("gguf"):
         assert backend._dtype_label() == "f32 (a gguf-q8_0 checkpoint dequantized at load)"
+
+
+def test_k_quant_blocks_decode_by_the_gguf_package_close_to_their_source():
+    """make-test-model's Q4_K / Q6_K quantizer (the gguf package has none) read back by the package's own
+    dequantizer: round to nearest at 4 / 6 bits gives an rms error of ~step / sqrt(12), i.e. ~8 % / ~2 % of a
+    Gaussian row's rms; a byte in the wrong place would give ~140 %. Zero blocks decode to zeros."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from basal_local.model.testformats import k_quant_blocks
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 512)) * np.array([1e-3, 0.05, 1, 3, 0.02, 0.5])[:, None]).astype(np.float32)
+    x[2, :256] = np.abs(x[2, :256])  # a block without negatives (Q4_K's minimum is then 0)
+    x[3, 256:] = 0.0
+    for qtype, bound, size in ((Q.Q4_K, 0.1, 144), (Q.Q6_K, 0.03, 210)):
+        blocks = k_quant_blocks(x, qtype)
+        assert blocks.dtype == np.uint8 and blocks.shape == (6, 2 * size)
+        dec = gguf.quants.dequantize(blocks, qtype).reshape(x.shape)
+        for row in range(6):
+            rel = np.linalg.norm(dec[row] - x[row]) / np.linalg.norm(x[row])
+            assert rel <= bound, (qtype.name, row, rel)
+        assert not dec[3, 256:].any()
