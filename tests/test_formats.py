@@ -367,3 +367,39 @@ def test_k_quant_blocks_decode_by_the_gguf_package_close_to_their_source():
             rel = np.linalg.norm(dec[row] - x[row]) / np.linalg.norm(x[row])
             assert rel <= bound, (qtype.name, row, rel)
         assert not dec[3, 256:].any()
+
+
+def test_gguf_directory_without_config_json_reads_the_metadata(tmp_path):
+    """A GGUF port shipped without config.json (llama.cpp's layout) loads from the file's metadata: the same
+    LlamaConfig as the config.json it was written from, and the same letter logits."""
+    from basal_local.model.formats import FormatError, gguf_config
+
+    port = make_port(tmp_path, "gguf-q8_0", preset="tiny")  # tiny: q/k/v and MLP biases
+    with_config = load_model_dir(port)
+    _, backend, prefixes = load_backend(port)
+    want = _logits(backend, with_config, prefixes)
+    (port / "config.json").unlink()
+    md = load_model_dir(port)
+    assert md.config == with_config.config and md.format.name == "gguf-q8_0"
+    assert gguf_config(port / "model.gguf")["rms_norm_eps"] == with_config.config.rms_norm_eps
+    _, backend, prefixes = load_backend(port)
+    assert np.array_equal(_logits(backend, md, prefixes), want)
+    # a GGUF of another architecture, without config.json: refused naming the file and the field
+    import gguf
+
+    other = tmp_path / "qwen"
+    other.mkdir()
+    for f in port.iterdir():
+        if f.suffix != ".gguf":
+            shutil.copy(f, other / f.name)
+    writer = gguf.GGUFWriter(str(other / "model.gguf"), "qwen2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(FormatError, match=r"^model\.gguf: general\.architecture is 'qwen2'; basal-local reads llama"):
+        gguf_config(other / "model.gguf")
+    with pytest.raises(ModelLoadError, match=r"general\.architecture is 'qwen2'"):
+        load_model_dir(other)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,16 +97,16 @@ class TorchBackend:
     @functools.partial(_on_device, inference=False)
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
         from basal_local.model.config import LlamaConfig
+        from basal_local.model.formats import detect_format, read_config, torch_tensors
 
         from .forward import Forward
         from .graphs import Graphs
 
         model_dir = Path(model_dir)
-        cfg = self.config = LlamaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        raw_config = read_config(model_dir)  # config.json, or a GGUF file's metadata
+        cfg = self.config = LlamaConfig.from_dict(raw_config)
         weights: dict[str, torch.Tensor] = {}
-        from basal_local.model.formats import detect_format, torch_tensors
-
-        self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
+        self.format = detect_format(model_dir, raw_config)
         if dtype == "auto" and self.format.family == "fp8" and self.device.startswith("cuda"):
             dtype = "fp8"  # the checkpoint's own e4m3 GEMMs; the CPU dequantizes it to f32 (the reference)
         self.dtype_name = host.resolve_dtype(dtype, self.device == "cpu", tuple(DTYPES), "torch")
