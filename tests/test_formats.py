@@ -403,3 +403,37 @@ def test_gguf_directory_without_config_json_reads_the_metadata(tmp_path):
         gguf_config(other / "model.gguf")
     with pytest.raises(ModelLoadError, match=r"general\.architecture is 'qwen2'"):
         load_model_dir(other)
+
+
+def test_pull_on_a_mac_names_the_port_that_fits(monkeypatch):
+    """`pull 4.5B` on an Apple Silicon Mac: with 16 GB the bf16 weights (9.5 GB) are refused before any
+    download, naming 4.5B:mlx-8bit (the largest port within half the memory) and the way to get bf16 anyway;
+    with 32 GB bf16 fits and the hint only mentions the ports; a tag is never second-guessed."""
+    import argparse
+    import os
+    import platform
+    import sys
+
+    from basal_local.commands import UserError
+    from basal_local.commands import models as commands
+    from basal_local.model.registry import mac_port_advice
+
+    text, fits = mac_port_advice("4.5B", 16 * 10 ** 9)
+    assert not fits and text == ("this Mac has 16 GB of memory: 4.5B in bf16 (9.5 GB) leaves too little; pull "
+                                 "4.5B:mlx-8bit (5.2 GB), the largest port that fits (4.5B:bf16 9.5 GB, "
+                                 "4.5B:mlx-8bit 5.2 GB, 4.5B:mlx-fp4 2.9 GB)")
+    assert mac_port_advice("4.5B", 8 * 10 ** 9)[0].startswith("this Mac has 8 GB of memory: 4.5B in bf16 (9.5 GB) "
+                                                                "leaves too little; pull 4.5B:mlx-fp4 (2.9 GB)")
+    assert mac_port_advice("4.5B@abc", 32 * 10 ** 9)[1] is True
+    assert "try a smaller model" in mac_port_advice("max", 16 * 10 ** 9)[0]
+    assert mac_port_advice("4.5B:bf16", 8 * 10 ** 9) is None and mac_port_advice("4.5B:mlx-8bit", 8 * 10 ** 9) is None
+    assert mac_port_advice("Remek/other", 8 * 10 ** 9) is None
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(os, "sysconf", lambda key: {"SC_PAGE_SIZE": 16384, "SC_PHYS_PAGES": 16 * 10 ** 9 // 16384}[key])
+    monkeypatch.setattr("basal_local.model.registry.pull", lambda ref: pytest.fail("downloaded"))
+    with pytest.raises(UserError) as err:
+        commands.pull(argparse.Namespace(ref="4.5B"))
+    assert "pull 4.5B:mlx-8bit (5.2 GB)" in err.value.cause
+    assert err.value.fix == "`basal-local pull 4.5B:bf16` downloads the bf16 weights anyway"
