@@ -23,7 +23,8 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 # step LIMIT CMD...: CMD under timeout min(LIMIT, time left); skipped (status 1) when under 20 s are left
 step() { local t=$1; shift; local l=$(left); [ $l -lt 20 ] && { echo "skipped (deadline): $*" >&2; return 1; }
-  [ $l -lt $t ] && t=$l; (cd /tmp && timeout $t "$@"); }
+  [ $l -lt $t ] && t=$l; (cd /tmp && timeout $t "$@"); local rc=$?; [ $rc = 124 ] && echo "timed out after $t s: $*" >&2
+  return $rc; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nproc; df -h /tmp | tail -1; } | tee "$OUT/gpu.txt"
@@ -164,7 +165,7 @@ if has bench; then
     el "$P bf16 built"
     step 150 $CLI bench --model $M --device cuda --dtype f16 --json > $OUT/$P-f16.json 2> $OUT/$P-f16.err || tail -3 $OUT/$P-f16.err
     el "$P f16 bench"
-    step 90 $TOOL check $M f16 $OUT/$P-f16-check.json 2> $OUT/$P-f16-check.err || tail -3 $OUT/$P-f16-check.err
+    step 120 $TOOL check $M f16 $OUT/$P-f16-check.json 2> $OUT/$P-f16-check.err || tail -3 $OUT/$P-f16-check.err
     el "$P f16 decisions + invariance"
     # the same weights as a ModelOpt FP8 checkpoint (per-tensor weight scales, input scales calibrated on CUDA)
     step 150 python3 -c "import sys; from pathlib import Path; from basal_local.model.testformats import convert_test_model; convert_test_model(Path(sys.argv[1]), 'fp8', device='cuda')" $M 2> $OUT/$P-convert.err \
@@ -172,7 +173,7 @@ if has bench; then
     du -sh $M/model.safetensors; el "$P fp8 checkpoint written"
     step 150 $CLI bench --model $M --device cuda --dtype auto --json > $OUT/$P-fp8.json 2> $OUT/$P-fp8.err || tail -3 $OUT/$P-fp8.err
     el "$P fp8 bench"
-    step 90 $TOOL check $M auto $OUT/$P-fp8-check.json 2> $OUT/$P-fp8-check.err || tail -3 $OUT/$P-fp8-check.err
+    step 120 $TOOL check $M auto $OUT/$P-fp8-check.json 2> $OUT/$P-fp8-check.err || tail -3 $OUT/$P-fp8-check.err
     el "$P fp8 decisions + invariance"
   done
 fi
@@ -180,7 +181,7 @@ if has channel; then  # the fp8 checkpoints kept above (4.5B ~5 GB, max ~17 GB o
   for P in ${PRESETS:-4.5B max}; do
     M=/tmp/m-$P; [ -f $M/hf_quant_config.json ] || continue
     step 150 $TOOL bench-channel $M $OUT/$P-fp8-channel.json 2> $OUT/$P-fp8-channel.err || tail -3 $OUT/$P-fp8-channel.err
-    step 90 $TOOL check $M auto $OUT/$P-fp8-channel-check.json channel 2>> $OUT/$P-fp8-channel.err || tail -3 $OUT/$P-fp8-channel.err
+    step 120 $TOOL check $M auto $OUT/$P-fp8-channel-check.json channel 2>> $OUT/$P-fp8-channel.err || tail -3 $OUT/$P-fp8-channel.err
     el "$P fp8 channel bench + decisions"
   done
 fi
