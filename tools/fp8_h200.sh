@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 27's H200 figures in one device call (nvidia-h200, < 9 minutes, no network): the CUDA fp8 tests, then per
-# preset (4.5B, max) the bf16 test model at f16 and the same weights as a ModelOpt FP8 checkpoint on its own e4m3
-# GEMMs (`--dtype auto`, fused parts at one scale: "tensor") side by side: `basal-local bench` single decision and
-# batch 32 and memory; per route one more load (no timing, no cuBLASLt pins: neither changes a bit) for the sample
-# set's decisions (agreement with f16) and 8 trials of a request alone vs amid 31 others, bitwise. Then, while the
-# call has time, the checkpoint with a scale per channel ("channel") for each preset. Results in $OUT, a table at
-# the end. Here: .whl holds the basal-local wheel and its pure-Python dependencies (as for tools/gpu_gpu2.sh).
-# PRESETS (default "4.5B max"); STAGES (default "tests bench channel"); DEADLINE (default 510 s: no step starts
-# after it, and each step's timeout ends by it).
+# Issue 27's H200 figures in one device call (nvidia-h200, < 9 minutes, no network): per preset (4.5B, max) the
+# bf16 test model at f16 and the same weights as a ModelOpt FP8 checkpoint on its own e4m3 GEMMs (`--dtype auto`,
+# fused parts at one scale: "tensor") side by side: `basal-local bench` single decision, batch 32 and memory; per
+# route one more load (no GEMM timing, no cuBLASLt pins: neither changes a bit) for the sample set's decisions
+# (agreement with f16) and 8 trials of a request alone vs amid 31 others, bitwise. Then the CUDA fp8 tests and,
+# while the call has time, the checkpoints with a scale per channel ("channel"). Results in $OUT, a table at the
+# end. Here: .whl holds the basal-local wheel and its pure-Python dependencies (as for tools/gpu_gpu2.sh).
+# PRESETS (default "4.5B max"); STAGES (default "bench tests channel", run in that order, the must first);
+# DEADLINE (default 530 s: no step starts after it, each step's timeout ends by it; then the table).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,8 +16,8 @@ if [ -z "${SKIP_INSTALL:-}" ]; then
   export PYTHONPATH=/tmp/site
 fi
 export BASAL_LOCAL_HOME=/tmp/bh
-STAGES=${STAGES:-tests bench channel}
-DEADLINE=${DEADLINE:-510}
+STAGES=${STAGES:-bench tests channel}
+DEADLINE=${DEADLINE:-530}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
@@ -150,14 +150,6 @@ PY
 TOOL="python3 /tmp/fp8_tool.py"
 CLI="python3 -m basal_local.cli"
 
-if has tests; then  # the fp8 tests (the checkpoint route's GPU tests and the on-the-fly route's)
-  rm -rf /tmp/t && cp -r tests /tmp/t
-  (cd /tmp && timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -x -p no:cacheprovider t/test_fp8.py -k cuda \
-     "t/test_cuda.py::test_cuda_fp8_quantizer_matches_twin_and_gemm_matches_dequantized" 2>&1 \
-     | grep -v "it/s" > "$OUT/fp8_tests.txt")
-  grep -E "passed|failed|Error|assert" "$OUT/fp8_tests.txt" | tail -15; el tests
-fi
-
 if has bench; then
   for P in ${PRESETS:-4.5B max}; do
     M=/tmp/m-$P; rm -rf $M
@@ -177,6 +169,14 @@ if has bench; then
     el "$P fp8 decisions + invariance"
   done
 fi
+if has tests; then  # the fp8 tests (the checkpoint route's GPU tests and the on-the-fly route's)
+  rm -rf /tmp/t && cp -r tests /tmp/t
+  step ${TEST_TIMEOUT:-120} python3 -m pytest -q -x -p no:cacheprovider t/test_fp8.py -k cuda \
+     "t/test_cuda.py::test_cuda_fp8_quantizer_matches_twin_and_gemm_matches_dequantized" 2>&1 \
+     | grep -v "it/s" > "$OUT/fp8_tests.txt"
+  grep -E "passed|failed|Error|assert" "$OUT/fp8_tests.txt" | tail -15; el tests
+fi
+
 if has channel; then  # the fp8 checkpoints kept above (4.5B ~5 GB, max ~17 GB on disk), while time is left
   for P in ${PRESETS:-4.5B max}; do
     M=/tmp/m-$P; [ -f $M/hf_quant_config.json ] || continue
