@@ -115,12 +115,15 @@ class TorchBackend:
             self._check_fp8_gpu()
         self.fp8_checkpoint = None
         self._apply_memory_limit(cfg)
-        if self.format.family == "fp8" and self.dtype_name == "fp8":
-            weights, self.fp8_checkpoint = self._load_fp8_checkpoint(cfg)
-        elif self.format.family != "safetensors":
-            # GGUF and ModelOpt FP8 are dequantized at load to the run dtype (model/formats.py)
-            for key, t in torch_tensors(self.format, cfg):
-                weights[key] = t.to(device=self.device, dtype=self.dtype)
+        if self.format.family != "safetensors":
+            try:
+                if self.format.family == "fp8" and self.dtype_name == "fp8":
+                    weights, self.fp8_checkpoint = self._load_fp8_checkpoint(cfg)
+                else:  # GGUF, and ModelOpt FP8 off its route, dequantized at load to the run dtype (model/formats.py)
+                    for key, t in torch_tensors(self.format, cfg):
+                        weights[key] = t.to(device=self.device, dtype=self.dtype)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc, "loading the weights") from None
         else:
             # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
             with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
