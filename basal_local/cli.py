@@ -90,7 +90,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
         print(f"  writing the {args.format} layout...", flush=True)
         try:
-            convert_test_model(out, args.format, seed=args.seed)
+            convert_test_model(out, args.format, seed=args.seed, device=args.device)
         except ValueError as exc:
             raise UserError(str(exc)) from None
     print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto", help="(default auto)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32", "fp8"],
-                   help="(default auto; fp8: CUDA only, f16 with float8 GEMMs)")
+                   help="(default auto; fp8: CUDA only, f16 with float8 GEMMs; an FP8 checkpoint runs its own fp8 "
+                        "GEMMs on CUDA under auto, dequantized on the CPU)")
     p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
                    help="in-process: GPU memory the model may use, a size (24GB) or a share (0.8) (default: all)")
     p.add_argument("--repeat", type=_positive, default=1, help="passes over the sample set (default 1)")

@@ -208,7 +208,9 @@ class Settings:
     dtype: str = setting("auto", "weights and activations (auto: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 "
                                  "with float8 GEMMs; q8/q4: MLX only, quantized once and cached). Shipped ports run in their own "
                                  "format: MLX-8bit/fp4 quantized on MLX, GGUF Q8_0/Q4_0 natively on MLX and dequantized "
-                                 "at load elsewhere, ModelOpt FP8 dequantized at load to this dtype on torch", flag="--dtype",
+                                 "at load elsewhere, ModelOpt FP8 on its own e4m3 weights and scales on CUDA (auto or fp8; needs "
+                                 "compute capability 8.9+) and dequantized at load to f32 on the CPU or to an explicit "
+                                 "f16/bf16/f32", flag="--dtype",
                          choices=("auto", "f16", "bf16", "f32", "fp8", "q8", "q4"), env="BASAL_LOCAL_DTYPE")
     # a size (24GB) or a share (0.8) of each GPU's memory the models may use (backends/memory.py checks the form)
     gpu_memory: str | float | None = setting(

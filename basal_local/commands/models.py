@@ -37,6 +37,13 @@ def pull(args: argparse.Namespace) -> int:
         repo, revision = split_ref(args.ref)
     except ModelNotFound as exc:
         raise UserError(str(exc)) from None
+    advice = _mac_advice(args.ref)
+    if advice is not None:
+        text, bf16_fits = advice
+        if not bf16_fits:
+            raise UserError(text, f"`basal-local pull {args.ref.partition('@')[0]}:bf16` downloads the bf16 "
+                            "weights anyway")
+        print(f"basal-local: {text}", flush=True)
     print(f"basal-local: pulling {repo}{'@' + revision if revision else ''} into the Hugging Face cache "
           "(an interrupted pull resumes where it stopped)", flush=True)
     try:
@@ -63,6 +70,22 @@ def pull(args: argparse.Namespace) -> int:
         return 1
     print(f"basal-local: {repo} is in {path}\n  serve it: basal-local serve --model {args.ref}")
     return 0
+
+
+def _mac_advice(ref: str) -> tuple[str, bool] | None:
+    """On an Apple Silicon Mac, which port of a short name fits its memory (registry.mac_port_advice)."""
+    import os
+    import platform
+
+    from ..model.registry import mac_port_advice
+
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        return None
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return mac_port_advice(ref, memory)
 
 
 def list_(args: argparse.Namespace) -> int:
