@@ -307,6 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print", action="store_true", dest="dry_run", help="print the unit instead of writing it")
     p.set_defaults(func=_lazy("service", "service_command"))
 
+    p = sub.add_parser("config", help="the effective settings and where each came from; edit config.toml",
+                       description="Show the settings `serve` would use and where each came from (default, "
+                       "config.toml, a BASAL_LOCAL_* variable, a flag), or edit config.toml with every value checked "
+                       "first. Example: basal-local config set port 8001 && basal-local config")
+    p.add_argument("action", nargs="?", default="show", choices=["show", "path", "get", "set", "unset", "keys",
+                                                                  "validate"], help="(default show)")
+    p.add_argument("key", nargs="?", help="get, set, unset: the setting (`config keys` lists them; aliases.NAME, "
+                   "placement.NAME for the tables)")
+    p.add_argument("value", nargs="?", help="set: the value (a list: comma-separated)")
+    p.add_argument("--config", help=f"config.toml to read and edit (default {config_path()})")
+    p.add_argument("--json", action="store_true", help="show, keys: print JSON")
+    g = p.add_argument_group("serve flags (show: what `serve` would use with them)")
+    add_flags(g)
+    p.set_defaults(func=_lazy("config", "config_command"))
+
     p = sub.add_parser("stop", help="stop the daemon started with `serve --detach`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it (default 30)")
     p.set_defaults(func=_lazy("background", "stop_command"))

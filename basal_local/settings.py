@@ -246,6 +246,25 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid TOML ({exc}); fix or remove the file") from None
 
 
+def file_values(path: Path, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings a config.toml gives (`data`: its parsed text, else the file is read), each checked against
+    its declaration; ValueError names the file, the key and what is allowed (`basal-local config` uses it too)."""
+    specs = {key: spec for key, spec, _, _ in all_settings()}
+    out = {}
+    for key, value in (_read_config(path) if data is None else data).items():
+        if key not in specs:
+            raise _unknown(path, key, list(specs))
+        try:
+            out[key] = check(key, specs[key], value)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    if not all(isinstance(v, str) for v in out.get("aliases", {}).values()):
+        raise ValueError(f'{path}: [aliases] must map names to served model names (jev-latest = "mini")')
+    if not all(isinstance(v, list) and all(isinstance(d, str) for d in v) for v in out.get("placement", {}).values()):
+        raise ValueError(f'{path}: [placement] must map model names to lists of devices (mini = ["cuda:0"])')
+    return out
+
+
 def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
     path = config_file or config_path()
     specs = {key: (spec, engine) for key, spec, _, engine in all_settings()}
@@ -259,16 +278,10 @@ def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings
             raise ValueError(f"{source}: {exc}") from None
         setattr(settings.engine if engine else settings, key, value)
 
-    for key, value in _read_config(path).items():
-        if key not in specs:
-            raise _unknown(path, key, list(specs))
-        put(key, value, str(path), from_text=False)
-    if not all(isinstance(v, str) for v in settings.aliases.values()):
-        raise ValueError(f'{path}: [aliases] must map names to served model names (jev-latest = "mini")')
-    if not all(isinstance(v, list) and all(isinstance(d, str) for d in v) for v in settings.placement.values()):
-        raise ValueError(f'{path}: [placement] must map model names to lists of devices (mini = ["cuda:0"])')
+    for key, value in file_values(path).items():
+        setattr(settings.engine if specs[key][1] else settings, key, value)
     for key, (spec, _) in specs.items():
-        if spec.env and spec.env in os.environ:
+        if spec.env and os.environ.get(spec.env):  # an empty variable is unset (as the tools read the key)
             put(key, os.environ[spec.env], spec.env, from_text=True)
     for key, value in overrides.items():
         if value is None:
