@@ -161,3 +161,4 @@ def test_an_empty_variable_does_not_override_the_file(home, monkeypatch):
     monkeypatch.setenv("BASAL_LOCAL_API_KEY", "")
     assert Settings.load({}, path).api_key == "from-file"
     assert _rows(home)["api_key"]["source"] == "config.toml"
+

@@ -83,21 +83,28 @@ def error_text(body: dict[str, Any]) -> str:
     return json.dumps(body)[:200]
 
 
-def chart(question: str, answer: dict[str, Any], color: bool) -> str:
-    """The answer as one headline and a bar per option, highest probability marked."""
+def chart(question: str, answer: dict[str, Any], color: bool, dialect: str = "basal") -> str:
+    """The answer as one headline and a bar per option, highest probability marked.
+
+    The headline gives the answer's own probability as `p`. Both dialects also send a `confidence`: on /v1/basal it
+    is that same largest p (so it is not repeated); on /v1/systemone it is TypeSafe's formula, a different number,
+    printed under its own name with what it measures."""
     probs: dict[str, float] = answer.get("probabilities") or {}
     kind = answer.get("type")
+    top = max(probs.values()) if probs else None
     if kind == "noul":
         verdict = "yes" if answer["noul"] >= 0.5 else "no"
         head = f"{verdict}  (p(true) = {answer['noul']:.3f})"
     elif kind == "score":
         legend = answer.get("legend") or {}
         probs = {f"{k} {legend.get(k, '')}".strip(): v for k, v in probs.items()}
-        head = f"score {answer['score']:.2f}"
+        best = max(probs, key=probs.get) if probs else None
+        head = f"score {answer['score']:.2f}" + (f"  (most likely {best}, p = {top:.3f})" if best else "")
     else:
-        head = str(answer.get("choice"))
-    if "confidence" in answer:
-        head += f", confidence {answer['confidence']:.2f}"
+        head = f"{answer.get('choice')}" + (f"  (p = {top:.3f})" if top is not None else "")
+    if dialect == "systemone" and "confidence" in answer and kind in ("choice", "score"):
+        what = "(p - 1/n) / (1 - 1/n)" if kind == "choice" else "1 - spread around the most likely level"
+        head += f"\n    TypeSafe confidence {answer['confidence']:.3f} = {what}"
     lines = [f"{question}\n  → {head}"]
     width = max((len(k) for k in probs), default=0)
     best = max(probs, key=probs.get) if probs else None
@@ -152,7 +159,7 @@ def ask_command(args: argparse.Namespace) -> int:
         return 0
     text = args.noul or args.choice or args.score
     color = sys.stdout.isatty()
-    print(chart(text, answer["answers"]["q"], color))
+    print(chart(text, answer["answers"]["q"], color, dialect=path.removeprefix("/v1/")))
     via = ", through /v1/systemone (more than 10 options)" if path == "/v1/systemone" else ""
     print(f"  model {answer.get('model')}, {answer.get('usage', {}).get('latency_ms', 0):.0f} ms{via}")
     return 0
