@@ -58,45 +58,6 @@ def cmd_prompts(args: argparse.Namespace) -> int:
     return prompts_command(args)
 
 
-def cmd_make_test_model(args: argparse.Namespace) -> int:
-    from .model.testmodel import make_test_model
-
-    out = Path(args.directory).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file", "give make-test-model a new or empty folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "basal.json").exists():
-        raise UserError(f"{out} is not empty and holds no model",
-                        "give make-test-model a new or empty folder (an existing test model is overwritten)")
-    if args.device == "cuda":
-        from .commands.serving import check_device
-
-        check_device("cuda")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as exc:
-        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
-                        "give make-test-model a folder you can write to") from None
-    print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
-    try:
-        make_test_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
-                        progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
-    except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
-        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
-                        "free disk space, or give make-test-model another folder") from None
-    if args.format != "bf16":
-        from .model.testformats import convert_test_model
-
-        print(f"  writing the {args.format} layout...", flush=True)
-        try:
-            convert_test_model(out, args.format, seed=args.seed)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-    print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
-    return 0
-
-
 def cmd_top(args: argparse.Namespace) -> int:
     from .server.tuimode import local_url
 
@@ -112,43 +73,6 @@ def cmd_top(args: argparse.Namespace) -> int:
     from .tui.run import run_top
 
     return run_top(url, api_key=client_key(args))
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
-    from .commands import check_url, get_json
-    from .commands.serving import check_device, check_gpu_memory
-
-    if args.http:
-        from .commands.serving import client_key
-
-        args.http = check_url(args.http, "--http")
-        args.api_key = client_key(args)
-        get_json(args.http, "/v1/models", flag="--http", api_key=args.api_key)
-    else:
-        check_device(args.device)
-        check_gpu_memory(args.gpu_memory, args.device)
-        check_bench_extras(args)
-        if args.model:
-            from .commands import model_path
-
-            args.model = str(model_path(args.model))
-    return run_bench(args)
-
-
-def check_bench_extras(args: argparse.Namespace) -> None:
-    """What the bench needs beyond our own code, checked before it runs (not after the whole bench)."""
-    import importlib.util
-
-    if args.baseline != "none" and importlib.util.find_spec("transformers") is None:
-        raise UserError(f"--baseline {args.baseline} needs Hugging Face transformers, which is not installed",
-                        'install it (pip install "transformers>=4.45"), or drop --baseline')
-    if args.backend == "mlx":
-        from .backends.select import mlx_importable
-
-        if not mlx_importable():
-            raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
-                            "use --backend torch (or auto), or on a Mac: pip install mlx")
 
 
 def _models(name: str):
@@ -226,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "fp8"],
                    help="weight layout of a shipped port (default bf16): MLX 8-bit/nvfp4 (mlx-lm layout, needs "
                         "mlx), GGUF Q8_0/Q4_K_M (the gguf package's writer) or NVIDIA ModelOpt FP8")
-    p.set_defaults(func=cmd_make_test_model)
+    p.set_defaults(func=_models("make_test_model"))
 
     p = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumable)")
     p.add_argument("ref", help="mini, 4.5B, max or OWNER/NAME[@REVISION]")
@@ -322,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(g)
     p.set_defaults(func=_lazy("config", "config_command"))
 
+    p = sub.add_parser("completion", help="print a shell completion script (bash, zsh or fish)",
+                       description="Print the completion script of a shell. Examples: eval \"$(basal-local "
+                       "completion bash)\" in ~/.bashrc; basal-local completion fish > "
+                       "~/.config/fish/completions/basal-local.fish; basal-local completion zsh > "
+                       "\"${fpath[1]}/_basal-local\"")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"])
+    p.set_defaults(func=_lazy("completion", "completion_command"))
+
     p = sub.add_parser("stop", help="stop the daemon started with `serve --detach`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it (default 30)")
     p.set_defaults(func=_lazy("background", "stop_command"))
@@ -361,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time a synthetic ~4.2k- and ~16.5k-token contract with 5 questions")
     p.add_argument("--invariance", type=int, default=0, metavar="N",
                    help="also check N times that a request alone and amid 31 others gets bitwise equal logits")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=_lazy("benching", "bench_command"))
     seen: set[int] = set()
     for command in sub.choices.values():  # -v after the subcommand too (`basal-local serve -v`)
         if id(command) not in seen:

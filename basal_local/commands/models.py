@@ -1,9 +1,11 @@
-"""Models the Ollama way: `pull`, `list`, `show`, `rm` (the Hugging Face cache) and `ps` (a running daemon)."""
+"""Models the Ollama way: `pull`, `list`, `show`, `rm` (the Hugging Face cache), `ps` (a running daemon) and
+`make-test-model` (a random-weight model directory)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -207,4 +209,43 @@ def ps(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in table) for i in range(6)]
     for r in table:
         print("  ".join(f"{r[i]:<{widths[i]}}" for i in range(6)) + "  " + r[6])
+    return 0
+
+
+def make_test_model(args: argparse.Namespace) -> int:
+    from ..model.testmodel import make_test_model as write_model
+
+    out = Path(args.directory).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file", "give make-test-model a new or empty folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "basal.json").exists():
+        raise UserError(f"{out} is not empty and holds no model",
+                        "give make-test-model a new or empty folder (an existing test model is overwritten)")
+    if args.device == "cuda":
+        from .serving import check_device
+
+        check_device("cuda")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "give make-test-model a folder you can write to") from None
+    print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
+    try:
+        write_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
+                        progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+    except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "free disk space, or give make-test-model another folder") from None
+    if args.format != "bf16":
+        from ..model.testformats import convert_test_model
+
+        print(f"  writing the {args.format} layout...", flush=True)
+        try:
+            convert_test_model(out, args.format, seed=args.seed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
     return 0
