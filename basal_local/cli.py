@@ -176,6 +176,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_flag(p)
     p.set_defaults(func=_models("ps"))
 
+    p = sub.add_parser("load", help="a running daemon loads a model (no restart)",
+                       description="Load a model into a running daemon; it stays loaded for --keep-alive after its "
+                       "last request (default: the daemon's --keep-alive, else until it stops). A request for a "
+                       "known model that is not loaded loads it too (503 + Retry-After meanwhile). "
+                       "Example: basal-local load mini --keep-alive 10m")
+    p.add_argument("model", help="a served name, mini|4.5B|max, OWNER/NAME[@REV] (downloaded) or a model directory")
+    p.add_argument("--keep-alive", dest="keep_alive", metavar="TIME",
+                   help="unload after this long without a request: 10m, 1h, 90s, 600 (seconds), or forever")
+    p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return at once (default: wait for it)")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    _add_key_flag(p)
+    p.set_defaults(func=_models("load"))
+
+    p = sub.add_parser("unload", help="a running daemon unloads a model and frees its memory",
+                       description="Unload a model from a running daemon: it finishes the requests it holds, then its "
+                       "weights and memory are freed. A later request for it loads it again. "
+                       "Example: basal-local unload basal-1.5-mini")
+    p.add_argument("model", help="the served name (`basal-local ps` lists them)")
+    p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return at once (default: wait for it)")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    _add_key_flag(p)
+    p.set_defaults(func=_models("unload"))
+
     p = sub.add_parser("doctor", help="check this machine: Python, packages, devices, models, disk, port, config")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--port", type=_port, help="port to check (default: the configured one)")

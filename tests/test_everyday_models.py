@@ -1,0 +1,197 @@
+"""Models at run time (server/models.py): load and unload without a restart, the keep-alive unload, a request for
+an unloaded model, `basal-local load|unload|ps` with replica processes, and an unloaded engine really dropped."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from .conftest import Daemon, http
+from .test_cli import assert_user_error, cli
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def second_model(tmp_path_factory) -> Path:
+    from basal_local.model.testmodel import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("second"), preset="tiny", seed=3, name="second")
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model, tmp_path_factory):
+    """Two replicas of the tiny model, each in its own worker process."""
+    root = tmp_path_factory.mktemp("models-home")
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--replicas", "2", "--replica-processes"],
+               env={"BASAL_LOCAL_HOME": str(root), "BASAL_LOCAL_API_KEY": ""})
+    d.wait_ready(timeout=300)
+    yield d
+    d.stop()
+
+
+def _states(live) -> dict[str, dict]:
+    return {m["name"]: m for m in http("GET", live.url + "/api/stats")[2]["model_states"]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+QUESTION = {"state": "The parcel arrived broken.", "questions": {"q": {"type": "noul", "instructions": "Urgent?"}}}
+
+
+def test_ps_shows_each_worker_process_with_its_weights(live, home):
+    status, _, info = http("GET", live.url + "/api/ps")
+    assert status == 200
+    (model,) = info["models"]
+    assert model["status"] == "loaded" and model["weights_bytes"] > 0  # before any request has run
+    pids = [r["pid"] for r in model["replicas"]]
+    assert [r["replica"] for r in model["replicas"]] == [0, 1] and len(set(pids)) == 2
+    assert info["pid"] not in pids and all(_alive(p) for p in pids)
+    for r in model["replicas"]:
+        assert r["worker_process"] and r["device"] == "cpu" and r["state"] == "ready"
+        assert r["weights_bytes"] == model["weights_bytes"] and r["process_rss_bytes"] > 0
+    done = cli("ps", "--url", live.url, env=home)
+    assert done.returncode == 0, done.stderr
+    for r in model["replicas"]:
+        assert f"replica {r['replica']}: pid {r['pid']} (worker process), cpu, ready" in done.stdout, done.stdout
+    assert "WEIGHTS" in done.stdout and " 0 B " not in done.stdout
+
+
+def test_load_answer_unload_and_a_request_loads_it_again(live, home, second_model):
+    done = cli("load", str(second_model), "--url", live.url, env=home)
+    assert done.returncode == 0 and "second is loaded" in done.stdout, done.stderr
+    status, _, body = http("POST", live.url + "/v1/basal", {**QUESTION, "model": "second"})
+    assert status == 200 and body["model"] == "second"
+    (entry,) = [m for m in http("GET", live.url + "/api/ps")[2]["models"] if m["name"] == "second"]
+    workers = [r["pid"] for r in entry["replicas"]]
+    assert len(workers) == 2 and all(_alive(p) for p in workers)
+    done = cli("unload", "second", "--url", live.url, env=home)
+    assert done.returncode == 0 and "second is unloaded" in done.stdout, done.stderr
+    _wait_for(lambda: not any(_alive(p) for p in workers), timeout=30)  # its processes and memory are gone
+    (entry,) = [m for m in http("GET", live.url + "/api/ps")[2]["models"] if m["name"] == "second"]
+    assert entry["status"] == "unloaded" and entry["replicas"] == []
+    assert "second" not in http("GET", live.url + "/health")[2]["models"]
+    # a request for it: the dialect's 503 with Retry-After while it loads, then the answer
+    status, headers, body = http("POST", live.url + "/v1/systemone", {**QUESTION, "model": "second"})
+    assert status == 503 and int(headers["retry-after"]) >= 1
+    assert body == {"detail": {"error_type": "unavailable_error",
+                               "message": "model second is loading; retry in a few seconds"}}
+
+    def answered() -> bool:
+        return http("POST", live.url + "/v1/basal", {**QUESTION, "model": "second"})[0] == 200
+
+    _wait_for(answered, timeout=120)
+    # the other model was served throughout
+    assert http("POST", live.url + "/v1/basal", QUESTION)[0] == 200
+    assert http("POST", live.url + "/v1/basal", {**QUESTION, "model": "never-heard-of"})[2] == \
+        {"error": "Unknown model: never-heard-of"}
+
+
+def test_keep_alive_unloads_an_idle_model(live, home, second_model):
+    assert cli("load", str(second_model), "--keep-alive", "1s", "--url", live.url, env=home).returncode == 0
+    assert _states(live)["second"]["keep_alive_s"] == 1.0
+    _wait_for(lambda: _states(live)["second"]["status"] == "unloaded", timeout=60)
+    status, _, stats = http("GET", live.url + "/api/stats")
+    first = stats["model_states"][0]
+    assert first["status"] == "loaded" and first["keep_alive_s"] is None and first["expires_in_s"] is None
+    done = cli("ps", "--url", live.url, env=home)
+    second = next(line for line in done.stdout.splitlines() if line.startswith("second "))
+    assert second.split()[:2] == ["second", "unloaded"]
+    # a per-model keep-alive shows as the time left
+    assert cli("load", "second", "--keep-alive", "1h", "--url", live.url, env=home).returncode == 0
+    state = _states(live)["second"]
+    assert state["status"] == "loaded" and 3590 <= state["expires_in_s"] <= 3600
+    assert "in 60 min" in cli("ps", "--url", live.url, env=home).stdout
+
+
+@pytest.mark.parametrize("path, body, status, expected", [
+    ("/api/load", {"model": "no-such-model-anywhere"}, 404, "MODEL_NOT_FOUND"),
+    ("/api/load", {"model": "second", "keep_alive": "soon"}, 422, "INVALID_KEEP_ALIVE"),
+    ("/api/load", {"model": ""}, 422, "MODEL_REQUIRED"),
+    ("/api/load", {"model": "second", "colour": 1}, 422, "UNKNOWN_FIELD"),
+    ("/api/load", {"model": "second", "wait": "yes"}, 422, "INVALID_WAIT"),
+    ("/api/unload", {"model": "zzz"}, 404, "MODEL_NOT_FOUND"),
+    ("/api/unload", ["second"], 422, "MODEL_REQUIRED"),
+])
+def test_bad_load_and_unload_bodies(live, path, body, status, expected):
+    import json
+
+    got, _, answer = http("POST", live.url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    assert (got, answer["code"]) == (status, expected), answer
+    assert isinstance(answer["error"], str) and answer["error"]
+
+
+def test_load_and_unload_mistakes_are_two_lines(live, home):
+    assert_user_error(cli("load", "no-such-model-anywhere", "--url", live.url, env=home), "404", "basal-local list")
+    assert_user_error(cli("load", "second", "--keep-alive", "soon", "--url", live.url, env=home),
+                      "not a duration", "--keep-alive 10m")
+    assert_user_error(cli("unload", "zzz", "--url", live.url, env=home), "no model named 'zzz'")
+    dead = f"http://127.0.0.1:{live.port + 1 if live.port < 65535 else 1}"
+    assert_user_error(cli("load", "mini", "--url", dead, env=home), "cannot reach")
+
+
+@pytest.mark.parametrize("text, seconds", [("10m", 600.0), ("1h30m", 5400.0), ("90s", 90.0), ("600", 600.0),
+                                           (45, 45.0), (0, 0.0), ("forever", None), (-1, None), (None, None)])
+def test_keep_alive_durations(text, seconds):
+    from basal_local.server.models import parse_keep_alive
+
+    assert parse_keep_alive(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "-5", "10x", "", True, float("nan")])
+def test_keep_alive_refuses_what_is_not_a_duration(text):
+    from basal_local.server.models import parse_keep_alive
+
+    with pytest.raises(ValueError):
+        parse_keep_alive(text)
+
+
+def test_an_unloaded_engine_is_dropped_whole(tiny_model, second_model):
+    """Nothing keeps an unloaded model's engine or backend alive (so whatever it caches goes with it), even after
+    the daemon froze its heap at start; the memory probe moves to a model still loaded."""
+    from basal_local.server.daemon import Loader
+    from basal_local.server.models import ModelRegistry
+    from basal_local.server.state import AppState
+    from basal_local.settings import Settings
+
+    state = AppState()
+    settings = Settings.load({"device": "cpu"}, config_file=Path("/nonexistent"))
+    loader = Loader(state, settings)
+    state.models = ModelRegistry(state, loader, None, frozen=True)
+    first = loader(tiny_model)
+    state.engines = {first.model.name: first}
+    state.models.loaded_at_start(first)
+    gc.freeze()
+    try:
+        name = state.models.add(second_model)
+        state.models.load(name).join(60)
+        engine = state.engines[name]
+        assert state.telemetry.memory_probe.__self__ is engine.backend
+        refs = [weakref.ref(engine), weakref.ref(engine.backend)]
+        del engine
+        state.models.unload(name).join(60)
+        gc.collect()
+        assert [r() for r in refs] == [None, None]
+        assert state.telemetry.memory_probe.__self__ is first.backend
+        assert state.models.entries[name].status == "unloaded"
+    finally:
+        gc.unfreeze()
+        for e in state.engines.values():
+            e.stop(5)
+    assert os.getpid()  # the test ran in this process: no daemon to stop
