@@ -247,8 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_flag(p)
     p.set_defaults(func=_lazy("batches", "batch_command"))
 
-    p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)")
-    p.add_argument("action", choices=["install", "uninstall", "status"])
+    p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)",
+                       description="Install the daemon as a systemd user unit (Linux) or launchd agent (macOS), then "
+                       "start, stop, restart it and read its logs through the service manager. Example: "
+                       "basal-local service install --model mini && basal-local service start")
+    p.add_argument("action", choices=["install", "uninstall", "status", "start", "stop", "restart", "logs"])
+    p.add_argument("-f", "--follow", action="store_true", help="logs: keep printing new lines until Ctrl-C")
+    p.add_argument("-n", "--lines", type=int, default=0, metavar="N", help="logs: only the last N lines first")
     p.add_argument("--model", action="append", help="model to serve (repeatable; default: the config's)")
     p.add_argument("--port", type=_port, help="port (default: the config's)")
     p.add_argument("--print", action="store_true", dest="dry_run", help="print the unit instead of writing it")
