@@ -195,3 +195,12 @@ def test_an_unloaded_engine_is_dropped_whole(tiny_model, second_model):
         for e in state.engines.values():
             e.stop(5)
     assert os.getpid()  # the test ran in this process: no daemon to stop
+
+
+def test_ask_waits_while_the_daemon_loads_the_model_it_names(live, home, second_model):
+    assert cli("load", str(second_model), "--url", live.url, env=home).returncode == 0
+    assert cli("unload", "second", "--url", live.url, env=home).returncode == 0
+    done = cli("ask", "--url", live.url, "--model", "second", "--state", "x", "--noul", "ok?", env=home)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "basal-local: model second is loading; waiting for it (Ctrl-C stops)"
+    assert "model second" in done.stdout

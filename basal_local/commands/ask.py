@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +15,7 @@ from . import UserError, auth_headers, key_refused
 
 BAR = 32
 MAX_OPTIONS = 10  # /v1/basal: one letter A-J per option
+LOAD_WAIT_S = 900.0  # a model the daemon loads on this request: how long to wait for it
 
 
 def read_state(text: str) -> str:
@@ -152,6 +154,14 @@ def ask_command(args: argparse.Namespace) -> int:
     if args.model:
         body["model"] = args.model
     status, answer = post(url, path, body, api_key=key)
+    started, said = time.monotonic(), False
+    while status == 503 and " is loading" in error_text(answer) and time.monotonic() - started < LOAD_WAIT_S:
+        if not said:  # the daemon loads the model this request named (it was unloaded): wait for it
+            print(f"basal-local: {error_text(answer).split(';')[0]}; waiting for it (Ctrl-C stops)",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(1.0)
+        status, answer = post(url, path, body, api_key=key)
     if status != 200:
         raise refusal(url, status, answer, key)
     if args.json:
