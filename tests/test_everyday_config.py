@@ -162,3 +162,8 @@ def test_an_empty_variable_does_not_override_the_file(home, monkeypatch):
     assert Settings.load({}, path).api_key == "from-file"
     assert _rows(home)["api_key"]["source"] == "config.toml"
 
+
+
+def test_show_takes_serve_s_port_zero(home):
+    assert (_rows(home, "--port", "0")["port"]["value"], _rows(home, "--port", "0")["port"]["source"]) == \
+        (0, "flag --port")

@@ -76,15 +76,18 @@ def _shown(key: str, value: Any) -> str:
 def effective(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each setting: key, value, default, and where the value came from (flag > env > config.toml > default)."""
     path = _path(args)
+    flags = flag_overrides(args)
+    # `--port 0` is serve's own (it binds a free port before the settings are read): shown as given
+    zero = {k for k, v in flags.items() if v == 0 and _specs()[k].flag_zero}
     try:
-        settings = Settings.load(flag_overrides(args), path)
+        settings = Settings.load({k: v for k, v in flags.items() if k not in zero}, path)
         in_file = file_values(path)
     except (ValueError, OSError) as exc:
-        raise UserError(str(exc), "fix it (`basal-local config set KEY VALUE` checks a value first)") from None
-    flags = flag_overrides(args)
+        raise UserError(str(exc), "fix the value where it is given (`basal-local config keys` says what each "
+                        "setting takes)") from None
     rows = []
     for key, spec, default, engine in all_settings():
-        value = getattr(settings.engine if engine else settings, key)
+        value = 0 if key in zero else getattr(settings.engine if engine else settings, key)
         if key in flags:
             source = f"flag {spec.flag}"
         elif spec.env and os.environ.get(spec.env):

@@ -255,6 +255,7 @@ def load(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"model": _model_ref(args.model), "wait": not args.no_wait}
     if args.keep_alive is not None:
         body["keep_alive"] = args.keep_alive
+    get_json(url, "/api/ps", api_key=key)  # reachable, ready and the key right, before saying anything
     if not args.no_wait:
         print(f"basal-local: loading {args.model} in the daemon at {url}...", flush=True)
     status, answer = post(url, "/api/load", body, timeout=900.0, api_key=key)
