@@ -115,6 +115,8 @@ def test_keep_alive_unloads_an_idle_model(live, home, second_model):
     assert second.split()[:2] == ["second", "unloaded"]
     # a per-model keep-alive shows as the time left
     assert cli("load", "second", "--keep-alive", "1h", "--url", live.url, env=home).returncode == 0
+    again = cli("load", "second", "--keep-alive", "1h", "--url", live.url, env=home)
+    assert again.returncode == 0 and "second is loaded; stays until it has been idle 60 min" in again.stdout
     state = _states(live)["second"]
     assert state["status"] == "loaded" and 3590 <= state["expires_in_s"] <= 3600
     assert "in 60 min" in cli("ps", "--url", live.url, env=home).stdout
@@ -204,3 +206,16 @@ def test_ask_waits_while_the_daemon_loads_the_model_it_names(live, home, second_
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == "basal-local: model second is loading; waiting for it (Ctrl-C stops)"
     assert "model second" in done.stdout
+
+
+def test_bench_http_loads_an_unloaded_default_model_first(live, home):
+    import json
+
+    default = next(m["name"] for m in http("GET", live.url + "/api/ps")[2]["models"] if m["default"])
+    assert cli("unload", default, "--url", live.url, env=home).returncode == 0
+    assert http("GET", live.url + "/v1/models")[2]["models"] == [] or \
+        default not in [m["name"] for m in http("GET", live.url + "/v1/models")[2]["models"]]
+    done = cli("bench", "--http", live.url, "--requests", "4", "--json", env=home)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["requests"] == 4 and json.loads(done.stdout)["errors"] == 0
+    assert f"loading {default} first (it is unloaded)" in done.stderr

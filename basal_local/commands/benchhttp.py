@@ -9,12 +9,13 @@ from __future__ import annotations
 import collections
 import http.client
 import json
+import sys
 import threading
 import time
 import urllib.parse
 from typing import Any
 
-from . import auth_headers, get_json
+from . import UserError, auth_headers, get_json
 
 MAX_RETRIES = 20  # 529s for one request before it counts as failed
 GONE_AFTER = 3  # connection failures in a row that mean the daemon is gone
@@ -84,12 +85,32 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
+def loaded_default(url: str, api_key: str | None) -> str:
+    """The daemon's default model, loaded first when it is not (an unloaded model would answer 503s)."""
+    from .ask import error_text, post
+
+    info = get_json(url, "/api/ps", timeout=30, flag="--http", api_key=api_key)
+    default = next((m for m in info.get("models", []) if m.get("default")), None) or \
+        next(iter(info.get("models", [])), None)
+    if default is None:
+        raise UserError(f"the daemon at {url} serves no model", "load one: basal-local load mini")
+    if default.get("status", "loaded") != "loaded":
+        print(f"basal-local bench: loading {default['name']} first (it is {default['status']})", file=sys.stderr,
+              flush=True)
+        status, answer = post(url, "/api/load", {"model": default["name"], "wait": True}, timeout=900.0,
+                              api_key=api_key)
+        if status != 200:
+            raise UserError(f"the daemon could not load {default['name']}: {error_text(answer)}",
+                            "see its log (`basal-local logs`)", status=1)
+    return default["name"]
+
+
 def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_key: str | None = None,
                progress=None) -> dict[str, Any]:
     from ..bench import single_question_requests
 
     url = url.rstrip("/")
-    model = get_json(url, "/v1/models", timeout=30, flag="--http", api_key=api_key)["models"][0]["name"]
+    model = loaded_default(url, api_key)
     bodies = single_question_requests(model)
     total = total or len(bodies)
     latencies: list[float] = []

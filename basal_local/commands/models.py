@@ -262,7 +262,7 @@ def load(args: argparse.Namespace) -> int:
     _refused(url, key, status, answer, error_text, "load")
     name = answer.get("name", args.model)
     if answer.get("status") == "loaded":
-        took = f" in {answer['load_s']:.1f} s" if answer.get("load_s") else ""
+        took = f" in {answer['load_s']:.1f} s" if answer.get("load_s") and not answer.get("already_loaded") else ""
         print(f"basal-local: {name} is loaded{took}; stays {_stay(answer.get('keep_alive_s'))}")
     else:
         print(f"basal-local: {name} is {answer.get('status')}; `basal-local ps` shows when it is in")
@@ -335,7 +335,10 @@ def make_test_model(args: argparse.Namespace) -> int:
     print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
     try:
         write_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
-                        progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+                    progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: the test model in {out} is incomplete",
+                        "run the same command again (it overwrites the folder)", status=130) from None
     except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
         raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
                         "free disk space, or give make-test-model another folder") from None

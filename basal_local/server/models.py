@@ -355,11 +355,12 @@ async def load_route(request: Request) -> Response:
             name = await loop.run_in_executor(None, registry.add, path)
     except LookupError as exc:
         return _fail(404, "MODEL_NOT_FOUND", str(exc))
+    already = registry.entries[name].status == "loaded"
     registry.load(name, keep)
     registry.touch(name)
     if body.get("wait"):
         await _wait(registry, name, ("loaded", "failed", "unloaded"))
-    entry = _state_of(registry, name)
+    entry = {**_state_of(registry, name), "already_loaded": already}
     if entry["status"] == "failed":
         return _json(500, {**entry, "error": entry["error"], "code": "LOAD_FAILED"})
     return _json(200 if entry["status"] == "loaded" else 202, entry)
