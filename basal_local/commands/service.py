@@ -174,9 +174,11 @@ def service_command(args: argparse.Namespace) -> int:
         if kind == "systemd":
             print("  start it now and at every log-in:\n"
                   "    systemctl --user daemon-reload && systemctl --user enable --now basal-local\n"
+                  "  or only now: basal-local service start  (stop, restart, logs -f the same way)\n"
                   f"  logs: journalctl --user -u basal-local -f   (and {log_file})")
         else:
-            print(f"  start it now and at every log-in:\n    launchctl load -w {path}\n  logs: {log_file}")
+            print(f"  start it now and at every log-in:\n    launchctl load -w {path}   (or: basal-local service start)\n"
+                  f"  logs: {log_file}")
         return 0
     if args.action == "uninstall":
         if not path.exists():
@@ -201,6 +203,8 @@ def service_command(args: argparse.Namespace) -> int:
         done = subprocess.run(["systemctl", "--user", "is-active", "basal-local"], capture_output=True, text=True,
                               timeout=10)
         state = done.stdout.strip() or done.stderr.strip() or state
+        if "Failed to connect to bus" in state or "not been booted with systemd" in state:
+            state = "unknown: no systemd user session here (`basal-local serve --detach` runs without one)"
     elif kind == "launchd" and shutil.which("launchctl"):
         done = subprocess.run(["launchctl", "list", LABEL], capture_output=True, text=True, timeout=10)
         state = "loaded" if done.returncode == 0 else "not loaded"
