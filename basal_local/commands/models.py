@@ -258,7 +258,11 @@ def load(args: argparse.Namespace) -> int:
     get_json(url, "/api/ps", api_key=key)  # reachable, ready and the key right, before saying anything
     if not args.no_wait:
         print(f"basal-local: loading {args.model} in the daemon at {url}...", flush=True)
-    status, answer = post(url, "/api/load", body, timeout=900.0, api_key=key)
+    try:
+        status, answer = post(url, "/api/load", body, timeout=900.0, api_key=key)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: the daemon goes on loading {args.model}",
+                        "`basal-local ps` shows when it is in; `basal-local unload NAME` drops it", status=130) from None
     _refused(url, key, status, answer, error_text, "load")
     name = answer.get("name", args.model)
     if answer.get("status") == "loaded":
