@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
@@ -85,7 +86,7 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
         elif kind is float:
             if from_text and isinstance(value, str):
                 value = float(value)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError
             value = float(value)
         elif kind is str:

@@ -71,6 +71,8 @@ def test_set_checks_writes_and_keeps_the_rest_of_the_file(home):
 @pytest.mark.parametrize("key, value, words", [
     ("max_inflight", "-3", ["max_inflight = -3: must be a whole number of at least 1"]),
     ("body_timeout_s", "-1", ["must be a number above 0"]),
+    ("drain_s", "1e400", ["drain_s = inf: must be a number of at least 0"]),  # uvicorn cannot round inf
+    ("long_slice_ms", "nan", ["must be a number above 0"]),
     ("schedule", "lifo", ["must be one of hrrn, fifo"]),
     ("port", "http", ["must be a whole number from 1 to 65535"]),
     ("access_log", "maybe", ["must be true or false"]),

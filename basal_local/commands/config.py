@@ -58,7 +58,7 @@ def _unknown_key(key: str) -> UserError:
 
 
 def _shown(key: str, value: Any) -> str:
-    if value is None:
+    if value is None or (key in SECRET and not value):
         return "(unset)"
     if key in SECRET:
         return "(set, hidden)"
