@@ -213,9 +213,33 @@ def test_bench_http_loads_an_unloaded_default_model_first(live, home):
 
     default = next(m["name"] for m in http("GET", live.url + "/api/ps")[2]["models"] if m["default"])
     assert cli("unload", default, "--url", live.url, env=home).returncode == 0
-    assert http("GET", live.url + "/v1/models")[2]["models"] == [] or \
-        default not in [m["name"] for m in http("GET", live.url + "/v1/models")[2]["models"]]
+    # still listed: a request for it loads it
+    assert default in [m["name"] for m in http("GET", live.url + "/v1/models")[2]["models"]]
+    assert default not in http("GET", live.url + "/health")[2]["models"]
     done = cli("bench", "--http", live.url, "--requests", "4", "--json", env=home)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["requests"] == 4 and json.loads(done.stdout)["errors"] == 0
     assert f"loading {default} first (it is unloaded)" in done.stderr
+
+
+def test_each_change_of_state_is_an_event(live, home, second_model):
+    """The dashboard's stream carries model_loading, model_loaded, model_unloading, model_unloaded in order."""
+    import json
+    import socket
+
+    assert cli("load", str(second_model), "--url", live.url, env=home).returncode == 0
+    assert cli("unload", "second", "--url", live.url, env=home).returncode == 0
+    sock = socket.create_connection(("127.0.0.1", live.port), timeout=10)
+    sock.sendall(f"GET /api/events?since=0 HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\n\r\n".encode())
+    data = b""
+    deadline = time.time() + 20
+    while b'"model_unloaded"' not in data.split(b'"model_loaded"')[-1] and time.time() < deadline:
+        data += sock.recv(65536)
+    sock.close()
+    events = [json.loads(line[6:]) for line in data.decode("utf-8", "replace").splitlines()
+              if line.startswith("data: {") and '"model_' in line]
+    kinds = [e["kind"] for e in events if e.get("model") == "second"]
+    last = len(kinds) - 1 - kinds[::-1].index("model_loading")
+    assert kinds[last:last + 4] == ["model_loading", "model_loaded", "model_unloading", "model_unloaded"], kinds
+    loaded = next(e for e in events[::-1] if e["kind"] == "model_loaded" and e["model"] == "second")
+    assert loaded["load_s"] > 0

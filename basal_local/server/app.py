@@ -300,9 +300,12 @@ async def models(request: Request) -> Response:
     state: AppState = request.app.state.basal
     from ..model.formats import port_summary
 
+    listed = {name: port_summary(engine.model) for name, engine in list(state.engines.items())}
+    if state.models is not None:  # known and unloaded: a request for one loads it (server/models.py)
+        listed.update(state.models.unloaded_listings())
     entries = [{"name": name, "release_date": state.release_date, "description": DESCRIPTION,
-                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [],
-                **port_summary(engine.model)} for name, engine in list(state.engines.items())]
+                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [], **summary}
+               for name, summary in listed.items()]
     return _json_response(200, {"models": entries})
 
 

@@ -50,6 +50,7 @@ class Entry:
     last_used: float = 0.0  # monotonic: the last request routed to it
     error: str | None = None
     load_s: float | None = None
+    listing: dict[str, Any] | None = None  # its /v1/models fields while it is not loaded (from its last load)
 
 
 def parse_keep_alive(value: Any) -> float | None:
@@ -89,6 +90,12 @@ class ModelRegistry:
     def loaded_at_start(self, engine: Engine) -> None:
         self._set(Entry(engine.model.name, Path(engine.model.path), self.keep_alive_s), "loaded")
         self.entries[engine.model.name].last_used = time.monotonic()
+        self.entries[engine.model.name].listing = _listing(engine)
+
+    def unloaded_listings(self) -> dict[str, dict[str, Any]]:
+        """/v1/models fields of the known models that are not loaded now (a request for one loads it)."""
+        return {e.name: e.listing for e in list(self.entries.values())
+                if e.listing is not None and e.name not in self.state.engines}
 
     def start(self) -> None:
         self._reaper.start()
@@ -219,6 +226,7 @@ class ModelRegistry:
         with self.lock:
             self.state.engines = {**self.state.engines, entry.name: engine}
             entry.error, entry.load_s = None, round(time.perf_counter() - started, 3)
+            entry.listing = _listing(engine)
             entry.last_used = time.monotonic()
             if self.state.default_model is None:
                 self.state.default_model = entry.name
@@ -272,6 +280,12 @@ class ModelRegistry:
                     continue
                 log.info("%s idle for %.0f s (keep-alive): unloading", entry.name, now - entry.last_used)
                 self.unload(entry.name)
+
+
+def _listing(engine: Engine) -> dict[str, Any]:
+    from ..model.formats import port_summary
+
+    return port_summary(engine.model)
 
 
 def _owned_by(probe: Callable, engine: Engine) -> bool:
