@@ -282,8 +282,13 @@ def unload(args: argparse.Namespace) -> int:
     status, answer = post(url, "/api/unload", {"model": args.model, "wait": not args.no_wait}, timeout=120.0,
                           api_key=key)
     _refused(url, key, status, answer, error_text, "unload")
-    print(f"basal-local: {answer.get('name', args.model)} is {answer.get('status')}"
-          + ("; a request for it loads it again" if answer.get("status") == "unloaded" else ""))
+    name, now = answer.get("name", args.model), answer.get("status")
+    if not answer.get("unloaded"):
+        print(f"basal-local: {name} is {now}; `basal-local ps` shows when it is out")
+    elif now == "unloaded":
+        print(f"basal-local: {name} is unloaded; a request for it loads it again")
+    else:
+        print(f"basal-local: {name} was unloaded, and a request has loaded it again since (it is {now})")
     return 0
 
 

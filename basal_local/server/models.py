@@ -397,11 +397,12 @@ async def unload_route(request: Request) -> Response:
         return _fail(404, "MODEL_NOT_FOUND", f"no model named {name!r} is known to this daemon (known: {known})")
     if registry.entries[name].status == "loading":
         return _fail(409, "MODEL_LOADING", f"model {name} is loading; unload it once it is loaded")
-    registry.unload(name)
-    if body.get("wait"):
-        await _wait(registry, name, ("unloaded", "failed", "loaded"))
+    thread = registry.unload(name)
+    if thread is not None and body.get("wait"):  # its own end: a request may have started a new load since
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, DRAIN_S + 60.0)
     entry = _state_of(registry, name)
-    return _json(200 if entry["status"] in ("unloaded", "failed") else 202, entry)
+    done = thread is None and entry["status"] in ("unloaded", "failed") or thread is not None and not thread.is_alive()
+    return _json(200 if done else 202, {**entry, "unloaded": done})
 
 
 MODEL_ROUTES = [load_route, unload_route]
