@@ -243,3 +243,28 @@ def test_each_change_of_state_is_an_event(live, home, second_model):
     assert kinds[last:last + 4] == ["model_loading", "model_loaded", "model_unloading", "model_unloaded"], kinds
     loaded = next(e for e in events[::-1] if e["kind"] == "model_loaded" and e["model"] == "second")
     assert loaded["load_s"] > 0
+
+
+def test_run_goes_on_through_an_unload_in_the_middle(live, home, tmp_path):
+    """`basal-local run` while its model is unloaded mid-way: requests in flight finish, later ones wait for the
+    reload (503s retried), nothing fails."""
+    import json
+    import threading
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"state": f"m{i}", "question": "urgent?"}) + "\n" for i in range(150)))
+    default = next(m["name"] for m in http("GET", live.url + "/api/ps")[2]["models"] if m["default"])
+    if _states(live)[default]["status"] != "loaded":
+        assert cli("load", default, "--url", live.url, env=home).returncode == 0
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(done=cli("run", "--url", live.url, "--input", str(src),
+                                                                    "--output", str(out), env=home)))
+    runner.start()
+    _wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 20, timeout=120)
+    status, _, answer = http("POST", live.url + "/api/unload", {"model": default, "wait": True})
+    assert status == 200 and answer["unloaded"], answer
+    runner.join(300)
+    done = result["done"]
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 150 and all(r["status"] == 200 for r in rows)
