@@ -38,7 +38,7 @@ from .batch_routes import BATCH_ROUTES, batch_summary, start_batches, stop_batch
 from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
-from .models import MODEL_ROUTES
+from .model_routes import MODEL_ROUTES
 from .security import UNAUTHENTICATED
 from .state import MAX_BODY_BYTES, AppState
 
