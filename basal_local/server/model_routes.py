@@ -2,7 +2,8 @@
 
 Errors are the daemon's own shape, `{"error": sentence, "code": CODE}`: 400 `INVALID_JSON`, 422 `MODEL_REQUIRED`,
 `UNKNOWN_FIELD`, `INVALID_WAIT`, `INVALID_KEEP_ALIVE`, 404 `MODEL_NOT_FOUND`, 409 `MODEL_LOADING` (an unload while
-it loads), 500 `LOAD_FAILED`, 503 `LOADING` (the daemon's start-up models are not in yet).
+it loads), 500 `LOAD_FAILED`, 501 `NOT_AVAILABLE` (under `serve --ray`), 503 `LOADING` (the daemon's start-up models
+are not in yet).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ async def _body(request: Request) -> dict[str, Any] | Response:
 
 def _registry(request: Request) -> ModelRegistry | Response:
     state = request.app.state.basal
+    if state.models is None and state.ready:
+        return _fail(501, "NOT_AVAILABLE", "models cannot be loaded or unloaded at run time here (under serve "
+                     "--ray each replica loads its models at start)")
     if state.models is None or not state.ready:
         return _fail(503, "LOADING", state.load_error or "the daemon is still loading its models")
     return state.models
