@@ -91,6 +91,26 @@ def _lazy(module: str, func: str):
     return run
 
 
+EXAMPLES = {  # the `-h` description of each command without its own: what it does, then one example
+    "serve": "basal-local serve --model mini   (or --demo: the bundled random-weight model)",
+    "top": "basal-local top --url http://127.0.0.1:8000",
+    "prompts": "basal-local prompts --demo < request.json",
+    "make-test-model": "basal-local make-test-model /tmp/tiny --preset tiny",
+    "pull": "basal-local pull mini",
+    "list": "basal-local list --json",
+    "show": "basal-local show mini",
+    "rm": "basal-local rm mini --yes",
+    "ps": "basal-local ps --url http://127.0.0.1:8000",
+    "doctor": "basal-local doctor --json",
+    "ask": 'basal-local ask --state "The parcel arrived broken." --noul "Is this urgent?"',
+    "run": "basal-local run --input items.jsonl --output answers.jsonl --concurrency 8",
+    "stop": "basal-local stop --timeout 60",
+    "status": "basal-local status",
+    "logs": "basal-local logs -f -n 50",
+    "bench": "basal-local bench --model mini --device cuda   (or --http http://127.0.0.1:8000 --clients 32)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="basal-local", description=__doc__.split(" (")[0] + ".",
                                      epilog="`basal-local COMMAND -h` explains each command.")
@@ -322,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--invariance", type=int, default=0, metavar="N",
                    help="also check N times that a request alone and amid 31 others gets bitwise equal logits")
     p.set_defaults(func=_lazy("benching", "bench_command"))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, example in EXAMPLES.items():
+        sub.choices[name].description = f"{helps[name][0].upper()}{helps[name][1:]}. Example: {example}"
     seen: set[int] = set()
     for command in sub.choices.values():  # -v after the subcommand too (`basal-local serve -v`)
         if id(command) not in seen:

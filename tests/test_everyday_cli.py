@@ -98,3 +98,17 @@ def test_zsh_and_fish_scripts_parse_and_name_every_subcommand(tmp_path):
         done = subprocess.run(["fish", "--no-config", "-c", f"source {script}; complete -C 'basal-local config set max_in'"],
                               capture_output=True, text=True, timeout=30)
         assert {line.split("\t")[0] for line in done.stdout.splitlines()} == {"max_inflight"}, done
+
+
+def test_every_command_s_help_describes_it_with_an_example():
+    import argparse
+
+    from basal_local.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        assert command.description and "Example" in command.description, name
+        assert "basal-local" in command.description.split("Example", 1)[1], name
+        assert text.count("usage:") == 1, name
