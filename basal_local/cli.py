@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .commands import UserError
+from .commands.benching import add_torch_options
 from .settings import Settings, add_flags, config_path
 
 
@@ -333,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "tree", "sdpa", "metal"], default="auto",
                    help="the forward's ops: tree = the Triton kernels (CUDA default), sdpa = their plain-torch / MLX "
                         "twins (CPU default), metal = the Metal kernel (MLX on a Mac)")
-    add_torch_options(p)
+    add_torch_options(p)  # commands/benching.py
     p.add_argument("--baseline", choices=["none", "transformers", "transformers-compiled", "both"], default="none",
                    help="also time Hugging Face transformers on the same decisions (side by side): eager, "
                         "under torch.compile(mode='reduce-overhead'), or both")
@@ -352,26 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                                  help="log more (and show tracebacks)")
     return parser
-
-
-def add_torch_options(p) -> None:
-    """The torch backend's product options (backends/torch/options.py), for serve and bench."""
-    from .backends.torch.options import FP8_GEMMS, GEMM_ROUTES
-
-    g = p.add_argument_group("torch backend (CUDA)")
-    g.add_argument("--gemm", choices=GEMM_ROUTES, default=None,
-                   help="GEMM route: cuBLAS at row counts verified to give the same bits (verified, default), fixed "
-                        "row chunks, plain cuBLAS (not batch-invariant), or the Triton GEMM")
-    g.add_argument("--no-cublaslt", action="store_true", dest="no_cublaslt",
-                   help="no pinned cuBLASLt algorithms (default: pinned where they agree and are faster)")
-    g.add_argument("--fp8-gemms", dest="fp8_gemms", metavar="LIST",
-                   help=f"with --dtype fp8: the projections quantized, a comma list of {','.join(FP8_GEMMS)} "
-                        "(default: all)")
-    g.add_argument("--no-alt-tiling", action="store_true", dest="no_alt_tiling",
-                   help="no 128-query attention tiling for small and long forwards (default: where it gives the "
-                        "same bits)")
-    g.add_argument("--no-cuda-graphs", action="store_true", dest="no_cuda_graphs",
-                   help="run every forward eagerly (default: CUDA graphs per size)")
 
 
 def main(argv: list[str] | None = None) -> int:

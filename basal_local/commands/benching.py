@@ -1,5 +1,5 @@
 """`basal-local bench`: what it needs checked before it runs (device, memory, extras, the daemon of --http), then
-basal_local/bench.py measures."""
+basal_local/bench.py measures; and the torch backend's options of its parser."""
 
 from __future__ import annotations
 
@@ -43,3 +43,23 @@ def check_bench_extras(args: argparse.Namespace) -> None:
         if not mlx_importable():
             raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
                             "use --backend torch (or auto), or on a Mac: pip install mlx")
+
+
+def add_torch_options(p) -> None:
+    """The torch backend's product options (backends/torch/options.py), for serve and bench."""
+    from ..backends.torch.options import FP8_GEMMS, GEMM_ROUTES
+
+    g = p.add_argument_group("torch backend (CUDA)")
+    g.add_argument("--gemm", choices=GEMM_ROUTES, default=None,
+                   help="GEMM route: cuBLAS at row counts verified to give the same bits (verified, default), fixed "
+                        "row chunks, plain cuBLAS (not batch-invariant), or the Triton GEMM")
+    g.add_argument("--no-cublaslt", action="store_true", dest="no_cublaslt",
+                   help="no pinned cuBLASLt algorithms (default: pinned where they agree and are faster)")
+    g.add_argument("--fp8-gemms", dest="fp8_gemms", metavar="LIST",
+                   help=f"with --dtype fp8: the projections quantized, a comma list of {','.join(FP8_GEMMS)} "
+                        "(default: all)")
+    g.add_argument("--no-alt-tiling", action="store_true", dest="no_alt_tiling",
+                   help="no 128-query attention tiling for small and long forwards (default: where it gives the "
+                        "same bits)")
+    g.add_argument("--no-cuda-graphs", action="store_true", dest="no_cuda_graphs",
+                   help="run every forward eagerly (default: CUDA graphs per size)")
