@@ -205,7 +205,7 @@ def bench_http_invariance(url: str, trials: int, api_key: str | None = None) -> 
     from ..bench import single_question_requests
 
     url = url.rstrip("/")
-    model = get_json(url, "/v1/models", timeout=30, flag="--http", api_key=api_key)["models"][0]["name"]
+    model = loaded_default(url, api_key)
     bodies = single_question_requests(model)
     rng = random.Random(0)
     equal, batches = 0, []
