@@ -169,3 +169,14 @@ def test_an_empty_variable_does_not_override_the_file(home, monkeypatch):
 def test_show_takes_serve_s_port_zero(home):
     assert (_rows(home, "--port", "0")["port"]["value"], _rows(home, "--port", "0")["port"]["source"]) == \
         (0, "flag --port")
+
+
+def test_an_unknown_key_in_the_file_is_named_and_can_be_removed(home):
+    path = _file(home)
+    path.parent.mkdir(parents=True)
+    path.write_text("port = 8001\nmax_inflght = 3\n")
+    assert_user_error(cli("config", env=home), "unknown setting 'max_inflght'", "did you mean 'max_inflight'?")
+    done = cli("config", "unset", "max_inflght", env=home)
+    assert done.returncode == 0 and "removed the unknown key" in done.stdout, done.stderr
+    assert path.read_text() == "port = 8001\n"
+    assert cli("config", env=home).returncode == 0

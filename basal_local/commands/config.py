@@ -230,9 +230,14 @@ def _note_overrides(key: str) -> None:
 
 def unset(args: argparse.Namespace) -> int:
     key = _need(args.key, "unset")
-    base, name = _split(key)
     path = _path(args)
     text, data = _read(path)
+    if key in data and key not in _specs():  # a key serve refuses: removing it is the fix
+        text, _ = remove_key(text, key)
+        _write(path, text)
+        print(f"basal-local: removed the unknown key {key!r} from {path}")
+        return 0
+    base, name = _split(key)
     if base in TABLES and name is not None:
         if isinstance(data.get(base), dict) and not text_has_table(text, base):
             rest = {k: v for k, v in data[base].items() if k != name}
