@@ -268,3 +268,39 @@ def test_run_goes_on_through_an_unload_in_the_middle(live, home, tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 150 and all(r["status"] == 200 for r in rows)
+
+
+def test_a_request_planned_while_its_model_unloads_gets_a_retryable_503(tiny_model):
+    """The unload's grace can end while a long request is still being planned: its submit then meets a stopped
+    engine, and the answer is the 503 to retry (the model loads again), never a 500."""
+    from litestar.testing import TestClient
+
+    from basal_local.server.app import create_app
+    from basal_local.server.daemon import load_engines
+    from basal_local.server.state import AppState
+    from basal_local.settings import Settings
+
+    settings = Settings.load({"device": "cpu"}, config_file=Path("/nonexistent"))
+    state = AppState()
+    load_engines(state, settings, [tiny_model])
+    assert state.ready, state.load_error
+    name = next(iter(state.engines))
+    engine = state.engines[name]
+    real_plan = engine.plan
+
+    def plan_slowly(request):
+        state.models.unload(name).join(60)  # the whole unload happens while this request plans
+        return real_plan(request)
+
+    engine.plan = plan_slowly
+    del engine
+    try:
+        with TestClient(create_app(state)) as client:
+            resp = client.post("/v1/basal", json=QUESTION)
+            assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+            assert resp.json()["error"].startswith(f"model {name} is ")
+            _wait_for(lambda: client.post("/v1/basal", json=QUESTION).status_code == 200, timeout=60)
+    finally:
+        for e in state.engines.values():
+            e.stop(5)
+        state.models.stop()

@@ -271,6 +271,10 @@ async def _decide(request: Request, dialect: str) -> Response:
         log.info("request %s: client disconnected %s (cancelled)", call.request_id, where)
         return _json_response(499, {"error": "client closed request"}, call.id_headers)
     except EngineStopped:
+        registry = call.state.models
+        if registry is not None and not call.state.stopping and call.model_name in registry.entries \
+                and call.model_name not in call.state.engines:  # unloaded while this request was planned: retry
+            return _error(call, registry.not_loaded(call.model_name, dialect))
         return _error(call, internal("engine stopped", dialect))
     except asyncio.CancelledError:  # the server cancelled the handler (shutdown): counted as cancelled
         call.status = 499
