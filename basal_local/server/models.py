@@ -227,6 +227,9 @@ class ModelRegistry:
             if self.state.default_model is None:
                 self.state.default_model = entry.name
             self._set(entry, "loaded", load_s=entry.load_s)
+        if self.frozen:  # as at start (engine.freeze_heap): what the model brought stays out of full collections
+            gc.collect()
+            gc.freeze()
         log.info("loaded %s in %.1f s", entry.name, entry.load_s)
 
     def _unload(self, entry: Entry, box: list[Engine]) -> None:
