@@ -188,6 +188,17 @@ MUTATIONS = [
       "basal_local/engine/engine.py", "queue_ms = (started - job.arrival) * 1000.0",
       "queue_ms = (time.perf_counter() - job.arrival) * 1000.0",
       "tests/test_blind_spots.py::test_queue_time_ends_when_the_batch_starts"),
+    # models at run time (server/models.py) and config.toml edits (commands/config.py)
+    m("unload-holds-engine", "the unload thread does not hold the engine through the collection",
+      "basal_local/server/models.py", "        engine = box.pop()\n", "        engine = box[0]\n",
+      "tests/test_everyday_models.py::test_an_unloaded_engine_is_dropped_whole"),
+    m("unload-stopped-500", "a request planned while its model unloads gets the retryable 503",
+      "basal_local/server/app.py", "        if registry is not None and not call.state.stopping",
+      "        if False and registry is not None and not call.state.stopping",
+      "tests/test_everyday_models.py::test_a_request_planned_while_its_model_unloads_gets_a_retryable_503"),
+    m("config-set-unchecked", "config set checks the value before writing",
+      "basal_local/commands/config.py", "        return check(key, spec, value, from_text=True)",
+      "        return value", "tests/test_everyday_config.py::test_set_refuses_a_bad_value_and_leaves_the_file_alone"),
 ]
 
 

@@ -315,6 +315,7 @@ class ProcessReplicaSet:
                 ask.set_result(message.tree)
         elif isinstance(message, wire.Ready):
             r.info, r.device = message, message.device
+            r.last_memory = dict(message.memory)  # the weights show before the first batch
             r.alive = True
             r.ready.set()
         elif isinstance(message, wire.LoadError):

@@ -38,6 +38,7 @@ from .batch_routes import BATCH_ROUTES, batch_summary, start_batches, stop_batch
 from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
+from .model_routes import MODEL_ROUTES
 from .security import UNAUTHENTICATED
 from .state import MAX_BODY_BYTES, AppState
 
@@ -158,9 +159,14 @@ async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tup
             entry = _admit(call)
             if not entry.admitted:  # wait for a place on the event loop, then come back
                 return body, entry
-        call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "",
-                                call.state.aliases)
-        engine = call.state.engines[call.model_name]
+        registry = call.state.models  # known models that are not loaded route too, and start loading
+        call.model_name = route(body, dialect, registry.routable() if registry else call.state.engines,
+                                call.state.default_model or "", call.state.aliases)
+        engine = call.state.engines.get(call.model_name)
+        if engine is None:
+            raise registry.not_loaded(call.model_name, dialect)
+        if registry is not None:
+            registry.touch(call.model_name)  # the keep-alive clock
         planned = engine.plan(validate(body, dialect, call.model_name))
         planned.arrival = call.arrived
         planned.background = call.request.headers.get("x-basal-priority") == "batch"  # the Batch API's lines
@@ -267,6 +273,10 @@ async def _decide(request: Request, dialect: str) -> Response:
         log.info("request %s: client disconnected %s (cancelled)", call.request_id, where)
         return _json_response(499, {"error": "client closed request"}, call.id_headers)
     except EngineStopped:
+        registry = call.state.models
+        if registry is not None and not call.state.stopping and call.model_name in registry.entries \
+                and call.model_name not in call.state.engines:  # unloaded while this request was planned: retry
+            return _error(call, registry.not_loaded(call.model_name, dialect))
         return _error(call, internal("engine stopped", dialect))
     except asyncio.CancelledError:  # the server cancelled the handler (shutdown): counted as cancelled
         call.status = 499
@@ -296,9 +306,12 @@ async def models(request: Request) -> Response:
     state: AppState = request.app.state.basal
     from ..model.formats import port_summary
 
+    listed = {name: port_summary(engine.model) for name, engine in list(state.engines.items())}
+    if state.models is not None:  # known and unloaded: a request for one loads it (server/models.py)
+        listed.update(state.models.unloaded_listings())
     entries = [{"name": name, "release_date": state.release_date, "description": DESCRIPTION,
-                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [],
-                **port_summary(engine.model)} for name, engine in list(state.engines.items())]
+                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [], **summary}
+               for name, summary in listed.items()]
     return _json_response(200, {"models": entries})
 
 
@@ -333,6 +346,7 @@ async def stats(request: Request) -> Response:
     snap["replicas"] = replicas(state)
     snap["batch_jobs"] = batch_summary(request.app)  # the Batch API's ("batches" are the forwards)
     snap["admission"] = state.admission.snapshot()
+    snap["model_states"] = state.models.snapshot() if state.models else []  # loading, unloading (models.py)
     return _json_response(200, snap)
 
 
@@ -353,7 +367,7 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 
 def create_app(state: AppState) -> Litestar:
     app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state),
-                                   *BATCH_ROUTES],
+                                   *BATCH_ROUTES, *MODEL_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
                    exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
                    on_startup=[start_batches], on_shutdown=[stop_batches],

@@ -19,6 +19,7 @@ from basal_local.backends.select import expand_devices, make_backend
 from ..api.errors import dialect_of, http_error
 from ..engine.engine import ModelEngine, freeze_heap
 from ..engine.gate import Admission, DeviceGate
+from ..engine.protocol import Engine
 from ..model.directory import load_model_dir
 from ..replicas.front import ProcessReplicaSet
 from ..replicas.inprocess import ReplicaSet
@@ -28,6 +29,7 @@ from .aliases import resolve_aliases
 from .app import create_app
 from .body import BodyLimits
 from .events import BusLogHandler, close_streams
+from .models import ModelRegistry
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 from .state import AppState
@@ -36,44 +38,65 @@ log = logging.getLogger("basal_local.daemon")
 KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (tests/test_clients.py)
 
 
+class Loader:
+    """Loads one model directory into an Engine with the daemon's settings: at start (`load_engines`) and at run
+    time (`server/models.py`). Models on the same device and replica slot share one gate and take turns."""
+
+    def __init__(self, state: AppState, settings: Settings) -> None:
+        self.state, self.settings = state, settings
+        self.devices = expand_devices(settings.devices, settings.device)
+        self.gates: dict[tuple[str, int], DeviceGate] = {}
+        self.lock = threading.Lock()  # one model loads at a time: the gates, the state's device fields
+
+    def __call__(self, path: Path) -> Engine:
+        """The started engine of the model in `path` (not yet routed to)."""
+        with self.lock:
+            return self._load(path)
+
+    def _load(self, path: Path) -> Engine:
+        state, settings = self.state, self.settings
+        model = load_model_dir(path)
+        if model.name in state.engines:
+            raise ValueError(f"two models are named {model.name!r} (basal.json name)")
+        model_devices = settings.placement.get(model.name) or self.devices
+        if use_processes(settings, model_devices):
+            engine: Engine = _process_replicas(state, settings, model, model_devices)
+            engine.start()
+            return engine
+        replicas = []
+        for device in model_devices:
+            for slot in range(settings.replicas):
+                backend = make_backend(settings.backend, device, memory_limit=settings.gpu_memory,
+                                       torch_options=settings.torch_options())
+                info = backend.load(model.path, settings.dtype)
+                state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
+                gate = self.gates.setdefault((backend.device, slot),
+                                             DeviceGate(settings.engine.long_slice_ms / 1000.0))
+                replicas.append(ModelEngine(model, backend, gate, state.telemetry, settings.engine,
+                                            replica=len(replicas)))
+                log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
+                         backend.device)
+        engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
+        state.telemetry.memory_probe = replicas[-1].backend.memory  # the last backend's view of its device
+        engine.start()
+        return engine
+
+
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
     """Load every model on every device it is placed on (`replicas` engines per device, one gate per device and
     replica slot), then mark the state ready. Errors go to /health. `freeze` (the daemon's own process): take
     what was loaded out of the garbage collector's view (`freeze_heap`)."""
     try:
-        devices = expand_devices(settings.devices, settings.device)
         if settings.replicas < 1:
             raise ValueError(f"--replicas must be at least 1 (got {settings.replicas})")
-        # one gate per replica slot: models on the same device and slot take turns, replicas run side by side
-        gates: dict[tuple[str, int], DeviceGate] = {}
         state.engine_settings = settings.engine
+        loader = Loader(state, settings)
+        state.models = ModelRegistry(state, loader, settings.keep_alive_s, frozen=freeze)
         for i, path in enumerate(model_dirs, 1):
             log.info("loading model %d/%d from %s", i, len(model_dirs), path)
-            model = load_model_dir(path)
-            if model.name in state.engines:
-                raise ValueError(f"two models are named {model.name!r} (basal.json name)")
-            model_devices = settings.placement.get(model.name) or devices
-            if use_processes(settings, model_devices):
-                engine = _process_replicas(state, settings, model, model_devices)
-                engine.start()
-                state.engines = {**state.engines, model.name: engine}
-                continue
-            replicas = []
-            for device in model_devices:
-                for slot in range(settings.replicas):
-                    backend = make_backend(settings.backend, device, memory_limit=settings.gpu_memory,
-                                           torch_options=settings.torch_options())
-                    info = backend.load(model.path, settings.dtype)
-                    state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
-                    gate = gates.setdefault((backend.device, slot), DeviceGate(settings.engine.long_slice_ms / 1000.0))
-                    replicas.append(ModelEngine(model, backend, gate, state.telemetry, settings.engine,
-                                                replica=len(replicas)))
-                    log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
-                             backend.device)
-            engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
-            state.telemetry.memory_probe = replicas[-1].backend.memory  # the last backend's view of its device
-            engine.start()
-            state.engines = {**state.engines, model.name: engine}
+            engine = loader(path)
+            state.engines = {**state.engines, engine.model.name: engine}
+            state.models.loaded_at_start(engine)
         default = settings.default_model or next(iter(state.engines))
         if default not in state.engines:
             raise ValueError(f"default_model {default!r} is not one of the served models "
@@ -84,6 +107,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
         if freeze:
             freeze_heap()
         state.ready = True
+        state.models.start()
         print(f"basal-local: ready: {', '.join(state.engines)} on {state.backend_name}/{state.device} "
               f"({state.dtype})", flush=True)
     except Exception as exc:
@@ -324,6 +348,8 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
 def shutdown(state: AppState, timeout: float = 30.0) -> None:
     """Stop planning and every engine: queued requests fail with "engine stopped", lane threads are joined."""
     state.stopping = True
+    if state.models is not None:
+        state.models.stop()
     if state.dashboard_token:
         remove_token(state.token_port, state.dashboard_token)
     state.planner.shutdown(wait=False, cancel_futures=True)
