@@ -18,6 +18,9 @@ MAX_REQUESTS = 500
 MAX_BATCHES = 40
 MAX_LOG = 1000
 SERIES_S = 120  # seconds of sparkline history
+RECENT_S = 10.0  # the state cache's "now" hit rate: over the stats polls of the last this many seconds
+# the counters of a state cache (/api/stats models[i]["prefix_cache"]) that add up over replicas and models
+CACHE_SUMS = ("budget_bytes", "bytes", "nodes", "tokens", "hits", "misses", "hit_tokens", "evictions")
 TERMINAL = {"answered", "failed", "rejected", "cancelled"}
 KNOWN_CLIENTS = {"python-httpx": "httpx", "python-urllib": "urllib", "basal-client-python": "basal-client",
                  "python-requests": "requests"}
@@ -89,6 +92,10 @@ class DashboardData:
     # the daemon's totals when `c` cleared the stats: the views show counters since then
     baseline: dict[str, int] = field(default_factory=dict)
     cleared_at: float | None = None
+    # model (or "model/rN") -> (clock, hits, misses) of the last stats polls: the cache's recent hit rate
+    cache_polls: dict[str, deque[tuple[float, int, int]]] = field(default_factory=dict)
+    # /api/ps's models (with their "state" while a model loads or unloads), when the daemon answers it
+    ps_models: list[dict[str, Any]] = field(default_factory=list)
     last_seq: int = 0
     events_seen: int = 0
     version: int = 0  # bumped on every change, so views redraw only when something happened
@@ -100,6 +107,10 @@ class DashboardData:
         self.stats_at = self.clock()
         if isinstance(snap.get("device_telemetry"), dict):
             self.device = snap["device_telemetry"]
+        for label, cache in self.caches(per_replica=True) + [("", self.cache_total())]:
+            if cache.get("enabled"):
+                polls = self.cache_polls.setdefault(label, deque(maxlen=64))
+                polls.append((self.stats_at, int(cache.get("hits", 0)), int(cache.get("misses", 0))))
         if first:
             for event in snap.get("log", []):  # the daemon's log from before we attached (start-up, loading)
                 self.add_log(LogLine(float(event.get("ts", 0.0)), event.get("level", "INFO"),
@@ -255,6 +266,58 @@ class DashboardData:
         if "uptime_s" not in self.stats:
             return None
         return float(self.stats["uptime_s"]) + (self.clock() - self.stats_at if self.connected else 0.0)
+
+    def caches(self, per_replica: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        """(label, state cache) per model, or per replica ("model/r1") where a model has several."""
+        out = []
+        for entry in self.stats.get("models", []):
+            name = str(entry.get("name", ""))
+            replicas = [r for r in entry.get("replicas") or [] if isinstance(r.get("prefix_cache"), dict)]
+            if per_replica and len(replicas) > 1:
+                out += [(f"{name}/r{r.get('replica', n)}", r["prefix_cache"]) for n, r in enumerate(replicas)]
+            elif isinstance(entry.get("prefix_cache"), dict):
+                out.append((name, entry["prefix_cache"]))
+        return out
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Every model's replicas (device, memory figures, state cache), as `/api/stats` lists them."""
+        return [r for entry in self.stats.get("models", []) for r in entry.get("replicas") or []]
+
+    def cache_total(self) -> dict[str, Any]:
+        """Every model's state cache added up (the one-line summary); `enabled` when any is on."""
+        caches = [c for _, c in self.caches()]
+        total: dict[str, Any] = {k: sum(int(c.get(k, 0) or 0) for c in caches if c.get("enabled"))
+                                 for k in CACHE_SUMS}
+        total["enabled"] = any(c.get("enabled") for c in caches)
+        settings = sorted({str(c.get("setting", "")) for c in caches if c.get("setting")})
+        total["setting"] = settings[0] if len(settings) == 1 else ("mixed" if settings else "")
+        return total
+
+    def recent_hit_rate(self, label: str, seconds: float = RECENT_S) -> float | None:
+        """Hits / lookups between the stats polls of the last `seconds` (None: too few polls, or no lookups)."""
+        polls = self.cache_polls.get(label)
+        if not polls or len(polls) < 2:
+            return None
+        now = polls[-1][0]
+        first = next((p for p in polls if now - p[0] <= seconds + 0.5), polls[-1])
+        hits, misses = polls[-1][1] - first[1], polls[-1][2] - first[2]
+        if hits < 0 or misses < 0 or hits + misses == 0:  # a restarted daemon counts from 0 again
+            return None
+        return hits / (hits + misses)
+
+    def model_states(self) -> dict[str, str]:
+        """Model name -> its state ("loading", "ready", "unloading") where the daemon says one."""
+        out = {}
+        for entry in list(self.stats.get("models", [])) + self.ps_models:
+            if entry.get("state") and entry.get("name"):
+                out[str(entry["name"])] = str(entry["state"])
+        return out
+
+    def load_ps(self, answer: dict[str, Any]) -> None:
+        """`/api/ps`: the loaded models, and those loading or unloading (their "state")."""
+        models = answer.get("models")
+        self.ps_models = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+        self.version += 1
 
     def thresholds(self, model: str) -> dict[str, float]:
         for entry in self.stats.get("models", []):

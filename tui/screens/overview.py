@@ -1,7 +1,8 @@
-"""View 1: KPIs with sparklines, the queue per model and lane beside the device, the daemon's totals.
+"""View 1: KPIs with sparklines, the queue per model and lane beside the device, the state cache, the totals.
 
 The KPI cards take the height the terminal leaves (their sparklines grow); from 160 columns the queue and the
-device sit side by side; under 100 columns titles shorten; under 36 lines the totals take one line.
+device sit side by side; under 100 columns titles shorten; under 36 lines the state cache and the totals take
+one line each.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from textual.containers import Grid, Horizontal
 from textual.widgets import Static
 
 from ..data import DashboardData
+from ..widgets.cache import cache_line, cache_table
 from ..widgets.device import device_renderable
 from ..widgets.format import ms
 from ..widgets.kpi import KpiCard
@@ -84,8 +86,9 @@ class OverviewScreen(DashboardScreen):
     OverviewScreen.-wide #middle { layout: horizontal; }
     OverviewScreen.-wide #queues { width: 3fr; }
     OverviewScreen.-wide #device { width: 2fr; }
-    OverviewScreen #totals { height: 1; padding: 0 1; border: none; }
+    OverviewScreen #totals, OverviewScreen #cache { height: 1; padding: 0 1; border: none; }
     OverviewScreen.-tall #totals { height: 3; border: round $primary-darken-2; }
+    OverviewScreen.-tall #cache { height: auto; border: round $primary-darken-2; }
     """
 
     def body(self) -> ComposeResult:
@@ -99,6 +102,9 @@ class OverviewScreen(DashboardScreen):
             device = Static(id="device", classes="panel")
             device.border_title = "device"
             yield device
+        cache = Static(id="cache", classes="panel")
+        cache.border_title = "state cache"
+        yield cache
         totals = Static(id="totals", classes="panel")
         totals.border_title = "requests since start"
         yield totals
@@ -131,7 +137,15 @@ class OverviewScreen(DashboardScreen):
         overloaded = data.total("overloaded")
         card("overloaded").show(str(overloaded), data.series("overloaded"), alert=overloaded > 0)
         self.query_one("#queues", Static).update(queue_table(data, narrow))
-        self.query_one("#device", Static).update(device_renderable(data.device, data.stats.get("memory", {}), narrow))
+        self.query_one("#device", Static).update(device_renderable(
+            data.device, data.stats.get("memory", {}), narrow, data.replicas(), tall=self.has_class("-tall")))
+        cache = self.query_one("#cache", Static)
+        if self.has_class("-tall"):
+            total = data.cache_total()
+            cache.border_subtitle = f"cache setting {total['setting']}" if total.get("setting") else ""
+            cache.update(cache_table(data, (cache.size.width or self.app.size.width) - 2))
+        else:
+            cache.update(cache_line(data, narrow))
         totals_pane = self.query_one("#totals", Static)
         totals_pane.border_title = "requests since the clear" if data.cleared_at else "requests since start"
         totals_pane.update(totals_text(data, narrow))

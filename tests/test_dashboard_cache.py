@@ -1,0 +1,175 @@
+"""The dashboard's state cache, memory split and model states on canned data: the cache pane (one line, a table per
+model or replica), the cached blocks' marks, the GPU memory by weights / graphs / cache / other / free, models
+loading and unloading, and the graphs' memory meter of the torch backend."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("textual")
+
+from basal_local.tui.app import DashboardApp  # noqa: E402
+from basal_local.tui.data import DashboardData  # noqa: E402
+from basal_local.tui.widgets.cache import cache_line  # noqa: E402
+from basal_local.tui.widgets.device import memory_split  # noqa: E402
+from basal_local.tui.widgets.status import status_text  # noqa: E402
+
+from .dashboard_canned import CACHE, NOW, STATS, CannedSource, screen_text, two_replicas, utc  # noqa: E402, F401
+
+GiB = 2**30
+
+
+def make_app(stats=None) -> DashboardApp:
+    return DashboardApp(CannedSource(stats=stats), clock=lambda: NOW)
+
+
+async def settle(pilot, app) -> None:
+    await pilot.pause()
+    app.redraw(force=True)
+    await pilot.pause()
+
+
+def line_of(text: str, start: str) -> str:
+    return next(line for line in text.splitlines() if line.strip("│ ").startswith(start)).strip("│ ")
+
+
+async def test_cache_table_at_120x40_per_model():
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "state cache" in text and "cache setting auto" in text
+        row = line_of(text[text.index("state cache"):], "basal-demo  ")
+        # 6 of 12 GiB, 37 nodes, 48,213 tokens, 412 hits, 150 misses: 412/562 = 73.3 %, 1,234,567 hit tokens
+        assert row.split()[0] == "basal-demo" and "\u2588" in row.split()[1]  # the memory bar, half full
+        assert row.split()[2:] == ["6.0/12.0", "GiB", "37", "48.2k", "412", "150", "73", "%", "-", "1.2M", "9"]
+
+
+async def test_two_replicas_each_with_its_cache_and_its_gpu():
+    app = make_app(two_replicas())
+    async with app.run_test(size=(120, 44)) as pilot:
+        await settle(pilot, app)
+        text = screen_text(app)
+        r0, r1 = line_of(text, "basal-demo/r0"), line_of(text, "basal-demo/r1")
+        assert "6.0/12.0 GiB" in r0 and " 412 " in r0 and " 73 % " in r0
+        # replica 1: 2 of 12 GiB, 88 hits of 208 lookups = 42.3 %, none evicted
+        assert "2.0/12.0 GiB" in r1 and " 88 " in r1 and " 120 " in r1 and " 42 % " in r1 and r1.endswith(" 0")
+        # each GPU's memory split by the replica on it: GPU1 holds 2 GiB of cache, 20 GiB used in all
+        assert "GPU0 NVIDIA H200" in text and "GPU1 NVIDIA H200" in text
+        gpu1 = text[text.index("GPU1"):]
+        assert line_of(gpu1, "cache").split()[-2:] == ["2.0", "GiB"]
+        assert line_of(gpu1, "other").split()[-2:] == ["8.0", "GiB"]  # 20 - 8.5 - 1.5 - 2.0
+        await pilot.press("4")
+        await settle(pilot, app)
+        text = screen_text(app)
+        # the model's cache is both replicas' added up: 8 of 24 GiB, 500 hits of 770 lookups (65 %)
+        assert "8.0/24.0 GiB, 48 nodes, 63.2k tokens; hits 500/770 (65 %), 1.5M tokens continued, 9 evicted" in text
+        assert "replica 0                cuda:0: cache 6.0/12.0 GiB, 37 nodes; hits 412/562 (73 %), 9 evicted" in text
+        assert "replica 1                cuda:1: cache 2.0/12.0 GiB, 11 nodes; hits 88/208 (42 %), 0 evicted" in text
+
+
+def test_memory_split_adds_up_to_the_gpu():
+    gpu = STATS["device_telemetry"]["gpus"][0]
+    parts = memory_split(gpu, STATS["memory"])
+    assert [name for name, _, _ in parts] == ["weights", "graphs", "cache", "other", "free"]
+    assert sum(n for _, n, _ in parts) == gpu["memory_total_bytes"]
+    assert dict((name, n) for name, n, _ in parts)["other"] == 24 * GiB - (8.5 + 1.5 + 6) * GiB
+    # an older daemon (no graphs, no cache figures): weights, other and free
+    old = memory_split(gpu, {"weights_bytes": 3 * 2**20})
+    assert [name for name, _, _ in old] == ["weights", "other", "free"]
+
+
+def test_cache_line_recent_hit_rate_from_the_stats_polls():
+    clock = [NOW]
+    data = DashboardData(clock=lambda: clock[0])
+    data.load_stats(copy.deepcopy(STATS))
+    assert data.recent_hit_rate("basal-demo") is None  # one poll: nothing to compare yet
+    later = copy.deepcopy(STATS)
+    later["models"][0]["prefix_cache"].update(hits=412 + 40, misses=150 + 10)
+    clock[0] += 5
+    data.load_stats(later)
+    assert data.recent_hit_rate("basal-demo") == pytest.approx(40 / 50)
+    line = cache_line(data).plain
+    assert line.startswith("state cache hit 74 % 452/612 now 80 %")  # 452/612 = 73.9 % over the whole run
+    # a restarted daemon counts from 0: no negative rate
+    restarted = copy.deepcopy(STATS)
+    restarted["models"][0]["prefix_cache"].update(hits=3, misses=1)
+    clock[0] += 1
+    data.load_stats(restarted)
+    assert data.recent_hit_rate("basal-demo") is None
+
+
+@pytest.mark.parametrize("cache, engine_setting, line, models_line", [
+    ({**CACHE, "enabled": False, "setting": "off"}, "off", "state cache off", "state cache              setting off"),
+    ({**CACHE, "enabled": False, "setting": "auto"}, "auto", "state cache off (setting auto)",
+     "state cache              setting auto"),
+    (None, True, "state cache not reported by this daemon", "state cache              setting on"),  # older daemon
+])
+async def test_cache_off_and_an_older_daemon(cache, engine_setting, line, models_line):
+    stats = copy.deepcopy(STATS)
+    model = stats["models"][0]
+    model["engine"]["prefix_cache"] = engine_setting
+    if cache is None:
+        del model["prefix_cache"]
+        del model["replicas"]
+    else:
+        model["prefix_cache"] = cache
+    app = make_app(stats)
+    async with app.run_test(size=(100, 32)) as pilot:
+        await settle(pilot, app)
+        assert line in screen_text(app)
+        await pilot.press("4")
+        await settle(pilot, app)
+        assert models_line in screen_text(app)
+
+
+async def test_models_loading_and_unloading():
+    stats = copy.deepcopy(STATS)
+    stats["models"][0]["state"] = "unloading"
+    app = make_app(stats)
+    async with app.run_test(size=(100, 32)) as pilot:
+        await settle(pilot, app)
+        app.daemon_ps({"models": [{"name": "basal-demo", "state": "unloading"},
+                                  {"name": "basal-4.5B", "path": "/models/4.5B", "state": "loading"}]})
+        await pilot.press("4")
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "basal-demo  (default)   unloading " in text
+        assert "basal-4.5B   loading " in text and "/models/4.5B" in text
+        header = text.splitlines()[0]
+        assert " unloading basal-demo +1 " in header and " ready " in header
+    # at 80 columns the header keeps the state of the models before the address
+    data = DashboardData(clock=lambda: NOW, url="http://127.0.0.1:8000", connected=True)
+    data.load_stats(stats)
+    assert " unloading basal-demo " in status_text(data, width=80).plain
+
+
+async def test_requests_show_their_cached_tokens():
+    app = make_app()
+    async with app.run_test(size=(130, 32)) as pilot:
+        await pilot.press("2")
+        await settle(pilot, app)
+        table = app.screen.query_one("#requests")
+        column = [str(c.label) for c in table.columns.values()].index("cached")
+        cells = {str(table.get_row_at(i)[0]): str(table.get_row_at(i)[column]) for i in range(table.row_count)}
+        assert cells["req-0003"] == "157" and cells["req-0000"] == "57" and cells["req-0005"] == "-"
+
+
+def test_graph_pool_meter_counts_what_captures_reserve():
+    from basal_local.backends.torch.graphs import PoolMeter
+
+    reserved = [1000]
+    meter = PoolMeter(lambda: reserved[0])
+    with meter.measure():
+        reserved[0] += 300  # the first capture grows the pool
+    with meter.measure():
+        pass  # a capture that reuses the pool's free blocks
+    with meter.measure():
+        reserved[0] -= 200  # the allocator let cached blocks go to make room: no graph memory
+    assert meter.bytes == 300
+    with pytest.raises(RuntimeError), meter.measure():
+        reserved[0] += 50
+        raise RuntimeError("capture failed")  # what it reserved before failing is held until the graphs go
+    assert meter.bytes == 350
