@@ -27,8 +27,8 @@ def busy_events() -> list[dict]:
     return events
 
 
-def app(busy: bool = False) -> DashboardApp:
-    return DashboardApp(CannedSource(busy_events() if busy else None), clock=lambda: NOW, refresh_s=5.0)
+def app(busy: bool = False, stats: dict | None = None) -> DashboardApp:
+    return DashboardApp(CannedSource(busy_events() if busy else None, stats=stats), clock=lambda: NOW, refresh_s=5.0)
 
 
 async def settle(pilot) -> None:
@@ -70,3 +70,18 @@ def test_request_detail(snap_compare):
         await pilot.pause(0.2)
 
     assert snap_compare(app(), terminal_size=(100, 30), run_before=run_before)
+
+
+@pytest.mark.parametrize("key", ["1", "4"])
+def test_two_replicas_and_a_loading_model_at_120x40(snap_compare, key):
+    """A model on two GPUs: a state cache row and a memory split per replica; a second model loading."""
+
+    async def run_before(pilot):
+        pilot.app.daemon_ps({"models": [{"name": "basal-demo"},
+                                        {"name": "basal-4.5B", "path": "/models/4.5B", "state": "loading"}]})
+        await pilot.press(key)
+        await settle(pilot)
+
+    from .dashboard_canned import two_replicas
+
+    assert snap_compare(app(busy=True, stats=two_replicas()), terminal_size=(120, 40), run_before=run_before)

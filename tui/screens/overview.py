@@ -137,8 +137,11 @@ class OverviewScreen(DashboardScreen):
         overloaded = data.total("overloaded")
         card("overloaded").show(str(overloaded), data.series("overloaded"), alert=overloaded > 0)
         self.query_one("#queues", Static).update(queue_table(data, narrow))
+        # a bar per memory part (7 lines a GPU) where the terminal leaves the KPI cards room, else one line each
+        gpus = len(data.device.get("gpus") or [])
+        split = self.has_class("-tall") and 8 * gpus <= self.app.size.height - 26
         self.query_one("#device", Static).update(device_renderable(
-            data.device, data.stats.get("memory", {}), narrow, data.replicas(), tall=self.has_class("-tall")))
+            data.device, data.stats.get("memory", {}), narrow, data.replicas(), tall=split))
         cache = self.query_one("#cache", Static)
         if self.has_class("-tall"):
             total = data.cache_total()
