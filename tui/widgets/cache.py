@@ -105,7 +105,7 @@ def cache_table(data: DashboardData, width: int = 120) -> Table | Text:
     """One row per model, or per replica where a model has several; columns by priority for the width."""
     caches = data.caches(per_replica=True)
     if not caches:
-        return Text("the daemon reports no state cache (an older daemon)", style="dim")
+        return Text("this daemon reports no state cache", style="dim")
     columns = columns_for(width)
     table = Table(expand=width < 150, box=None, header_style="bold", pad_edge=False)  # no gaps on big screens
     for key, label in columns:
