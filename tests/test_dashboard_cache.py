@@ -105,7 +105,7 @@ def test_cache_line_recent_hit_rate_from_the_stats_polls():
     ({**CACHE, "enabled": False, "setting": "off"}, "off", "state cache off", "state cache              setting off"),
     ({**CACHE, "enabled": False, "setting": "auto"}, "auto", "state cache off (setting auto)",
      "state cache              setting auto"),
-    (None, True, "state cache not reported by this daemon", "state cache              setting on"),  # older daemon
+    (None, True, "state cache not reported by this daemon", "state cache              setting on (the chat template only)"),  # an older daemon
 ])
 async def test_cache_off_and_an_older_daemon(cache, engine_setting, line, models_line):
     stats = copy.deepcopy(STATS)

@@ -27,7 +27,7 @@ def cache_setting(engine: dict[str, Any]) -> str:
     sends a bool (the template cache on or off)."""
     value = engine.get("prefix_cache")
     if isinstance(value, bool):
-        return "on" if value else "off"
+        return "on (the chat template only)" if value else "off"
     return str(value) if value not in (None, "") else "-"
 
 
