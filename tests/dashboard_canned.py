@@ -143,6 +143,8 @@ def two_replicas(stats: dict[str, Any] | None = None) -> dict[str, Any]:
     model["prefix_cache"] = {**CACHE, **{k: CACHE[k] + second[k] for k in
                                          ("budget_bytes", "bytes", "nodes", "tokens", "hits", "misses", "hit_tokens",
                                           "evictions")}}
+    lanes = stats["queues"][MODEL]  # each replica's lanes ("main-r1": replica 1's main lane)
+    lanes.update({f"{lane}-r1": copy.deepcopy(queue) for lane, queue in list(lanes.items())})
     gpu = stats["device_telemetry"]["gpus"][0]
     stats["device_telemetry"]["gpus"].append({**gpu, "index": 1, "util_percent": 64,
                                              "memory_used_bytes": 20 * 2**30, "memory_free_bytes": 120 * 2**30})

@@ -173,3 +173,17 @@ def test_graph_pool_meter_counts_what_captures_reserve():
         reserved[0] += 50
         raise RuntimeError("capture failed")  # what it reserved before failing is held until the graphs go
     assert meter.bytes == 350
+
+
+async def test_two_gpus_fit_80x24():
+    """Two replicas at 80x24: four lanes, a line per GPU, the cache and the totals, nothing pushed off screen."""
+    app = make_app(two_replicas())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "GPU0 87 %  24.0/140.0 GiB  weights 8.5  graphs 1.5  cache 6.0  other 8.0" in text
+        assert "GPU1 64 %  20.0/140.0 GiB  weights 8.5  graphs 1.5  cache 2.0  other 8.0" in text
+        assert "main-r1" in text and "long-r1" in text
+        # both replicas' caches in one line: 500 hits of 770 lookups, 8 of 24 GiB
+        assert "cache hit 65 % 500/770  1.5M tok  8.0/24.0 GiB  48 nodes  9 evict" in text
+        assert "recv 8  ok 5" in text and text.splitlines()[-1].startswith(" c clear stats")

@@ -72,9 +72,11 @@ def test_request_detail(snap_compare):
     assert snap_compare(app(), terminal_size=(100, 30), run_before=run_before)
 
 
-@pytest.mark.parametrize("key", ["1", "4"])
-def test_two_replicas_and_a_loading_model_at_120x40(snap_compare, key):
-    """A model on two GPUs: a state cache row and a memory split per replica; a second model loading."""
+@pytest.mark.parametrize("key, size", [("1", (80, 24)), ("1", (120, 40)), ("4", (120, 40))],
+                         ids=["1-80x24", "1-120x40", "4-120x40"])
+def test_two_replicas_and_a_loading_model(snap_compare, key, size):
+    """A model on two GPUs: its lanes, state cache and memory split per replica (one line per GPU at 80x24, all
+    of it on screen); a second model loading."""
 
     async def run_before(pilot):
         pilot.app.daemon_ps({"models": [{"name": "basal-demo"},
@@ -84,4 +86,4 @@ def test_two_replicas_and_a_loading_model_at_120x40(snap_compare, key):
 
     from .dashboard_canned import two_replicas
 
-    assert snap_compare(app(busy=True, stats=two_replicas()), terminal_size=(120, 40), run_before=run_before)
+    assert snap_compare(app(busy=size != (80, 24), stats=two_replicas()), terminal_size=size, run_before=run_before)

@@ -140,8 +140,9 @@ class OverviewScreen(DashboardScreen):
         # a bar per memory part (7 lines a GPU) where the terminal leaves the KPI cards room, else one line each
         gpus = len(data.device.get("gpus") or [])
         split = self.has_class("-tall") and 8 * gpus <= self.app.size.height - 26
+        compact = gpus > 1 and not self.has_class("-tall")  # several GPUs on a short terminal: a line each
         self.query_one("#device", Static).update(device_renderable(
-            data.device, data.stats.get("memory", {}), narrow, data.replicas(), tall=split))
+            data.device, data.stats.get("memory", {}), narrow, data.replicas(), tall=split, compact=compact))
         cache = self.query_one("#cache", Static)
         if self.has_class("-tall"):
             total = data.cache_total()

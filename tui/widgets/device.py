@@ -92,15 +92,33 @@ def gpu_lines(gpu: dict[str, Any], memory: dict[str, Any], narrow: bool, tall: b
     return out
 
 
+def gpu_line(gpu: dict[str, Any], memory: dict[str, Any]) -> Text:
+    """A GPU in one line (several GPUs on a short terminal): `GPU1 64 %  20.0/140.0 GiB  weights 8.5  graphs 1.5
+    cache 2.0  other 8.0` (GiB; what is left of the total is free)."""
+    text = Text(f"GPU{gpu.get('index', 0)} ", style="bold")
+    if "util_percent" in gpu:
+        util = float(gpu["util_percent"])
+        text.append(f"{util:.0f} %", style="bold green" if util >= 50 else "bold")
+    total, used = gpu.get("memory_total_bytes"), gpu.get("memory_used_bytes")
+    if total and used is not None:
+        text.append(f"  {_gib(used)}/{_gib(total)} GiB")
+        for name, n, colour in memory_split(gpu, memory):
+            if name != "free":
+                text.append(f"  {name} ", style=colour).append(_gib(n))
+    return text
+
+
 def device_renderable(device: dict[str, Any], memory: dict[str, Any], narrow: bool = False,
-                      replicas: list[dict[str, Any]] | None = None, tall: bool = False) -> Group:
+                      replicas: list[dict[str, Any]] | None = None, tall: bool = False,
+                      compact: bool = False) -> Group:
     """What the device does now; `-` where the daemon sent nothing yet (an older daemon). `replicas` (each with
-    its device and memory figures) split each GPU's memory by what its own replicas hold."""
+    its device and memory figures) split each GPU's memory by what its own replicas hold; `tall`: a bar per part
+    of it; `compact`: one line per GPU."""
     lines: list[Text | Table] = []
     gpus = device.get("gpus") or []
     for gpu in gpus:
         part = gpu_memory(int(gpu.get("index", 0)), memory, replicas or [], len(gpus))
-        lines += gpu_lines(gpu, part, narrow, tall)
+        lines += [gpu_line(gpu, part)] if compact else gpu_lines(gpu, part, narrow, tall)
     mlx = device.get("mlx")
     if mlx:
         lines.append(Text(f"Metal active {size(mlx.get('active_bytes'))}  cache {size(mlx.get('cache_bytes'))}  "
