@@ -187,3 +187,25 @@ async def test_two_gpus_fit_80x24():
         # both replicas' caches in one line: 500 hits of 770 lookups, 8 of 24 GiB
         assert "cache hit 65 % 500/770  1.5M tok  8.0/24.0 GiB  48 nodes  9 evict" in text
         assert "recv 8  ok 5" in text and text.splitlines()[-1].startswith(" c clear stats")
+
+
+def test_c_starts_the_cache_counters_over():
+    """`c`: hits, misses, hit tokens and evictions count from the clear (memory, nodes and tokens are states)."""
+    data = DashboardData(clock=lambda: NOW)
+    data.load_stats(two_replicas())
+    data.clear()
+    later = two_replicas()
+    model = later["models"][0]
+    # replica 0: 10 hits, 3 misses, 1,000 tokens more; replica 1: 2, 3, 1,000; the model: both added up
+    more = [(model["prefix_cache"], 12, 6, 2000), (model["replicas"][0]["prefix_cache"], 10, 3, 1000),
+            (model["replicas"][1]["prefix_cache"], 2, 3, 1000)]
+    for cache, hits, misses, tokens in more:
+        cache.update(hits=cache["hits"] + hits, misses=cache["misses"] + misses, hit_tokens=cache["hit_tokens"] + tokens)
+    data.load_stats(later)
+    rows = dict(data.caches(per_replica=True))
+    assert (rows["basal-demo/r0"]["hits"], rows["basal-demo/r0"]["misses"]) == (10, 3)
+    assert (rows["basal-demo/r1"]["hits"], rows["basal-demo/r1"]["evictions"]) == (2, 0)
+    assert rows["basal-demo/r0"]["bytes"] == 6 * GiB  # a state, not a counter
+    assert cache_line(data).plain.startswith("state cache hit 67 % 12/18  2,000 tok saved  8.0/24.0 GiB")
+    data.load_stats(copy.deepcopy(STATS))  # the daemon restarted with one replica: its own counters again
+    assert dict(data.caches())["basal-demo"]["hits"] == 412

@@ -21,6 +21,7 @@ SERIES_S = 120  # seconds of sparkline history
 RECENT_S = 10.0  # the state cache's "now" hit rate: over the stats polls of the last this many seconds
 # the counters of a state cache (/api/stats models[i]["prefix_cache"]) that add up over replicas and models
 CACHE_SUMS = ("budget_bytes", "bytes", "nodes", "tokens", "hits", "misses", "hit_tokens", "evictions")
+CACHE_COUNTERS = ("hits", "misses", "hit_tokens", "evictions")  # what `c` starts over
 TERMINAL = {"answered", "failed", "rejected", "cancelled"}
 KNOWN_CLIENTS = {"python-httpx": "httpx", "python-urllib": "urllib", "basal-client-python": "basal-client",
                  "python-requests": "requests"}
@@ -92,6 +93,8 @@ class DashboardData:
     # the daemon's totals when `c` cleared the stats: the views show counters since then
     baseline: dict[str, int] = field(default_factory=dict)
     cleared_at: float | None = None
+    # the state caches' counters when `c` cleared the stats, by model (or "model/rN")
+    cache_baseline: dict[str, dict[str, int]] = field(default_factory=dict)
     # model (or "model/rN") -> (clock, hits, misses) of the last stats polls: the cache's recent hit rate
     cache_polls: dict[str, deque[tuple[float, int, int]]] = field(default_factory=dict)
     # /api/ps's models (with their "state" while a model loads or unloads), when the daemon answers it
@@ -202,6 +205,10 @@ class DashboardData:
         percentiles, the batch-size histogram, finished requests and past batches. Requests still in flight,
         running batches, the log and the daemon's identity stay."""
         self.baseline = {k: int(v) for k, v in self.stats.get("totals", {}).items()}
+        self.cache_baseline = {}
+        self.cache_baseline = {label: {k: int(cache.get(k, 0) or 0) for k in CACHE_COUNTERS}
+                               for label, cache in self.caches(per_replica=True) + self.caches()}
+        self.cache_polls.clear()
         self.cleared_at = self.clock()
         self.buckets.clear()
         self.latencies.clear()
@@ -268,7 +275,8 @@ class DashboardData:
         return float(self.stats["uptime_s"]) + (self.clock() - self.stats_at if self.connected else 0.0)
 
     def caches(self, per_replica: bool = False) -> list[tuple[str, dict[str, Any]]]:
-        """(label, state cache) per model, or per replica ("model/r1") where a model has several."""
+        """(label, state cache) per model, or per replica ("model/r1") where a model has several; the counters
+        since `c` where it was pressed."""
         out = []
         for entry in self.stats.get("models", []):
             name = str(entry.get("name", ""))
@@ -277,7 +285,16 @@ class DashboardData:
                 out += [(f"{name}/r{r.get('replica', n)}", r["prefix_cache"]) for n, r in enumerate(replicas)]
             elif isinstance(entry.get("prefix_cache"), dict):
                 out.append((name, entry["prefix_cache"]))
-        return out
+        return [(label, self._since_clear(label, cache)) for label, cache in out]
+
+    def _since_clear(self, label: str, cache: dict[str, Any]) -> dict[str, Any]:
+        base = self.cache_baseline.get(label)
+        if not base:
+            return cache
+        now = {k: int(cache.get(k, 0) or 0) for k in CACHE_COUNTERS}
+        if any(now[k] < v for k, v in base.items()):  # the daemon restarted: its counters began again
+            return cache
+        return {**cache, **{k: now[k] - base[k] for k in CACHE_COUNTERS}}
 
     def replicas(self) -> list[dict[str, Any]]:
         """Every model's replicas (device, memory figures, state cache), as `/api/stats` lists them."""

@@ -144,6 +144,7 @@ class OverviewScreen(DashboardScreen):
         self.query_one("#device", Static).update(device_renderable(
             data.device, data.stats.get("memory", {}), narrow, data.replicas(), tall=split, compact=compact))
         cache = self.query_one("#cache", Static)
+        cache.border_title = "state cache since the clear" if data.cleared_at else "state cache"
         if self.has_class("-tall"):
             total = data.cache_total()
             cache.border_subtitle = f"cache setting {total['setting']}" if total.get("setting") else ""
