@@ -209,3 +209,16 @@ def test_c_starts_the_cache_counters_over():
     assert cache_line(data).plain.startswith("state cache hit 67 % 12/18  2,000 tok saved  8.0/24.0 GiB")
     data.load_stats(copy.deepcopy(STATS))  # the daemon restarted with one replica: its own counters again
     assert dict(data.caches())["basal-demo"]["hits"] == 412
+
+
+def test_a_cpu_daemon_shows_its_cache_pool_beside_the_weights():
+    from rich.console import Console
+
+    from basal_local.tui.widgets.device import device_renderable
+
+    group = device_renderable({"type": "cpu", "cpus": 2, "cpu_percent": 50.0, "rss_bytes": 300 * 2**20},
+                              {"weights_bytes": 3 * 2**20, "prefix_cache_bytes": 256 * 10**6})
+    console = Console(width=100, record=True, file=__import__("io").StringIO())
+    console.print(group)
+    # --prefix-cache 256MB: 256,000,000 bytes = 244.1 MiB
+    assert console.export_text().strip() == "cpu 50 % of 2 cores  RSS 300.0 MiB  weights 3.0 MiB  cache 244.1 MiB"

@@ -134,6 +134,8 @@ def device_renderable(device: dict[str, Any], memory: dict[str, Any], narrow: bo
     if not device.get("gpus"):
         if memory.get("weights_bytes"):
             cpu.append(f"  weights {size(memory['weights_bytes'])}")
+        if memory.get("prefix_cache_bytes"):  # the state cache's pool, reserved whole
+            cpu.append(f"  cache {size(memory['prefix_cache_bytes'])}")
         if memory.get("device_allocated_bytes"):
             cpu.append(f"  device {size(memory['device_allocated_bytes'])}")
     lines.append(cpu if cpu else Text("no device figures yet", style="dim"))
