@@ -40,7 +40,9 @@ def get(url: str) -> dict:
 
 
 def post(url: str, i: int) -> int:
-    body = {"model": "jev-latest", "state": f"Zgłoszenie {i}: paczka uszkodzona, klient czeka od tygodnia.",
+    # documents of a few hundred tokens: long enough for the state cache to keep (it keeps whole attention tiles)
+    state = f"Zgłoszenie {i}: " + " ".join(f"paczka {k} uszkodzona, klient czeka od {k + 2} dni." for k in range(40))
+    body = {"model": "jev-latest", "state": state,
             "questions": {"kind": {"type": "choice", "instructions": "Rodzaj?", "criteria": {"a": "Szkoda", "b": "Inne"}},
                           "urgent": {"type": "noul", "instructions": f"Pilne #{i}?"}}}
     req = urllib.request.Request(url + "/v1/systemone", json.dumps(body).encode(), {"content-type": "application/json"})
@@ -118,6 +120,8 @@ def stage(name: str, args: list[str], gpus_expected: int) -> None:
         with ThreadPoolExecutor(8) as pool:  # eight at a time: every replica gets batches (and memory figures)
             codes = list(pool.map(lambda i: post(url, i), range(48)))
         check(codes.count(200) == 48, f"[{name}] 48 requests answered ({sorted(set(codes))})")
+        again = [post(url, i) for i in range(8)]  # the same documents again, one at a time: state cache hits
+        check(again.count(200) == 8, f"[{name}] 8 repeated documents answered")
         get(url + "/api/stats")
         time.sleep(1.2)  # the CPU % needs two samples
         stats = get(url + "/api/stats")
@@ -130,6 +134,12 @@ def stage(name: str, args: list[str], gpus_expected: int) -> None:
                   f"prefix_cache={json.dumps(m.get('prefix_cache'))}")
             for r in m.get("replicas", []):
                 print(f"[{name}]   replica {json.dumps(r)}")
+        cache = stats["models"][0].get("prefix_cache") or {}
+        if cache.get("enabled"):
+            check(cache["hits"] > 0 and cache["bytes"] > 0, f"[{name}] state cache: {cache['hits']} hits, "
+                  f"{cache['misses']} misses, {cache['bytes'] / 2**20:.1f} of {cache['budget_bytes'] / 2**20:.0f} MiB")
+        else:
+            print(f"note [{name}] no state cache in this daemon (or it is off): {cache or 'not reported'}")
         if device == "cpu":
             check(tele["type"] == "cpu" and tele["rss_bytes"] > 0, f"[{name}] CPU sample")
         else:
