@@ -416,3 +416,21 @@ def test_totals_show_the_running_batch_jobs():
     assert "batch 1,234/50,000 in_progress +1" in totals_text(data).plain
     data.stats = {"totals": {}}
     assert "batch" not in totals_text(data).plain
+
+
+async def test_a_tall_overview_lists_each_batch_job_with_its_progress():
+    import copy
+
+    from .dashboard_canned import STATS
+
+    stats = copy.deepcopy(STATS)
+    stats["batch_jobs"] = [{"id": f"batch_{n}", "status": "in_progress", "total": 1000, "completed": 100 * n,
+                            "failed": n} for n in range(1, 7)]
+    app, _ = make_app(stats=stats)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        text = screen_text(app)
+        # batch_2: 200 + 2 of 1,000 lines = 20 %; four listed, the other two counted
+        line = next(s for s in text.splitlines() if "batch batch_2" in s)
+        assert "in_progress" in line and " 20 %  202/1,000 lines, 2 failed" in line
+        assert "batch batch_4" in text and "batch batch_5" not in text and "+2 more batches" in text
