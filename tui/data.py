@@ -205,7 +205,7 @@ class DashboardData:
         percentiles, the batch-size histogram, finished requests and past batches. Requests still in flight,
         running batches, the log and the daemon's identity stay."""
         self.baseline = {k: int(v) for k, v in self.stats.get("totals", {}).items()}
-        self.cache_baseline = {}
+        self.cache_baseline = {}  # caches() below reads the daemon's own counters
         self.cache_baseline = {label: {k: int(cache.get(k, 0) or 0) for k in CACHE_COUNTERS}
                                for label, cache in self.caches(per_replica=True) + self.caches()}
         self.cache_polls.clear()

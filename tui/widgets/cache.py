@@ -55,7 +55,8 @@ def _setting_note(cache: dict[str, Any]) -> str:
 
 
 def cache_line(data: DashboardData, narrow: bool = False) -> Text:
-    """Every model's cache in one line: `cache hit 73 % (412/562, 10 s 80 %)  1.2M tok  6.0/12.0 GiB ...`."""
+    """Every model's cache in one line: `state cache hit 73 % 412/562 now 80 %  1.2M tok saved  6.0/12.0 GiB
+    37 nodes  9 evicted` ("now": the last 10 s of stats polls; hit tokens: continued, not computed)."""
     caches = data.caches()
     text = Text()
     text.append("cache " if narrow else "state cache ", style="bold")
