@@ -154,6 +154,8 @@ async def test_models_and_log_views():
         await settle(pilot, app)
         text = screen_text(app)
         assert "/models/demo" in text and "8192 tokens/batch" in text and "1 % error: 0.955" in text
+        # the format and the calibration file in use (/api/stats models[i]["port"], model/formats.py)
+        assert "format                   bf16, 16-bit" in text and "calibration file         CALIBRATION.json" in text
         await pilot.press("5")
         await settle(pilot, app)
         text = screen_text(app)

@@ -222,3 +222,16 @@ def test_a_cpu_daemon_shows_its_cache_pool_beside_the_weights():
     console.print(group)
     # --prefix-cache 256MB: 256,000,000 bytes = 244.1 MiB
     assert console.export_text().strip() == "cpu 50 % of 2 cores  RSS 300.0 MiB  weights 3.0 MiB  cache 244.1 MiB"
+
+
+async def test_a_port_names_its_format_and_an_inherited_calibration():
+    stats = copy.deepcopy(STATS)
+    stats["models"][0]["port"] = {"format": "gguf-q8_0", "bits": 8, "calibration_file": "CALIBRATION.json",
+                                  "calibration_inherited": True}
+    app = make_app(stats)
+    async with app.run_test(size=(100, 32)) as pilot:
+        await pilot.press("4")
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "format                   gguf-q8_0, 8-bit" in text
+        assert "calibration file         CALIBRATION.json  (inherited: the port ships none of its own)" in text
