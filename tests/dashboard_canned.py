@@ -151,6 +151,20 @@ def two_replicas(stats: dict[str, Any] | None = None) -> dict[str, Any]:
     return stats
 
 
+def run_time_models(stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The snapshot of a daemon with run-time models (server/models.py's model_states): the served model with a
+    keep-alive, a second one loading, a third that failed to load."""
+    stats = copy.deepcopy(stats or STATS)
+    common = {"since": T0, "idle_s": None, "expires_in_s": None, "load_s": None, "error": None, "default": False}
+    stats["model_states"] = [
+        {**common, "name": MODEL, "status": "loaded", "path": "/models/demo", "keep_alive_s": 300.0, "idle_s": 180.0,
+         "expires_in_s": 120.0, "load_s": 1.5, "default": True},
+        {**common, "name": "basal-4.5B", "status": "loading", "path": "/models/4.5B", "keep_alive_s": 300.0},
+        {**common, "name": "basal-max", "status": "failed", "path": "/models/max", "keep_alive_s": 300.0,
+         "error": "the weights need 62.1 GiB, the GPU has 24.0 GiB free"}]
+    return stats
+
+
 def detail(request_id: str) -> dict[str, Any]:
     return {"id": request_id, "status": 200, "model": MODEL, "endpoint": "systemone", "client": "typesafe-sdk/0.7.5",
             "ts": T0, "input_tokens": 480, "packed_tokens": 180, "planning_ms": 1.25,

@@ -16,7 +16,16 @@ from basal_local.tui.widgets.cache import cache_line  # noqa: E402
 from basal_local.tui.widgets.device import memory_split  # noqa: E402
 from basal_local.tui.widgets.status import status_text  # noqa: E402
 
-from .dashboard_canned import CACHE, NOW, STATS, CannedSource, screen_text, two_replicas, utc  # noqa: E402, F401
+from .dashboard_canned import (  # noqa: E402, F401  (utc: a fixture)
+    CACHE,
+    NOW,
+    STATS,
+    CannedSource,
+    run_time_models,
+    screen_text,
+    two_replicas,
+    utc,
+)
 
 GiB = 2**30
 
@@ -125,25 +134,36 @@ async def test_cache_off_and_an_older_daemon(cache, engine_setting, line, models
         assert models_line in screen_text(app)
 
 
-async def test_models_loading_and_unloading():
-    stats = copy.deepcopy(STATS)
-    stats["models"][0]["state"] = "unloading"
-    app = make_app(stats)
-    async with app.run_test(size=(100, 32)) as pilot:
+async def test_models_loading_unloading_and_failed():
+    app = make_app(run_time_models())
+    async with app.run_test(size=(100, 40)) as pilot:
         await settle(pilot, app)
-        app.daemon_ps({"models": [{"name": "basal-demo", "state": "unloading"},
-                                  {"name": "basal-4.5B", "path": "/models/4.5B", "state": "loading"}]})
+        assert " loading basal-4.5B " in screen_text(app).splitlines()[0]
         await pilot.press("4")
         await settle(pilot, app)
         text = screen_text(app)
-        assert "basal-demo  (default)   unloading " in text
+        assert "keep alive               300 s (unloads in 120 s without a request)" in text
         assert "basal-4.5B   loading " in text and "/models/4.5B" in text
+        assert "basal-max   failed " in text and "the weights need 62.1 GiB, the GPU has 24.0 GiB free" in text
+        # between two polls the events tell: basal-4.5B loaded (it is not served until the next poll), the
+        # served model starts unloading
+        app.daemon_event({"kind": "model_loaded", "ts": NOW, "seq": 900, "model": "basal-4.5B", "load_s": 12.25})
+        app.daemon_event({"kind": "model_unloading", "ts": NOW, "seq": 901, "model": "basal-demo"})
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "basal-demo  (default)   unloading " in text and "basal-4.5B   loading " not in text
         header = text.splitlines()[0]
-        assert " unloading basal-demo +1 " in header and " ready " in header
-    # at 80 columns the header keeps the state of the models before the address
+        assert " unloading basal-demo " in header and " ready " in header
+        await pilot.press("5")
+        await settle(pilot, app)
+        text = screen_text(app)
+        assert "basal-4.5B loaded in 12.2 s" in text and "basal-demo unloading" in text
+    # at 80 columns the header keeps a model's state before the address
     data = DashboardData(clock=lambda: NOW, url="http://127.0.0.1:8000", connected=True)
-    data.load_stats(stats)
-    assert " unloading basal-demo " in status_text(data, width=80).plain
+    data.load_stats(run_time_models())
+    assert " loading basal-4.5B " in status_text(data, width=80).plain
+    data.load_stats(copy.deepcopy(STATS))  # a daemon without run-time models: nothing to say
+    assert "loading" not in status_text(data, width=80).plain
 
 
 async def test_requests_show_their_cached_tokens():

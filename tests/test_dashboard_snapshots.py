@@ -76,14 +76,13 @@ def test_request_detail(snap_compare):
                          ids=["1-80x24", "1-120x40", "4-120x40"])
 def test_two_replicas_and_a_loading_model(snap_compare, key, size):
     """A model on two GPUs: its lanes, state cache and memory split per replica (one line per GPU at 80x24, all
-    of it on screen); a second model loading."""
+    of it on screen); a second model loading, a third failed."""
 
     async def run_before(pilot):
-        pilot.app.daemon_ps({"models": [{"name": "basal-demo"},
-                                        {"name": "basal-4.5B", "path": "/models/4.5B", "state": "loading"}]})
         await pilot.press(key)
         await settle(pilot)
 
-    from .dashboard_canned import two_replicas
+    from .dashboard_canned import run_time_models, two_replicas
 
-    assert snap_compare(app(busy=size != (80, 24), stats=two_replicas()), terminal_size=size, run_before=run_before)
+    stats = run_time_models(two_replicas())
+    assert snap_compare(app(busy=size != (80, 24), stats=stats), terminal_size=size, run_before=run_before)

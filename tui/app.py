@@ -84,9 +84,6 @@ class DashboardApp(App):
     def daemon_event(self, event: dict[str, Any]) -> None:
         self.data.apply(event)
 
-    def daemon_ps(self, answer: dict[str, Any]) -> None:
-        self.data.load_ps(answer)
-
     def daemon_connection(self, connected: bool, error: str = "") -> None:
         changed = connected != self.data.connected
         self.data.set_connected(connected, error)

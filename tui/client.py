@@ -19,7 +19,6 @@ from .. import __version__
 from ..telemetry.privacy import TOKEN_HEADER, read_token
 
 USER_AGENT = f"basal-local-top/{__version__}"
-PS_EVERY = 2  # /api/ps (models loading and unloading) every this many stats polls
 
 
 class Sink(Protocol):
@@ -30,8 +29,6 @@ class Sink(Protocol):
     def daemon_event(self, event: dict[str, Any]) -> None: ...
 
     def daemon_connection(self, connected: bool, error: str = "") -> None: ...
-
-    def daemon_ps(self, answer: dict[str, Any]) -> None: ...
 
 
 class Source(Protocol):
@@ -104,21 +101,10 @@ class DaemonClient:
                 sink.daemon_event(event)
         raise httpx.ReadError("the daemon closed the event stream")
 
-    async def ps(self) -> dict[str, Any] | None:
-        """`/api/ps` (models loading or unloading carry a "state"); None from a daemon that does not answer it."""
-        response = await self._http.get("/api/ps", timeout=5.0)
-        return response.json() if response.status_code == 200 else None
-
     async def _poll(self, sink: Sink) -> None:
-        polls = 0
         while True:
             await asyncio.sleep(self.stats_every_s)
             sink.daemon_stats(await self.stats())
-            polls += 1
-            if polls % PS_EVERY == 0:
-                ps = await self.ps()
-                if ps is not None:
-                    sink.daemon_ps(ps)
 
     async def run(self, sink: Sink) -> None:
         while True:

@@ -23,6 +23,8 @@ RECENT_S = 10.0  # the state cache's "now" hit rate: over the stats polls of the
 CACHE_SUMS = ("budget_bytes", "bytes", "nodes", "tokens", "hits", "misses", "hit_tokens", "evictions")
 CACHE_COUNTERS = ("hits", "misses", "hit_tokens", "evictions")  # what `c` starts over
 TERMINAL = {"answered", "failed", "rejected", "cancelled"}
+MODEL_EVENTS = {"model_loading": "loading", "model_loaded": "loaded", "model_load_failed": "failed",
+                "model_unloading": "unloading", "model_unloaded": "unloaded"}
 KNOWN_CLIENTS = {"python-httpx": "httpx", "python-urllib": "urllib", "basal-client-python": "basal-client",
                  "python-requests": "requests"}
 
@@ -97,8 +99,9 @@ class DashboardData:
     cache_baseline: dict[str, dict[str, int]] = field(default_factory=dict)
     # model (or "model/rN") -> (clock, hits, misses) of the last stats polls: the cache's recent hit rate
     cache_polls: dict[str, deque[tuple[float, int, int]]] = field(default_factory=dict)
-    # /api/ps's models (with their "state" while a model loads or unloads), when the daemon answers it
-    ps_models: list[dict[str, Any]] = field(default_factory=list)
+    # model -> its status ("loaded", "loading", "unloading", "unloaded", "failed") from /api/stats model_states,
+    # and from the model_* events between two polls
+    model_status: dict[str, str] = field(default_factory=dict)
     last_seq: int = 0
     events_seen: int = 0
     version: int = 0  # bumped on every change, so views redraw only when something happened
@@ -110,6 +113,9 @@ class DashboardData:
         self.stats_at = self.clock()
         if isinstance(snap.get("device_telemetry"), dict):
             self.device = snap["device_telemetry"]
+        # a daemon with run-time models (server/models.py) lists them; the poll is the truth as of now
+        self.model_status = {str(e["name"]): str(e.get("status", "")) for e in snap.get("model_states") or []
+                             if isinstance(e, dict) and e.get("name")}
         for label, cache in self.caches(per_replica=True) + [("", self.cache_total())]:
             if cache.get("enabled"):
                 polls = self.cache_polls.setdefault(label, deque(maxlen=64))
@@ -194,6 +200,14 @@ class DashboardData:
             self.access.append(access_line(ts, row))
         elif kind == "log":
             self.add_log(LogLine(ts, event.get("level", "INFO"), event.get("logger", ""), event.get("message", "")))
+        elif kind in MODEL_EVENTS:  # a model loads or unloads at run time
+            name, status = str(event.get("model", "")), MODEL_EVENTS[kind]
+            self.model_status[name] = status
+            said = {"loading": "loading", "loaded": "loaded", "failed": "failed to load", "unloading": "unloading",
+                    "unloaded": "unloaded"}[status]
+            detail = f" in {event['load_s']:.1f} s" if isinstance(event.get("load_s"), int | float) else ""
+            detail += f": {event['error']}" if event.get("error") else ""
+            self.add_log(LogLine(ts, "ERROR" if status == "failed" else "INFO", "models", f"{name} {said}{detail}"))
         elif kind == "device":
             self.device = {k: v for k, v in event.items() if k not in ("kind", "seq", "ts")}
         elif kind == "dropped":
@@ -322,19 +336,15 @@ class DashboardData:
             return None
         return hits / (hits + misses)
 
-    def model_states(self) -> dict[str, str]:
-        """Model name -> its state ("loading", "ready", "unloading") where the daemon says one."""
-        out = {}
-        for entry in list(self.stats.get("models", [])) + self.ps_models:
-            if entry.get("state") and entry.get("name"):
-                out[str(entry["name"])] = str(entry["state"])
-        return out
-
-    def load_ps(self, answer: dict[str, Any]) -> None:
-        """`/api/ps`: the loaded models, and those loading or unloading (their "state")."""
-        models = answer.get("models")
-        self.ps_models = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
-        self.version += 1
+    def model_states(self) -> list[dict[str, Any]]:
+        """The daemon's known models (`/api/stats` model_states: status, keep-alive, idle time, error), each with
+        its latest status (an event may have come since the poll); empty for a daemon without run-time models."""
+        states = [dict(e) for e in self.stats.get("model_states") or [] if isinstance(e, dict) and e.get("name")]
+        for entry in states:
+            entry["status"] = self.model_status.get(str(entry["name"]), entry.get("status", ""))
+        listed = {str(e["name"]) for e in states}
+        states += [{"name": name, "status": status} for name, status in self.model_status.items() if name not in listed]
+        return states
 
     def thresholds(self, model: str) -> dict[str, float]:
         for entry in self.stats.get("models", []):

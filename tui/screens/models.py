@@ -1,5 +1,5 @@
-"""View 4: the served models (and those loading or unloading), their engine settings, state cache and
-calibration; below them the device and the limits."""
+"""View 4: the served models, their engine settings, state cache, calibration and keep-alive; the models the
+daemon knows but does not serve (loading, unloading, unloaded, failed); below them the device and the limits."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from ..widgets.device import device_renderable
 from ..widgets.format import count, size
 from .base import DashboardScreen
 
-STATE_STYLE = {"loading": "bold black on yellow", "unloading": "bold black on yellow", "ready": "bold black on green",
-               "error": "bold white on red"}
+STATUS_STYLE = {"loading": "bold black on yellow", "unloading": "bold black on yellow", "unloaded": "bold",
+                "failed": "bold white on red"}
+NOT_SERVED = {"loading": "loading", "unloading": "unloading", "unloaded": "not loaded: a request for it loads it",
+              "failed": "failed to load"}
 
 
 def cache_setting(engine: dict[str, Any]) -> str:
@@ -45,7 +47,7 @@ def cache_summary(cache: dict[str, Any], short: bool = False) -> str:
 
 def models_renderable(data: DashboardData) -> Group:
     s = data.stats
-    states = data.model_states()
+    states = {str(e["name"]): e for e in data.model_states()}
     parts: list = []
     for m in s.get("models", []):
         t = Table.grid(padding=(0, 2))
@@ -81,12 +83,23 @@ def models_renderable(data: DashboardData) -> Group:
             t.add_row("calibration file", f"{cal_file}{inherited}")
         t.add_row("temperatures", temps)
         t.add_row("thresholds", thresholds)
-        parts += [model_title(m, states.get(str(m.get("name")))), t, Text("")]
+        state = states.get(str(m.get("name"))) or {}
+        if state:
+            t.add_row("keep alive", keep_alive(state))
+        parts += [model_title(m, state.get("status")), t, Text("")]
     served = {str(m.get("name")) for m in s.get("models", [])}
-    for m in data.ps_models:  # on their way in or out: not served (yet, or any more)
-        if str(m.get("name")) not in served and m.get("state"):
-            parts += [model_title(m, str(m["state"])), Text(f"  {m.get('path', '')}", style="dim"), Text("")]
-    if not s.get("models") and not data.ps_models:
+    for name, state in states.items():  # known, not served: loading, unloading, unloaded or failed
+        if name not in served:
+            t = Table.grid(padding=(0, 2))
+            t.add_column(style="bold")
+            t.add_column()
+            if state.get("path"):
+                t.add_row("path", str(state["path"]))
+            t.add_row("status", NOT_SERVED.get(str(state.get("status")), str(state.get("status", "-"))))
+            if state.get("error"):
+                t.add_row("error", Text(str(state["error"]), style="red"))
+            parts += [model_title({"name": name, "default": state.get("default")}, state.get("status")), t, Text("")]
+    if not s.get("models") and not states:
         parts += [Text("no model loaded yet"), Text("")]
     device = Table.grid(padding=(0, 2))
     device.add_column(style="bold")
@@ -105,13 +118,24 @@ def models_renderable(data: DashboardData) -> Group:
     return Group(*parts)
 
 
-def model_title(m: dict[str, Any], state: str | None) -> Text:
+def model_title(m: dict[str, Any], status: str | None) -> Text:
     title = Text(str(m.get("name")), style="bold underline")
     if m.get("default"):
         title.append("  (default)", style="bold")
-    if state and state != "ready":
-        title.append("  ").append(f" {state} ", style=STATE_STYLE.get(state, "bold"))
+    if status and status != "loaded":
+        title.append("  ").append(f" {status} ", style=STATUS_STYLE.get(status, "bold"))
     return title
+
+
+def keep_alive(state: dict[str, Any]) -> str:
+    """`300 s (unloads in 120 s without a request)`, or `for ever`: how long the daemon keeps the model idle."""
+    keep = state.get("keep_alive_s")
+    if keep is None:
+        return "for ever (no keep-alive)"
+    text = f"{keep:g} s"
+    if isinstance(state.get("expires_in_s"), int | float):
+        text += f" (unloads in {state['expires_in_s']:g} s without a request)"
+    return text
 
 
 class ModelsScreen(DashboardScreen):
