@@ -154,10 +154,6 @@ async def test_models_loading_unloading_and_failed():
         assert "basal-demo  (default)   unloading " in text and "basal-4.5B   loading " not in text
         header = text.splitlines()[0]
         assert " unloading basal-demo " in header and " ready " in header
-        await pilot.press("5")
-        await settle(pilot, app)
-        text = screen_text(app)
-        assert "basal-4.5B loaded in 12.2 s" in text and "basal-demo unloading" in text
     # at 80 columns the header keeps a model's state before the address
     data = DashboardData(clock=lambda: NOW, url="http://127.0.0.1:8000", connected=True)
     data.load_stats(run_time_models())

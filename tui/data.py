@@ -200,14 +200,8 @@ class DashboardData:
             self.access.append(access_line(ts, row))
         elif kind == "log":
             self.add_log(LogLine(ts, event.get("level", "INFO"), event.get("logger", ""), event.get("message", "")))
-        elif kind in MODEL_EVENTS:  # a model loads or unloads at run time
-            name, status = str(event.get("model", "")), MODEL_EVENTS[kind]
-            self.model_status[name] = status
-            said = {"loading": "loading", "loaded": "loaded", "failed": "failed to load", "unloading": "unloading",
-                    "unloaded": "unloaded"}[status]
-            detail = f" in {event['load_s']:.1f} s" if isinstance(event.get("load_s"), int | float) else ""
-            detail += f": {event['error']}" if event.get("error") else ""
-            self.add_log(LogLine(ts, "ERROR" if status == "failed" else "INFO", "models", f"{name} {said}{detail}"))
+        elif kind in MODEL_EVENTS:  # a model loads or unloads at run time (the daemon's log says it in words)
+            self.model_status[str(event.get("model", ""))] = MODEL_EVENTS[kind]
         elif kind == "device":
             self.device = {k: v for k, v in event.items() if k not in ("kind", "seq", "ts")}
         elif kind == "dropped":
