@@ -8,7 +8,7 @@
 
 Each mutation names a file, an exact snippet (found exactly once, or the mutation is reported STALE), its
 replacement, and the narrow set of tests that must fail. A fresh copy per mutation keeps them independent;
-the copy imports its own package (`basal_local/backends`, `cuda_kernels`, `metal_shaders` and `assets` are
+the copy imports its own package (`basal_local/backends`, `cuda_kernels`, `metal_shaders`, `assets` and `tui` are
 linked in, as the wheel installs them), never the editable install of the source tree. The result is "caught" only when pytest
 ran and reported failing tests (exit code 1) or the selection ran past its timeout; an import or collection
 error (exit code 2-4) is an ERROR, not a catch.
@@ -199,13 +199,25 @@ MUTATIONS = [
     m("config-set-unchecked", "config set checks the value before writing",
       "basal_local/commands/config.py", "        return check(key, spec, value, from_text=True)",
       "        return value", "tests/test_everyday_config.py::test_set_refuses_a_bad_value_and_leaves_the_file_alone"),
+    # the dashboard's state cache and GPU memory figures
+    m("cache-hit-rate", "the state cache's hit rate is hits over lookups",
+      "tui/widgets/cache.py", "    return int(cache.get(\"hits\", 0) or 0) / lookups if lookups else None",
+      "    return int(cache.get(\"hits\", 0) or 0) / max(1, int(cache.get(\"misses\", 0) or 0))",
+      "tests/test_dashboard_cache.py"),
+    m("gpu-split-any-replica", "each GPU's memory split counts only the replicas on it",
+      "tui/widgets/device.py", "            and str(r.get(\"device\", \"\")) in", "            or str(r.get(\"device\", \"\")) in",
+      "tests/test_dashboard_cache.py"),
+    m("graphs-pool-shrinks", "a capture that frees cached blocks adds no graph memory",
+      "backends/torch/graphs.py", "self.bytes += max(0, self.reserved() - before)", "self.bytes += self.reserved() - before",
+      "tests/test_dashboard_cache.py::test_graph_pool_meter_counts_what_captures_reserve"),
 ]
 
 
 def make_copy(target: Path) -> None:
     shutil.copytree(ROOT, target, ignore=IGNORE)
-    # import the copy as the wheel lays it out: basal_local.backends, .cuda_kernels, .metal_shaders, .assets
-    for name in ("backends", "cuda_kernels", "metal_shaders", "assets"):
+    # import the copy as the wheel lays it out: basal_local.backends, .cuda_kernels, .metal_shaders, .assets, .tui
+    # (a folder left out here is imported from the source tree's editable install: its mutations never show)
+    for name in ("backends", "cuda_kernels", "metal_shaders", "assets", "tui"):
         (target / "basal_local" / name).symlink_to(Path("..") / name, target_is_directory=True)
 
 

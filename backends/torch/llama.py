@@ -286,6 +286,8 @@ class TorchBackend:
         if self.device.startswith("cuda"):
             out["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            if self.graphs is not None:
+                out["graphs_bytes"] = self.graphs.memory_bytes()
         if self.memory_limit_bytes is not None:
             out["device_limit_bytes"] = self.memory_limit_bytes
         if self.fwd is not None:
