@@ -106,7 +106,7 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
     state.backend_name, state.device, state.dtype = info.backend, info.device, info.dtype
-    state.telemetry.memory_probe = engine.replicas[-1].memory  # its last batch's figures
+    state.telemetry.memory_probe = lambda: engine.replicas[-1].memory()  # its last batch's (a restart replaces it)
     for r in engine.replicas:
         if r.info is not None:
             log.info("loaded %s from %s: %d layers, %s on %s (replica %d, pid %d)", model.name, model.path,

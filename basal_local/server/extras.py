@@ -116,7 +116,11 @@ async def ps(request: Request) -> Response:
                        "default": name == state.default_model, "backend": state.backend_name,
                        "device": state.device, "dtype": state.dtype,
                        "aliases": sorted(a for a, t in state.aliases.items() if t == name),
-                       "queue": sum(r["requests"] for r in described), **memory})
+                       "queue": sum(r["requests"] for r in described), **memory,
+                       # each replica's state: a dead worker process shows `restarting`/`loading` until it is back
+                       "replicas": [{"replica": r["replica"], "device": r["device"], "alive": r["alive"],
+                                     "state": r.get("state", "ready" if r["alive"] else "down"),
+                                     "restarts": r.get("restarts", 0), "pid": r.get("pid")} for r in described]})
     return _json(200, {"version": __version__, "ready": state.ready, "error": state.load_error,
                        "pid": os.getpid(), "process_rss_bytes": _rss_bytes(), "inflight": state.inflight,
                        "models": loaded})
