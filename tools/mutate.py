@@ -188,6 +188,23 @@ MUTATIONS = [
       "basal_local/engine/engine.py", "queue_ms = (started - job.arrival) * 1000.0",
       "queue_ms = (time.perf_counter() - job.arrival) * 1000.0",
       "tests/test_blind_spots.py::test_queue_time_ends_when_the_batch_starts"),
+    # MLX (mlx[cpu]) and replica worker processes
+    m("mlx-steps-lazy", "the MLX long lane computes each layer before it yields (frees the device when parked)",
+      "backends/mlx/llama.py", "                mx.eval(x)  # the work of this layer",
+      "                mx.async_eval(x)  # the work of this layer",
+      "tests/test_mlx_lifecycle.py::test_each_step_of_the_long_lane_is_computed_before_it_yields"),
+    m("mlx-quant-cache-mtime", "the MLX q8/q4 cache follows the file's content, not its size and mtime",
+      "backends/mlx/quantize.py",
+      'return f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}|{stat.st_dev}"',
+      'return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"', "tests/test_mlx_lifecycle.py"),
+    m("dead-worker-not-restarted", "a replica worker process that died is started again",
+      "basal_local/replicas/front.py", "        delay = self._schedule_restart(r.replica, r.ready_at)",
+      "        delay = None", "tests/test_replica_restart.py", timeout=400),
+    m("no-live-worker-500", "no live replica worker: 503 + Retry-After, not 500",
+      "basal_local/replicas/front.py",
+      "                _fail(pending.future, EngineStopped() if self.stopping else self._unavailable(",
+      "                _fail(pending.future, EngineStopped() if True else self._unavailable(",
+      "tests/test_replica_restart.py", timeout=400),
 ]
 
 
