@@ -28,6 +28,7 @@ from .aliases import resolve_aliases
 from .app import create_app
 from .body import BodyLimits
 from .events import BusLogHandler, close_streams
+from .output import guard_output
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 from .state import AppState
@@ -299,6 +300,7 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
     """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503).
     `ready_text` is printed once the models are loaded; `sock`: an already bound socket (--port 0)."""
     state, config = build(settings, model_dirs)
+    guard_output()  # after build: uvicorn's handlers exist now; a full disk under any output is one warning
     server = _Server(config, state)
 
     def stop() -> None:
