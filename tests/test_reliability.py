@@ -378,6 +378,34 @@ def test_an_api_key_is_required_when_set(keyed):
     assert status == 200 and body["status"] == "ok" and body["models"] and "version" in body
 
 
+def _send_all_then_read(port: int, path: str, body: bytes, headers: dict[str, str]):
+    """http.client's order (and requests', and most SDKs'): the whole body, then the answer."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json", **headers})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("mb", [8, 40])
+def test_an_answer_before_the_body_is_read_reaches_a_client_that_sends_it_all(keyed, mb):
+    """401 without the key (8 MiB body) and 413 over the 32 MiB limit (40 MiB) are answered before the body is
+    read; the daemon reads and drops the rest of the body before closing, so the client reads its answer instead
+    of a connection reset (every try reset before, from ~4 MiB up)."""
+    body = json.dumps({**SMALL, "state": "x" * (mb << 20)}).encode()
+    for path in PATHS:
+        for _ in range(3):
+            status, headers, answer = _send_all_then_read(keyed.port, path, body, {} if mb == 8 else
+                                                          {"x-api-key": KEY})
+            assert status == (401 if mb == 8 else 413), answer
+            assert_dialect_error(path, status, answer)
+    assert rawhttp.post(keyed.port, "/v1/basal", SMALL, {"x-api-key": KEY})[0] == 200  # and it serves on
+
+
 def test_the_key_flag_and_the_environment_both_set_the_key(monkeypatch):
     from basal_local.server.settings import Settings
 
