@@ -81,6 +81,21 @@ def test_deep_nesting_is_a_4xx_in_the_dialect_shape(d, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", [[], {}, ["choice"], {"a": 1}])
+def test_a_list_or_object_as_a_question_type_is_a_4xx(d, path, qtype):
+    """An unhashable type was looked up in the refusal tables: 500 TypeError on /v1/basal (found by
+    tools/fuzz.py, 185 of 10,000 inputs). System One refuses it; the lenient upstream dialect answers an unknown
+    type as a choice (docs/PROTOCOL.md §8) or refuses what it cannot render."""
+    for question in ({"type": qtype, "instructions": "Is this urgent?"}, {"type": qtype, "criteria": ""},
+                     {"type": qtype, "criteria": ["a", "b"], "option_keys": "hide"}):
+        status, _, body = rawhttp.post(d.port, path, {"model": M, "state": "s", "questions": {"q": question}})
+        if path == "/v1/basal" and status == 200:
+            assert set(body["answers"]) == {"q"}, body
+        else:
+            assert_dialect_error(path, status, body)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_huge_integer_is_a_4xx(d, path):
     raw = json.dumps(SMALL)[:-1] + ', "n": ' + "7" * 4301 + "}"
     status, _, body = rawhttp.post(d.port, path, raw.encode())
