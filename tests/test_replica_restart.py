@@ -64,7 +64,10 @@ def test_both_workers_killed_mid_request_answer_503_and_come_back(workers, daemo
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(http, "POST", f"{d.url}/v1/{dialect}", b, None, WAIT)
                    for dialect, b in zip(dialects, work)]
-        held = wait_for(lambda: all(r["in_flight"] >= 1 for r in replicas(d)))
+        # all 12 in the workers' hands first: once replica 1 is killed, replica 0 must be killed before replica 1's
+        # restart (1 s + a load) could take what replica 0 holds
+        held = wait_for(lambda: all(r["in_flight"] >= 1 for r in replicas(d)) and
+                        sum(r["in_flight"] for r in replicas(d)) == 12)
         assert held, replicas(d)
         os.kill(before[1], signal.SIGKILL)
         # replica 1's requests go to replica 0 (stopped, so they stay there)
