@@ -18,6 +18,7 @@ import pytest
 
 from .conftest import Daemon, http
 from .test_replicas import bodies, close
+from .zygote import cli_run
 
 WAIT = 90.0
 
@@ -139,3 +140,8 @@ def test_a_worker_that_dies_soon_after_its_restart_waits_longer(workers):
     assert http("POST", d.url + "/v1/systemone", bodies(1)[0])[0] == 200
     after = wait_all_ready(d)
     assert [r["restarts"] for r in after] == [1, 2], after
+    # `basal-local ps` lists each replica's state and restarts
+    shown = cli_run(["ps", "--url", d.url], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "basal-test-tiny replicas: 0 on cpu ready (restarts 1), 1 on cpu ready (restarts 2)" in shown.stdout, \
+        shown.stdout

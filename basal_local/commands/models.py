@@ -207,4 +207,10 @@ def ps(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in table) for i in range(6)]
     for r in table:
         print("  ".join(f"{r[i]:<{widths[i]}}" for i in range(6)) + "  " + r[6])
+    for m in info.get("models", []):  # replicas: each one's state (a dead worker process restarting, loading)
+        replicas = m.get("replicas") or []
+        if len(replicas) > 1 or any(r.get("state") != "ready" for r in replicas):
+            print(f"{m['name']} replicas: " + ", ".join(
+                f"{r['replica']} on {r['device']} {r.get('state', '?')}"
+                + (f" (restarts {r['restarts']})" if r.get("restarts") else "") for r in replicas))
     return 0
