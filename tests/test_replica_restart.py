@@ -145,3 +145,24 @@ def test_a_worker_that_dies_soon_after_its_restart_waits_longer(workers):
     assert shown.returncode == 0, shown.stderr
     assert "basal-test-tiny replicas: 0 on cpu ready (restarts 1), 1 on cpu ready (restarts 2)" in shown.stdout, \
         shown.stdout
+
+
+def test_the_dashboard_shows_each_replicas_state():
+    """The models view (key 4) lists a model's replicas with their state once one is not ready."""
+    from rich.console import Console
+
+    from basal_local.tui.data import DashboardData
+    from basal_local.tui.screens.models import models_renderable
+
+    data = DashboardData(clock=lambda: 0.0)
+    data.stats = {"models": [{"name": "m", "engine": {}, "calibration": {}}],
+                  "replicas": [{"model": "m", "replica": 0, "device": "cuda:0", "alive": True, "state": "ready"},
+                               {"model": "m", "replica": 1, "device": "cuda:1", "alive": False,
+                                "state": "restarting", "restarts": 2}]}
+    console = Console(width=120, record=True)
+    console.print(models_renderable(data))
+    assert re.search(r"replicas +0 on cuda:0 ready, 1 on cuda:1 restarting \(restarts 2\)", console.export_text())
+    data.stats["replicas"] = data.stats["replicas"][:1]  # one replica, ready: no line
+    console = Console(width=120, record=True)
+    console.print(models_renderable(data))
+    assert "replicas" not in console.export_text()

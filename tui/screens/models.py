@@ -45,6 +45,17 @@ def models_renderable(data: DashboardData) -> Group:
         t.add_row("batching", f"{engine.get('max_batch_tokens')} tokens/batch, {engine.get('schedule')}, "
                               f"long lane > {engine.get('long_tokens')} tokens")
         t.add_row("prefix cache", "on" if engine.get("prefix_cache") else "off")
+        replicas = [r for r in s.get("replicas") or [] if r.get("model") == m.get("name")]
+        if len(replicas) > 1 or any(not r.get("alive", True) for r in replicas):  # a dead worker restarting
+            shown = Text()
+            for i, r in enumerate(replicas):
+                state = r.get("state") or ("ready" if r.get("alive") else "down")
+                shown.append(", " if i else "")
+                shown.append(f"{r.get('replica')} on {r.get('device')} ")
+                shown.append(state, style="green" if state == "ready" else "bold red")
+                if r.get("restarts"):
+                    shown.append(f" (restarts {r['restarts']})")
+            t.add_row("replicas", shown)
         cal = m.get("calibration") or {}
         temps = ", ".join(f"{k} {v:.3f}" for k, v in (cal.get("temperatures") or {}).items()) or "none"
         thresholds = ", ".join(f"{float(k) * 100:g} % error: {v:.3f}" for k, v in
