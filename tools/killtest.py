@@ -1,6 +1,6 @@
 """Kill replica worker processes (kill -9) under load: every answer is right or a 503 + Retry-After, none hangs.
 
-    python tools/killtest.py [--clients 16] [--seconds 90] [--every 6] [--replicas 2]
+    python tools/killtest.py [--clients 16] [--seconds 90] [--every 6] [--replicas 2] [--devices cuda:0,cuda:1]
 
 Starts `basal-local serve --replicas N --replica-processes` on a generated tiny model (CPU), asks each sample
 request of both dialects alone for its reference answer, then runs the clients (a fresh connection per request)
@@ -51,16 +51,18 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=90)
     parser.add_argument("--every", type=float, default=6, help="seconds between a recovery and the next kill")
-    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=2, help="workers per device")
+    parser.add_argument("--devices", help="e.g. cuda:0,cuda:1 (default: the CPU)")
+    parser.add_argument("--model", help="model directory (default: a generated tiny model)")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args()
     from basal_local.model import load_model_dir
     from basal_local.model.testmodel import make_test_model
 
-    model_dir = str(make_test_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=1))
+    model_dir = args.model or str(make_test_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=1))
     name = load_model_dir(model_dir, check_weights=False).name
-    daemon = Daemon(["--model", model_dir, "--device", "cpu", "--replicas", str(args.replicas),
-                     "--replica-processes"])
+    where = ["--devices", args.devices] if args.devices else ["--device", "cpu"]
+    daemon = Daemon(["--model", model_dir, *where, "--replicas", str(args.replicas), "--replica-processes"])
     daemon.wait_ready()
     cases = [(path, json.dumps({**s, "model": name}).encode()) for s in sample_requests() for path in PATHS]
     references = []
