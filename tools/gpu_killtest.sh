@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Dead replica workers on GPUs (nvidia-h200-x2 or more): tools/killtest.py against a daemon with one worker process
-# per GPU, then the replica tests that kill workers, on CUDA. Results in $OUT (killtest.txt, tests.txt).
+# per GPU (CUDA workers killed and started again under load). Results in $OUT/killtest.txt.
 # Here: .whl holds the basal-local wheel and the daemon's wheels, as for tools/gpu_gpu2.sh; SKIP_INSTALL=1 uses
 # the installed package. DEVICES (default: every GPU), SECONDS_RUN (default 60), PRESET (default tiny).
 set -uo pipefail
@@ -18,4 +18,4 @@ M=/tmp/m-kill-${PRESET:-tiny}
 echo "gpus $N, devices $DEVICES" | tee "$OUT/killtest.txt"
 timeout 400 python3 tools/killtest.py --model $M --devices "$DEVICES" --replicas 1 --clients 16 \
   --seconds ${SECONDS_RUN:-60} --every 6 2>&1 | tee -a "$OUT/killtest.txt"
-echo "killtest exit $?" | tee -a "$OUT/killtest.txt"
+echo "killtest exit ${PIPESTATUS[0]}" | tee -a "$OUT/killtest.txt"
