@@ -166,3 +166,30 @@ def test_the_dashboard_shows_each_replicas_state():
     console = Console(width=120, record=True)
     console.print(models_renderable(data))
     assert "replicas" not in console.export_text()
+
+
+def test_the_back_off_doubles_per_quick_death_and_starts_over_after_a_stable_run(monkeypatch):
+    from basal_local.replicas import restarts as mod
+
+    monkeypatch.setattr(mod, "RESTART_FIRST_S", 0.01)
+    monkeypatch.setattr(mod, "RESTART_MAX_S", 0.08)
+    spawned, failing = [], [True]
+
+    def spawn(slot: int) -> None:
+        if failing[0]:
+            failing[0] = False
+            raise OSError("no process")  # the first try fails: tried again after the next back-off
+        spawned.append(slot)
+
+    r = mod.Restarts([0, 1], spawn, "m")
+    assert r.schedule(0, None) is None  # not serving yet (the first load): no restart
+    r.serving = True
+    delays = [r.schedule(1, time.monotonic()) for _ in range(5)]  # five quick deaths in a row
+    assert delays == [0.01, 0.02, 0.04, 0.08, 0.08]
+    assert r.schedule(1, time.monotonic() - mod.STABLE_S) == 0.01  # it had served a while: start over
+    # every timer spawned once, the failed one again after its back-off
+    assert wait_for(lambda: spawned.count(1) == 6 and not r.at, 10, 0.01), (spawned, r.at)
+    assert r.count[1] == 7
+    assert r.retry_after_s([]) == 5 and r.retry_after_s([time.monotonic()]) == 1
+    r.stop()
+    assert r.schedule(0, None) is None

@@ -349,10 +349,10 @@ def test_a_lost_replica_is_announced_once_even_when_a_send_saw_it_first(caplog):
     from basal_local.replicas.front import ProcessReplicaSet
 
     owner = object.__new__(ProcessReplicaSet)  # only what `lost` touches: no worker processes
-    owner._lock, owner.dead, owner.stopping, owner._exit_codes = threading.Lock(), set(), False, {}
+    owner._lock, owner.dead, owner.stopping = threading.Lock(), set(), False
     owner.model = SimpleNamespace(name="m")
     owner._dispatch = lambda pending: None
-    owner._schedule_restart = lambda slot, ready_at: None  # not serving yet: no restart
+    owner.restarts = SimpleNamespace(exit_codes={}, schedule=lambda slot, ready_at: None)  # not serving: none
 
     def replica(number: int, ready: bool):
         return SimpleNamespace(replica=number, info=SimpleNamespace(pid=1) if ready else None, alive=False,

@@ -198,7 +198,7 @@ MUTATIONS = [
       'return f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}|{stat.st_dev}"',
       'return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"', "tests/test_mlx_lifecycle.py"),
     m("dead-worker-not-restarted", "a replica worker process that died is started again",
-      "basal_local/replicas/front.py", "        delay = self._schedule_restart(r.replica, r.ready_at)",
+      "basal_local/replicas/front.py", "        delay = self.restarts.schedule(r.replica, r.ready_at)",
       "        delay = None", "tests/test_replica_restart.py", timeout=400),
     m("early-answer-reset", "a 401/413 sent before the body is read reaches a client that sends it all (no reset)",
       "basal_local/server/httpproto.py", "        self._protocol._start_lingering()", "        self._transport.close()",

@@ -17,7 +17,6 @@ out of rotation and `describe` (so /health, /api/ps, /api/stats) says `restartin
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import weakref
@@ -37,6 +36,7 @@ from ..protocol.outcome import Outcome
 from ..protocol.questions import DecisionRequest
 from ..telemetry import BatchRecord, Telemetry
 from . import wire
+from .restarts import Restarts
 from .start import end_forkserver, start_context
 from .worker import WorkerSpec, worker_main
 
@@ -44,9 +44,6 @@ log = logging.getLogger(__name__)
 
 CANCEL_SCAN_S = 0.1  # how often the front looks for requests whose client went away
 TREE_WAIT_S = 5.0  # a dashboard's batch tree asked of a worker: how long to wait before it reads as null
-RESTART_FIRST_S = 1.0  # a dead worker's first restart waits this long
-RESTART_MAX_S = 60.0  # the back-off doubles per quick death up to this
-STABLE_S = 60.0  # a worker that served this long after loading died on its own: its back-off starts over
 MAX_DEATHS = 2  # a request on this many workers that died fails (503) instead of going to a third
 
 # every replica set of this process: the forkserver is ended only when all of them have stopped (a worker's exit
@@ -165,14 +162,7 @@ class ProcessReplicaSet:
         if not self.specs:
             raise ValueError("a replica set needs at least one replica")
         self._slots = {spec.replica: i for i, spec in enumerate(self.specs)}
-        self._serving = False  # every worker loaded once: from now on a dead one is restarted
-        self._halt = threading.Event()  # stop: wakes the restart timers
-        self._restart_lock = threading.Lock()  # a restart's spawn vs stop
-        self._quick_deaths = {spec.replica: 0 for spec in self.specs}
-        self.restarts = {spec.replica: 0 for spec in self.specs}
-        self._restart_at: dict[int, float] = {}  # replica -> monotonic time of its next start
-        self._exit_codes: dict[int, int | None] = {}
-        self._load_s = 0.0  # the longest first load: the Retry-After while a restarted worker loads
+        self.restarts = Restarts(list(self._slots), self._spawn, self.model.name)
         if self.settings.prefix_cache:
             for lang in ("pl", "en"):
                 self.prefixes[lang] = self.model.tokenizer.template_prefix(lang)
@@ -196,17 +186,16 @@ class ProcessReplicaSet:
             why = failed[0].load_error or f"replica {failed[0].replica}'s process exited while loading"
             self.stop(5.0)
             raise RuntimeError(why)
-        self._load_s = max(r.ready_at - r.started for r in self.replicas if r.ready_at is not None)
-        self._serving = True
+        self.restarts.load_s = max(r.ready_at - r.started for r in self.replicas if r.ready_at is not None)
+        self.restarts.serving = True
         return self.replicas[0].info  # type: ignore[return-value]
 
     def start(self) -> None:
         self._scanner.start()
 
     def stop(self, timeout: float | None = 30.0) -> bool:
-        with self._restart_lock:  # no restart spawns a worker after this
-            self.stopping = True
-        self._halt.set()
+        self.restarts.stop()  # no restart spawns a worker after this
+        self.stopping = True
         for r in self.replicas:
             if r.info is None and r.process.is_alive():  # still loading (a restart): nothing of it to drain
                 r.process.kill()
@@ -263,13 +252,13 @@ class ProcessReplicaSet:
                     "oldest_wait_ms": round(max((now - p.arrival for p in waiting), default=0.0) * 1000.0, 1)}
             alive = r.alive and r.replica not in self.dead
             entry = {"model": self.model.name, "replica": r.replica, "device": r.device, "alive": alive,
-                     "state": self._state(r, alive), "restarts": self.restarts[r.replica], "batches": r.batches,
+                     "state": self._state(r, alive), "restarts": self.restarts.count[r.replica], "batches": r.batches,
                      "waiting": len(waiting), "in_flight": len(r.pending), "queued_tokens": r.queued,
                      "pid": r.process.pid, "requests": len(r.pending), "lanes": {label: lane},
                      "memory": r.memory()}
             if not alive:
-                entry["exit_code"] = self._exit_codes.get(r.replica)
-                at = self._restart_at.get(r.replica)
+                entry["exit_code"] = self.restarts.exit_codes.get(r.replica)
+                at = self.restarts.at.get(r.replica)
                 if at is not None and entry["state"] == "restarting":
                     entry["restart_in_s"] = round(max(0.0, at - clock), 1)
             out.append(entry)
@@ -282,25 +271,15 @@ class ProcessReplicaSet:
             return "ready"
         if self.stopping:
             return "stopped"
-        if r.replica in self._restart_at:
+        if r.replica in self.restarts.at:
             return "restarting"
         if not r.lost_seen and r.info is None:
             return "loading"
         return "down"
 
-    def retry_after_s(self) -> int:
-        """Seconds until a dead worker should be serving again: its restart's wait plus a load."""
-        clock, waits = time.monotonic(), []
-        for r in list(self.replicas):
-            at = self._restart_at.get(r.replica)
-            if at is not None:
-                waits.append(max(0.0, at - clock) + self._load_s)
-            elif not r.lost_seen and r.info is None:  # loading
-                waits.append(max(0.0, self._load_s - (clock - r.started)))
-        return min(120, max(1, math.ceil(min(waits, default=5.0))))
-
     def _unavailable(self, why: str) -> EngineUnavailable:
-        return EngineUnavailable(why, self.retry_after_s())
+        loading = [r.started for r in list(self.replicas) if not r.lost_seen and r.info is None]
+        return EngineUnavailable(why, self.restarts.retry_after_s(loading))
 
     # ---- routing ------------------------------------------------------------------------------------------
     def _pick(self) -> RemoteReplica | None:
@@ -385,9 +364,9 @@ class ProcessReplicaSet:
                 r.alive = True
                 self.dead.discard(r.replica)
             r.ready.set()
-            if self.restarts[r.replica]:
+            if self.restarts.count[r.replica]:
                 log.warning("replica %d of %s on %s is back in rotation (restart %d, pid %d, loaded in %.1f s)",
-                            r.replica, self.model.name, r.device, self.restarts[r.replica], message.pid,
+                            r.replica, self.model.name, r.device, self.restarts.count[r.replica], message.pid,
                             r.ready_at - r.started)
         elif isinstance(message, wire.LoadError):
             r.load_error = message.text
@@ -440,8 +419,8 @@ class ProcessReplicaSet:
                 self._dispatch(pending)
         # then reap it (a forkserver's child: its exit status arrives through the forkserver, a moment later)
         r.process.join(timeout=5)
-        self._exit_codes[r.replica] = r.process.exitcode
-        delay = self._schedule_restart(r.replica, r.ready_at)
+        self.restarts.exit_codes[r.replica] = r.process.exitcode
+        delay = self.restarts.schedule(r.replica, r.ready_at)
         if self.stopping:
             return
         again = "" if delay is None else f"; restarting it in {delay:.0f} s"
@@ -453,36 +432,10 @@ class ProcessReplicaSet:
             log.error("replica %d of %s on %s did not restart: %s%s", r.replica, self.model.name, r.device,
                       r.load_error or f"its process ended while loading (exit code {r.process.exitcode})", again)
 
-    def _schedule_restart(self, slot: int, ready_at: float | None) -> float | None:
-        """Start a worker for the slot again after its back-off; the delay, or None (stopping, not serving yet)."""
-        if self.stopping or not self._serving:
-            return None
-        if ready_at is not None and time.monotonic() - ready_at >= STABLE_S:
-            self._quick_deaths[slot] = 0
-        delay = min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** self._quick_deaths[slot])
-        self._quick_deaths[slot] += 1
-        self._restart_at[slot] = time.monotonic() + delay
-        threading.Thread(target=self._restart, args=(slot, delay), name=f"basal-replica-{slot}-restart",
-                         daemon=True).start()
-        return delay
-
-    def _restart(self, slot: int, delay: float) -> None:
-        if self._halt.wait(delay):
-            return
-        with self._restart_lock:
-            if self.stopping:
-                return
-            self.restarts[slot] += 1
-            try:
-                fresh = RemoteReplica(self, self.specs[self._slots[slot]], start_context())
-            except Exception as exc:  # no process (out of memory, the forkserver gone): try again later
-                self._restart_at.pop(slot, None)
-                again = self._schedule_restart(slot, None)
-                log.error("replica %d of %s: its worker process did not start (%s: %s); next try in %.0f s", slot,
-                          self.model.name, type(exc).__name__, exc, again or 0.0)
-                return
-            self.replicas[self._slots[slot]] = fresh
-            self._restart_at.pop(slot, None)
+    def _spawn(self, slot: int) -> None:
+        """A fresh worker process for a dead replica's slot (Restarts' timer thread); it joins once loaded."""
+        index = self._slots[slot]
+        self.replicas[index] = RemoteReplica(self, self.specs[index], start_context())
 
     def _fail_all(self, exc: Exception) -> None:
         for r in self.replicas:
