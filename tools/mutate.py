@@ -210,6 +210,26 @@ MUTATIONS = [
     m("graphs-pool-shrinks", "a capture that frees cached blocks adds no graph memory",
       "backends/torch/graphs.py", "self.bytes += max(0, self.reserved() - before)", "self.bytes += self.reserved() - before",
       "tests/test_dashboard_cache.py::test_graph_pool_meter_counts_what_captures_reserve"),
+    # MLX (mlx[cpu]) and replica worker processes
+    m("mlx-steps-lazy", "the MLX long lane computes each layer before it yields (frees the device when parked)",
+      "backends/mlx/llama.py", "                mx.eval(x)  # the work of this layer",
+      "                mx.async_eval(x)  # the work of this layer",
+      "tests/test_mlx_lifecycle.py::test_each_step_of_the_long_lane_is_computed_before_it_yields"),
+    m("mlx-quant-cache-mtime", "the MLX q8/q4 cache follows the file's content, not its size and mtime",
+      "backends/mlx/quantize.py",
+      'return f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}|{stat.st_dev}"',
+      'return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"', "tests/test_mlx_lifecycle.py"),
+    m("dead-worker-not-restarted", "a replica worker process that died is started again",
+      "basal_local/replicas/front.py", "        delay = self.restarts.schedule(r.replica, r.ready_at)",
+      "        delay = None", "tests/test_replica_restart.py", timeout=400),
+    m("early-answer-reset", "a 401/413 sent before the body is read reaches a client that sends it all (no reset)",
+      "basal_local/server/httpproto.py", "        self._protocol._start_lingering()", "        self._transport.close()",
+      "tests/test_reliability.py::test_an_answer_before_the_body_is_read_reaches_a_client_that_sends_it_all"),
+    m("no-live-worker-500", "no live replica worker: 503 + Retry-After, not 500",
+      "basal_local/replicas/front.py",
+      "                _fail(pending.future, EngineStopped() if self.stopping else self._unavailable(",
+      "                _fail(pending.future, EngineStopped() if True else self._unavailable(",
+      "tests/test_replica_restart.py", timeout=400),
 ]
 
 

@@ -258,7 +258,8 @@ def ps(args: argparse.Namespace) -> int:
                                  ("process", "process_rss_bytes")) if r.get(key))
                 replicas.append(f"  {m['name']} replica {r['replica']}: pid {r['pid']}"
                                 f"{' (worker process)' if r.get('worker_process') else ''}, {r.get('device')}, "
-                                f"{r.get('state')}, {r.get('in_flight', 0)} in flight, {r.get('batches', 0)} batches"
+                                f"{r.get('state')}" + (f" (restarts {r['restarts']})" if r.get("restarts") else "")
+                                + f", {r.get('in_flight', 0)} in flight, {r.get('batches', 0)} batches"
                                 + (f", {mem}" if mem else ""))
     n = len(table[0]) - 1
     widths = [max(len(r[i]) for r in table) for i in range(n)]

@@ -30,6 +30,7 @@ from ..api.answers import response_body
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error, refusal_error
 from ..engine.gate import Entry
 from ..engine.plan import RequestPlan
+from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..protocol.outcome import Outcome
@@ -278,6 +279,10 @@ async def _decide(request: Request, dialect: str) -> Response:
                 and call.model_name not in call.state.engines:  # unloaded while this request was planned: retry
             return _error(call, registry.not_loaded(call.model_name, dialect))
         return _error(call, internal("engine stopped", dialect))
+    except EngineUnavailable as exc:
+        log.warning("request %s: %s (answered 503)", call.request_id, exc)
+        return _error(call, http_error(503, "UNAVAILABLE", f"{exc}; retry in {exc.retry_after_s} s", dialect,
+                                       {"retry-after": str(exc.retry_after_s)}))
     except asyncio.CancelledError:  # the server cancelled the handler (shutdown): counted as cancelled
         call.status = 499
         raise
@@ -321,22 +326,45 @@ def replicas(state: AppState) -> list[dict[str, Any]]:
             for r in e.describe()]
 
 
+def serving(state: AppState) -> tuple[str, list[dict[str, Any]]]:
+    """ok | degraded (a replica is down, every model still has a live one) | unavailable (a model has none: its
+    decisions answer 503), with the replicas' short entries."""
+    entries = []
+    for r in replicas(state):
+        entry = {k: r[k] for k in ("model", "replica", "device", "alive")}
+        entry["state"] = r.get("state", "ready" if r["alive"] else "down")
+        for key in ("restarts", "exit_code", "restart_in_s"):
+            if key in r:
+                entry[key] = r[key]
+        entries.append(entry)
+    live = {e["model"] for e in entries if e["alive"]}
+    if any(e["model"] not in live for e in entries):
+        return "unavailable", entries
+    return ("ok" if all(e["alive"] for e in entries) else "degraded"), entries
+
+
 @get("/health")
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
-    if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
-        word = "ok" if state.ready else ("error" if state.load_error else "loading")
-        return _json_response(200 if state.ready else 503, {"status": word})
     if not state.ready:
+        if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
+            return _json_response(503, {"status": "error" if state.load_error else "loading"})
         body: dict[str, Any] = {"status": "loading", "version": __version__}
         if state.load_error:
             body = {"status": "error", "error": state.load_error, "version": __version__}
         return _json_response(503, body)
-    return _json_response(200, {"status": "ok", "version": __version__, "models": list(state.engines),
-                                "default_model": state.default_model, "backend": state.backend_name,
-                                "device": state.device, "dtype": state.dtype,
-                                "replicas": [{k: r[k] for k in ("model", "replica", "device", "alive")}
-                                             for r in replicas(state)]})
+    word, entries = serving(state)
+    status, headers = (503, {"retry-after": "5"}) if word == "unavailable" else (200, {})
+    if request.scope.get(UNAUTHENTICATED):
+        return _json_response(status, {"status": word}, headers)
+    body = {"status": word, "version": __version__, "models": list(state.engines),
+            "default_model": state.default_model, "backend": state.backend_name, "device": state.device,
+            "dtype": state.dtype, "replicas": entries}
+    if word == "unavailable":
+        down = sorted({e["model"] for e in entries} - {e["model"] for e in entries if e["alive"]})
+        body["error"] = (f"no replica of {', '.join(down)} is serving; its decisions answer 503 until one is "
+                         "back (`replicas` says each one's state)")
+    return _json_response(status, body, headers)
 
 
 @get("/api/stats")

@@ -29,7 +29,9 @@ from .aliases import resolve_aliases
 from .app import create_app
 from .body import BodyLimits
 from .events import BusLogHandler, close_streams
+from .httpproto import http_protocol
 from .models import ModelRegistry
+from .output import guard_output
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 from .state import AppState
@@ -133,7 +135,7 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
     state.backend_name, state.device, state.dtype = info.backend, info.device, info.dtype
-    state.telemetry.memory_probe = engine.replicas[-1].memory  # its last batch's figures
+    state.telemetry.memory_probe = lambda: engine.replicas[-1].memory()  # its last batch's (a restart replaces it)
     for r in engine.replicas:
         if r.info is not None:
             log.info("loaded %s from %s: %d layers, %s on %s (replica %d, pid %d)", model.name, model.path,
@@ -162,78 +164,6 @@ class _Server(uvicorn.Server):
         if self.state is not None:
             close_streams(self.state)  # dashboards' streams end first: the drain is for requests
         await super().shutdown(sockets)
-
-
-def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_s: float) -> type:
-    """The HTTP protocol class, changed in two ways that uvicorn does not offer.
-
-    - A client that half-closes after a complete request is answered: asyncio closes the transport on EOF
-      unless `eof_received` returns True, so `printf 'POST ...' | nc -N` would never read its answer. EOF in
-      the middle of a body is still the client going away.
-    - Malformed HTTP gets a JSON 400 (`{"error", "code"}`), as every other error outside the dialects.
-    - A connection must start a request (complete headers) within `header_timeout_s` of opening, or of its
-      last answer plus the keep-alive time, else it is closed: uvicorn has no header timeout, so a client
-      sending half a header line would hold a connection forever.
-    """
-
-    class GuardedProtocol(protocol_class):  # type: ignore[misc, valid-type]
-        _peer_eof = False
-        _header_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_header_timer(header_timeout_s)
-
-        def _arm_header_timer(self, delay: float) -> None:
-            waiting_for = getattr(self, "cycle", None)
-
-            def expire() -> None:
-                if getattr(self, "cycle", None) is waiting_for and not self.transport.is_closing():
-                    self.transport.close()  # no new request started in time
-
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = asyncio.get_running_loop().call_later(delay, expire)
-
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            super().connection_lost(exc)
-
-        def eof_received(self):
-            cycle = getattr(self, "cycle", None)
-            if cycle is not None and not cycle.response_complete and not cycle.more_body:
-                self._peer_eof = True
-                return True  # keep the write side open for the answer
-            return super().eof_received()
-
-        def send_400_response(self, msg: str) -> None:
-            # malformed HTTP: the JSON error shape of every path outside the dialects, not the parser's plain text
-            body = json.dumps({"error": f"malformed HTTP request ({msg.rstrip('.')})", "code": "BAD_REQUEST"})
-            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
-                                 % (len(body), body.encode("ascii")))
-            self.transport.close()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.transport.is_closing():
-                return
-            if self._peer_eof:
-                self.transport.close()
-            else:
-                self._arm_header_timer(keep_alive_s + header_timeout_s)
-
-    GuardedProtocol.__name__ = f"Guarded{protocol_class.__name__}"
-    return GuardedProtocol
-
-
-def _http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools is optional; uvicorn then parses with h11
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    return _guarded_protocol(base, header_timeout_s, keep_alive_s)
 
 
 class DrainGuard:
@@ -297,7 +227,7 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
         logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_keep_alive=KEEP_ALIVE_S, access_log=False,
-                            http=_http_protocol(settings.body_timeout_s, KEEP_ALIVE_S),
+                            http=http_protocol(settings.body_timeout_s, KEEP_ALIVE_S),
                             timeout_graceful_shutdown=max(1, round(settings.drain_s)),
                             **({"log_config": None} if quiet else {}))
     return state, config
@@ -326,6 +256,7 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
     """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503).
     `ready_text` is printed once the models are loaded; `sock`: an already bound socket (--port 0)."""
     state, config = build(settings, model_dirs)
+    guard_output()  # after build: uvicorn's handlers exist now; a full disk under any output is one warning
     server = _Server(config, state)
 
     def stop() -> None:

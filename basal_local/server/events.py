@@ -107,7 +107,7 @@ def _models(state: AppState) -> list[dict[str, Any]]:
 def _replica(described: dict[str, Any]) -> dict[str, Any]:
     """One replica of a model as the dashboard shows it: its device, its memory, its state cache (when it has
     one). The lanes are in `queues`."""
-    out = {k: described[k] for k in ("replica", "device", "alive") if k in described}
+    out = {k: described[k] for k in ("replica", "device", "alive", "state", "restarts") if k in described}
     out["memory"] = dict(described.get("memory") or {})
     if isinstance(described.get("prefix_cache"), dict):
         out["prefix_cache"] = described["prefix_cache"]

@@ -110,7 +110,9 @@ def _replica(r: dict[str, Any]) -> dict[str, Any]:
     and memory."""
     pid = r.get("pid") or os.getpid()
     return {"replica": r.get("replica", 0), "pid": pid, "worker_process": "pid" in r, "device": r.get("device"),
-            "state": "ready" if r.get("alive", True) else "dead", "in_flight": r.get("requests", 0),
+            # a dead worker process shows `restarting`/`loading` until it is back (replicas/restarts.py)
+            "state": r.get("state", "ready" if r.get("alive", True) else "dead"), "alive": r.get("alive", True),
+            "restarts": r.get("restarts", 0), "in_flight": r.get("requests", 0),
             "batches": r.get("batches", 0), **(r.get("memory") or {}),
             **({"process_rss_bytes": _rss_bytes(pid)} if "pid" in r else {})}
 

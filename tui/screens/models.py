@@ -67,11 +67,13 @@ def models_renderable(data: DashboardData) -> Group:
         if isinstance(m.get("prefix_cache"), dict):
             t.add_row("", cache_summary(m["prefix_cache"]))
         replicas = m.get("replicas") or []
-        if len(replicas) > 1:
+        if len(replicas) > 1 or any(r.get("state", "ready") != "ready" for r in replicas):  # a worker restarting
             for r in replicas:
-                alive = "" if r.get("alive", True) else "  (not answering)"
+                state = r.get("state") or ("ready" if r.get("alive", True) else "down")
+                shown = "" if state == "ready" else f"  ({state}" + (
+                    f", restarts {r['restarts']})" if r.get("restarts") else ")")
                 cache = r.get("prefix_cache")
-                t.add_row(f"replica {r.get('replica')}", f"{r.get('device', '-')}{alive}" +
+                t.add_row(f"replica {r.get('replica')}", f"{r.get('device', '-')}{shown}" +
                           (f": cache {cache_summary(cache, short=True)}" if isinstance(cache, dict) else ""))
         cal = m.get("calibration") or {}
         temps = ", ".join(f"{k} {v:.3f}" for k, v in (cal.get("temperatures") or {}).items()) or "none"
