@@ -46,6 +46,21 @@ def limit_bytes(value: str | float | int, total: int, device: str) -> int:
     return limit
 
 
+def weights_bytes(shapes: dict[str, tuple[int, ...]], size: int, projection_size: int | None = None,
+                  projection=None) -> int:
+    """Device bytes of a model's weights: every tensor at `size` bytes an element, the GEMM weights for which
+    `projection(name)` holds at `projection_size` (a ModelOpt FP8 checkpoint on its fp8 route: 1; dtype fp8 on
+    bf16 weights: size + 1, the float8 copy beside the f16 weight; scales are left out, a few KB)."""
+    total = 0
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= int(d)
+        fast = projection_size is not None and projection is not None and projection(name)
+        total += n * (projection_size if fast else size)
+    return total
+
+
 def check_weights_fit(weights: int, limit: int, value: str | float | int, device: str, dtype: str) -> None:
     """Refuse, before loading, a model whose weights alone exceed the limit."""
     if weights > limit:

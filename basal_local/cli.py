@@ -58,45 +58,6 @@ def cmd_prompts(args: argparse.Namespace) -> int:
     return prompts_command(args)
 
 
-def cmd_make_test_model(args: argparse.Namespace) -> int:
-    from .model.testmodel import make_test_model
-
-    out = Path(args.directory).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file", "give make-test-model a new or empty folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "basal.json").exists():
-        raise UserError(f"{out} is not empty and holds no model",
-                        "give make-test-model a new or empty folder (an existing test model is overwritten)")
-    if args.device == "cuda":
-        from .commands.serving import check_device
-
-        check_device("cuda")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as exc:
-        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
-                        "give make-test-model a folder you can write to") from None
-    print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
-    try:
-        make_test_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
-                        progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
-    except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
-        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
-                        "free disk space, or give make-test-model another folder") from None
-    if args.format != "bf16":
-        from .model.testformats import convert_test_model
-
-        print(f"  writing the {args.format} layout...", flush=True)
-        try:
-            convert_test_model(out, args.format, seed=args.seed)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-    print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
-    return 0
-
-
 def cmd_top(args: argparse.Namespace) -> int:
     from .server.tuimode import local_url
 
@@ -114,43 +75,6 @@ def cmd_top(args: argparse.Namespace) -> int:
     return run_top(url, api_key=client_key(args))
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
-    from .commands import check_url, get_json
-    from .commands.serving import check_device, check_gpu_memory
-
-    if args.http:
-        from .commands.serving import client_key
-
-        args.http = check_url(args.http, "--http")
-        args.api_key = client_key(args)
-        get_json(args.http, "/v1/models", flag="--http", api_key=args.api_key)
-    else:
-        check_device(args.device)
-        check_gpu_memory(args.gpu_memory, args.device)
-        check_bench_extras(args)
-        if args.model:
-            from .commands import model_path
-
-            args.model = str(model_path(args.model))
-    return run_bench(args)
-
-
-def check_bench_extras(args: argparse.Namespace) -> None:
-    """What the bench needs beyond our own code, checked before it runs (not after the whole bench)."""
-    import importlib.util
-
-    if args.baseline != "none" and importlib.util.find_spec("transformers") is None:
-        raise UserError(f"--baseline {args.baseline} needs Hugging Face transformers, which is not installed",
-                        'install it (pip install "transformers>=4.45"), or drop --baseline')
-    if args.backend == "mlx":
-        from .backends.select import mlx_importable
-
-        if not mlx_importable():
-            raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
-                            "use --backend torch (or auto), or on a Mac: pip install mlx")
-
-
 def _models(name: str):
     def run(args: argparse.Namespace) -> int:
         from .commands import models
@@ -165,6 +89,26 @@ def _lazy(module: str, func: str):
 
         return getattr(importlib.import_module(f".commands.{module}", __package__), func)(args)
     return run
+
+
+EXAMPLES = {  # the `-h` description of each command without its own: what it does, then one example
+    "serve": "basal-local serve --model mini   (or --demo: the bundled random-weight model)",
+    "top": "basal-local top --url http://127.0.0.1:8000",
+    "prompts": "basal-local prompts --demo < request.json",
+    "make-test-model": "basal-local make-test-model /tmp/tiny --preset tiny",
+    "pull": "basal-local pull mini",
+    "list": "basal-local list --json",
+    "show": "basal-local show mini",
+    "rm": "basal-local rm mini --yes",
+    "ps": "basal-local ps --url http://127.0.0.1:8000",
+    "doctor": "basal-local doctor --json",
+    "ask": 'basal-local ask --state "The parcel arrived broken." --noul "Is this urgent?"',
+    "run": "basal-local run --input items.jsonl --output answers.jsonl --concurrency 8",
+    "stop": "basal-local stop --timeout 60",
+    "status": "basal-local status",
+    "logs": "basal-local logs -f -n 50",
+    "bench": "basal-local bench --model mini --device cuda   (or --http http://127.0.0.1:8000 --clients 32)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "fp8"],
                    help="weight layout of a shipped port (default bf16): MLX 8-bit/nvfp4 (mlx-lm layout, needs "
                         "mlx), GGUF Q8_0/Q4_K_M (the gguf package's writer) or NVIDIA ModelOpt FP8")
-    p.set_defaults(func=cmd_make_test_model)
+    p.set_defaults(func=_models("make_test_model"))
 
     p = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumable)")
     p.add_argument("ref", help="mini, 4.5B, max or OWNER/NAME[@REVISION]")
@@ -251,6 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_key_flag(p)
     p.set_defaults(func=_models("ps"))
+
+    p = sub.add_parser("load", help="a running daemon loads a model (no restart)",
+                       description="Load a model into a running daemon; it stays loaded for --keep-alive after its "
+                       "last request (default: the daemon's --keep-alive, else until it stops). A request for a "
+                       "known model that is not loaded loads it too (503 + Retry-After meanwhile). "
+                       "Example: basal-local load mini --keep-alive 10m")
+    p.add_argument("model", help="a served name, mini|4.5B|max, OWNER/NAME[@REV] (downloaded) or a model directory")
+    p.add_argument("--keep-alive", dest="keep_alive", metavar="TIME",
+                   help="unload after this long without a request: 10m, 1h, 90s, 600 (seconds), or forever")
+    p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return at once (default: wait for it)")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    _add_key_flag(p)
+    p.set_defaults(func=_models("load"))
+
+    p = sub.add_parser("unload", help="a running daemon unloads a model and frees its memory",
+                       description="Unload a model from a running daemon: it finishes the requests it holds, then its "
+                       "weights and memory are freed. A later request for it loads it again. "
+                       "Example: basal-local unload basal-1.5-mini")
+    p.add_argument("model", help="the served name (`basal-local ps` lists them)")
+    p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return at once (default: wait for it)")
+    p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
+    _add_key_flag(p)
+    p.set_defaults(func=_models("unload"))
 
     p = sub.add_parser("doctor", help="check this machine: Python, packages, devices, models, disk, port, config")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -300,12 +267,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_flag(p)
     p.set_defaults(func=_lazy("batches", "batch_command"))
 
-    p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)")
-    p.add_argument("action", choices=["install", "uninstall", "status"])
+    p = sub.add_parser("service", help="run the daemon in the background (systemd user unit / launchd agent)",
+                       description="Install the daemon as a systemd user unit (Linux) or launchd agent (macOS), then "
+                       "start, stop, restart it and read its logs through the service manager. Example: "
+                       "basal-local service install --model mini && basal-local service start")
+    p.add_argument("action", choices=["install", "uninstall", "status", "start", "stop", "restart", "logs"])
+    p.add_argument("-f", "--follow", action="store_true", help="logs: keep printing new lines until Ctrl-C")
+    p.add_argument("-n", "--lines", type=int, default=0, metavar="N", help="logs: only the last N lines first")
     p.add_argument("--model", action="append", help="model to serve (repeatable; default: the config's)")
     p.add_argument("--port", type=_port, help="port (default: the config's)")
     p.add_argument("--print", action="store_true", dest="dry_run", help="print the unit instead of writing it")
     p.set_defaults(func=_lazy("service", "service_command"))
+
+    p = sub.add_parser("config", help="the effective settings and where each came from; edit config.toml",
+                       description="Show the settings `serve` would use and where each came from (default, "
+                       "config.toml, a BASAL_LOCAL_* variable, a flag), or edit config.toml with every value checked "
+                       "first. Example: basal-local config set port 8001 && basal-local config")
+    p.add_argument("action", nargs="?", default="show", choices=["show", "path", "get", "set", "unset", "keys",
+                                                                  "validate"], help="(default show)")
+    p.add_argument("key", nargs="?", help="get, set, unset: the setting (`config keys` lists them; aliases.NAME, "
+                   "placement.NAME for the tables)")
+    p.add_argument("value", nargs="?", help="set: the value (a list: comma-separated)")
+    p.add_argument("--config", help=f"config.toml to read and edit (default {config_path()})")
+    p.add_argument("--json", action="store_true", help="show, keys: print JSON")
+    g = p.add_argument_group("serve flags (show: what `serve` would use with them)")
+    add_flags(g)
+    p.set_defaults(func=_lazy("config", "config_command"))
+
+    p = sub.add_parser("completion", help="print a shell completion script (bash, zsh or fish)",
+                       description="Print the completion script of a shell. Examples: eval \"$(basal-local "
+                       "completion bash)\" in ~/.bashrc; basal-local completion fish > "
+                       "~/.config/fish/completions/basal-local.fish; basal-local completion zsh > "
+                       "\"${fpath[1]}/_basal-local\"")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"])
+    p.set_defaults(func=_lazy("completion", "completion_command"))
 
     p = sub.add_parser("stop", help="stop the daemon started with `serve --detach`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it (default 30)")
@@ -322,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "torch", "mlx"], default="auto", help="(default auto)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "f16", "bf16", "f32", "fp8"],
-                   help="(default auto; fp8: CUDA only, f16 with float8 GEMMs)")
+                   help="(default auto; fp8: CUDA only, f16 with float8 GEMMs; an FP8 checkpoint runs its own fp8 "
+                        "GEMMs on CUDA under auto, dequantized on the CPU)")
     p.add_argument("--gpu-memory", dest="gpu_memory", metavar="SIZE",
                    help="in-process: GPU memory the model may use, a size (24GB) or a share (0.8) (default: all)")
     p.add_argument("--repeat", type=_positive, default=1, help="passes over the sample set (default 1)")
@@ -356,7 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--per-document requests each, in random order")
     p.add_argument("--per-document", type=_positive, default=10, metavar="N", dest="per_document",
                    help="with --http --documents: requests per document (default 10)")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=_lazy("benching", "bench_command"))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, example in EXAMPLES.items():
+        sub.choices[name].description = f"{helps[name][0].upper()}{helps[name][1:]}. Example: {example}"
     seen: set[int] = set()
     for command in sub.choices.values():  # -v after the subcommand too (`basal-local serve -v`)
         if id(command) not in seen:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
@@ -93,7 +94,7 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
         elif kind is float:
             if from_text and isinstance(value, str):
                 value = float(value)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError
             value = float(value)
         elif kind is str:
@@ -208,7 +209,9 @@ class Settings:
     dtype: str = setting("auto", "weights and activations (auto: f16 on GPUs, f32 on the CPU; fp8: CUDA only, f16 "
                                  "with float8 GEMMs; q8/q4: MLX only, quantized once and cached). Shipped ports run in their own "
                                  "format: MLX-8bit/fp4 quantized on MLX, GGUF Q8_0/Q4_0 natively on MLX and dequantized "
-                                 "at load elsewhere, ModelOpt FP8 dequantized at load to this dtype on torch", flag="--dtype",
+                                 "at load elsewhere, ModelOpt FP8 on its own e4m3 weights and scales on CUDA (auto or fp8; needs "
+                                 "compute capability 8.9+) and dequantized at load to f32 on the CPU or to an explicit "
+                                 "f16/bf16/f32", flag="--dtype",
                          choices=("auto", "f16", "bf16", "f32", "fp8", "q8", "q4"), env="BASAL_LOCAL_DTYPE")
     # a size (24GB) or a share (0.8) of each GPU's memory the models may use (backends/memory.py checks the form)
     gpu_memory: str | float | None = setting(
@@ -244,6 +247,11 @@ class Settings:
     drain_s: float = setting(10.0, "on SIGTERM, wait this long for requests in flight", flag="--drain",
                              metavar="SECONDS", minimum=0)
     metrics: bool = setting(False, "Prometheus text at /metrics", flag="--metrics", action="store_true")
+    # models at run time (server/models.py): `basal-local load NAME --keep-alive 10m` sets one model's own
+    keep_alive_s: float | None = setting(None, "unload a model after this many seconds without a request; it loads "
+                                               "again on the next one (default: never)", kind=float,
+                                         flag="--keep-alive", metavar="SECONDS", minimum=0, optional=True,
+                                         show_default=False)
     # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
     aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
     # the torch backend's product options (backends/torch/options.py TorchOptions: their defaults, and the measuring
@@ -309,6 +317,25 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid TOML ({exc}); fix or remove the file") from None
 
 
+def file_values(path: Path, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings a config.toml gives (`data`: its parsed text, else the file is read), each checked against
+    its declaration; ValueError names the file, the key and what is allowed (`basal-local config` uses it too)."""
+    specs = {key: spec for key, spec, _, _ in all_settings()}
+    out = {}
+    for key, value in (_read_config(path) if data is None else data).items():
+        if key not in specs:
+            raise _unknown(path, key, list(specs))
+        try:
+            out[key] = check(key, specs[key], value)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    if not all(isinstance(v, str) for v in out.get("aliases", {}).values()):
+        raise ValueError(f'{path}: [aliases] must map names to served model names (jev-latest = "mini")')
+    if not all(isinstance(v, list) and all(isinstance(d, str) for d in v) for v in out.get("placement", {}).values()):
+        raise ValueError(f'{path}: [placement] must map model names to lists of devices (mini = ["cuda:0"])')
+    return out
+
+
 def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
     path = config_file or config_path()
     specs = {key: (spec, engine) for key, spec, _, engine in all_settings()}
@@ -322,16 +349,10 @@ def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings
             raise ValueError(f"{source}: {exc}") from None
         setattr(settings.engine if engine else settings, key, value)
 
-    for key, value in _read_config(path).items():
-        if key not in specs:
-            raise _unknown(path, key, list(specs))
-        put(key, value, str(path), from_text=False)
-    if not all(isinstance(v, str) for v in settings.aliases.values()):
-        raise ValueError(f'{path}: [aliases] must map names to served model names (jev-latest = "mini")')
-    if not all(isinstance(v, list) and all(isinstance(d, str) for d in v) for v in settings.placement.values()):
-        raise ValueError(f'{path}: [placement] must map model names to lists of devices (mini = ["cuda:0"])')
+    for key, value in file_values(path).items():
+        setattr(settings.engine if specs[key][1] else settings, key, value)
     for key, (spec, _) in specs.items():
-        if spec.env and spec.env in os.environ:
+        if spec.env and os.environ.get(spec.env):  # an empty variable is unset (as the tools read the key)
             put(key, os.environ[spec.env], spec.env, from_text=True)
     for key, value in overrides.items():
         if value is None:

@@ -9,13 +9,24 @@ vendor's (`torch._scaled_mm`, row-wise scales, f32 accumulation); its reduction 
 number of rows, which `gemm.sized_linear` handles exactly as for f16: only row counts verified to give the
 same bits are ever issued.
 
-Pure torch (the kernel is passed in), so the CPU tests run the same functions with `quant_rows` and
-`scaled_mm_twin` (a dequantized f32 matmul).
+A ModelOpt FP8 checkpoint (`Fp8Weights.add_checkpoint`, `fuse_parts`) brings its own scales instead: e4m3
+weights with one f32 `weight_scale` per tensor, kept as they are on disk, and one static `input_scale` per
+projection, so an activation is quantized elementwise (`quant_static`: x / input_scale rounded to e4m3 and
+saturated at ±448): no per-row reduction, and a row's bits depend on that row only, as above. The fused q/k/v and
+gate/up weights have one scale per part; `fuse_parts` either keeps every part's bits with a scale per output
+channel ("channel": `_scaled_mm` row-wise) or, as vLLM loads these checkpoints, requantizes the parts to their
+largest scale ("tensor": one scale per GEMM, `_scaled_mm` tensor-wise; exact where the parts' scales agree, and
+always for o_proj and down_proj). Fused parts share one input (the same norm output), so their input scales are
+one: the largest of them where a checkpoint differs.
+
+Pure torch (the kernel is passed in), so the CPU tests run the same functions with `quant_rows`,
+`quant_static` and `scaled_mm_twin` (a dequantized f32 matmul).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +35,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 Quant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+StaticQuant = Callable[[torch.Tensor, float], torch.Tensor]
+SCALE_MODES = ("tensor", "channel")
 
 
 def pow2_scale_bits(amax: torch.Tensor) -> torch.Tensor:
@@ -44,6 +57,52 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (se << 23).view(torch.float32)
     inv = ((254 - se) << 23).view(torch.float32)
     return (xf * inv[:, None]).to(FP8), scale[:, None].contiguous()
+
+
+def quant_static(x: torch.Tensor, inv_scale: float) -> torch.Tensor:
+    """x [M, K] in float8 e4m3 with one static scale: x * (1 / scale) in f32, saturated at ±448, rounded to
+    nearest even. `inv_scale` is an f32 value (`inverse_scale`), so the product is the same f32 everywhere."""
+    return (x.float() * inv_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def inverse_scale(scale: float) -> float:
+    """1 / scale rounded once to f32 (the multiplier `quant_static` and its kernel use)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+
+
+def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
+    """(whether this CUDA device has e4m3 tensor cores, its name and compute capability for a message)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) >= (8, 9), f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+
+
+def requantize(q: torch.Tensor, scale: float, new_scale: float) -> torch.Tensor:
+    """e4m3 values of `scale` re-expressed at `new_scale` (>= scale): q * scale / new_scale, rounded once."""
+    if scale == new_scale:
+        return q
+    ratio = float(torch.tensor(scale, dtype=torch.float64) / new_scale)
+    return (q.float() * ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fuse_parts(parts: Sequence[torch.Tensor], weight_scales: Sequence[float], input_scales: Sequence[float],
+               mode: str) -> tuple[list[torch.Tensor], torch.Tensor, float, int]:
+    """A fused GEMM's parts from a checkpoint (q/k/v, gate/up, or one part) ready to concatenate along the
+    output dimension, the fused weight's f32 scale (a scalar in "tensor" mode, [1, sum N_i] per output channel
+    in "channel" mode), its one input scale, and how many parts were requantized (none in "channel" mode, none
+    where the parts' scales agree)."""
+    if mode not in SCALE_MODES:
+        raise ValueError(f"unknown fp8 scale mode {mode!r} ({', '.join(SCALE_MODES)})")
+    device = parts[0].device
+    if mode == "tensor":
+        top = max(weight_scales)
+        out = [requantize(q, s, top) for q, s in zip(parts, weight_scales)]
+        changed = sum(s != top for s in weight_scales)
+        scale = torch.tensor(top, dtype=torch.float32, device=device)
+    else:
+        out, changed = list(parts), 0
+        scale = torch.cat([torch.full((q.shape[0],), s, dtype=torch.float32, device=device)
+                           for q, s in zip(parts, weight_scales)]).view(1, -1)
+    return out, scale.contiguous(), float(max(input_scales)), changed
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,25 +152,57 @@ class Fp8Weights:
     def add(self, w: torch.Tensor) -> None:
         if id(w) not in self._by_id:
             q, s = quantize_weight(w)
-            self._by_id[id(w)] = (w, q, s)  # w kept: a dead tensor's id could be reused
+            self._by_id[id(w)] = (w, q, s, self.quant)  # w kept: a dead tensor's id could be reused
+
+    def add_checkpoint(self, wq: torch.Tensor, weight_scale: torch.Tensor, input_scale: float,
+                       static: StaticQuant) -> None:
+        """A checkpoint's e4m3 weight as it is (the key is the weight itself) with its scales: activations
+        quantized by `static` with the input scale (a scalar tensor beside a scalar weight scale, else [M, 1])."""
+        inv = inverse_scale(input_scale)
+        sx = torch.tensor(input_scale, dtype=torch.float32, device=wq.device)
+        rows = None if weight_scale.dim() == 0 else _ScaleRows(sx)
+        quant = functools.partial(_static_pair, static, inv, sx, rows)
+        self._by_id[id(wq)] = (wq, wq, weight_scale, quant)
 
     def has(self, w: torch.Tensor) -> bool:
         return id(w) in self._by_id
 
     def nbytes(self) -> int:
-        return sum(q.numel() * q.element_size() + s.numel() * 4 for _, q, s in self._by_id.values())
+        """Bytes held beside the model's own tensors (a checkpoint's weights are the model's: scales only)."""
+        return sum((q.numel() * q.element_size() if q is not w else 0) + s.numel() * 4
+                   for w, q, s, _ in self._by_id.values())
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """fp8 for the weights added here; any other weight runs as is (F.linear in x's dtype)."""
         entry = self._by_id.get(id(w))
         if entry is None:
             return F.linear(x, w, bias)
-        _, wq, sw = entry
-        xq, sx = self.quant(x)
+        _, wq, sw, quant = entry
+        xq, sx = quant(x)
         out = self.mm(xq, wq, sx, sw, x.dtype)
         if bias is not None:
             out += bias
         return out
+
+
+class _ScaleRows:
+    """The [M, 1] column of one static input scale that row-wise `_scaled_mm` takes, cut from one buffer."""
+
+    ROWS = 8192  # the largest call a verified GEMM makes (forward.TOKEN_BUCKETS): no growth inside a capture
+
+    def __init__(self, sx: torch.Tensor) -> None:
+        self.sx = sx
+        self.buf = sx.reshape(1, 1).expand(self.ROWS, 1).contiguous()
+
+    def __call__(self, m: int) -> torch.Tensor:
+        if self.buf.shape[0] < m:
+            self.buf = self.sx.reshape(1, 1).expand(m, 1).contiguous()
+        return self.buf[:m]
+
+
+def _static_pair(static: StaticQuant, inv: float, sx: torch.Tensor, rows: _ScaleRows | None,
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return static(x, inv), (sx if rows is None else rows(x.shape[0]))
 
 
 def build_store(layers, names, device, dtype: torch.dtype, kernel: Quant | None, report: dict) -> Fp8Weights:
@@ -138,4 +229,35 @@ def build_store(layers, names, device, dtype: torch.dtype, kernel: Quant | None,
     for layer in layers:
         for name in names:
             store.add(getattr(layer, attrs[name]))
+    return store
+
+
+def build_checkpoint_store(layers, scales: list[dict], names, device, dtype: torch.dtype, kernel: StaticQuant | None,
+                           mode: str, report: dict) -> Fp8Weights:
+    """The GEMMs of a ModelOpt FP8 checkpoint: each layer's e4m3 weights as loaded (`fuse_parts`), `scales[i]`
+    {slot attribute: (weight scale, input scale)} from the load; activations by `kernel` (the Triton static
+    quantizer) where it gives `quant_static`'s bits, else the twin; `_scaled_mm` tensor-wise ("tensor") or
+    row-wise ("channel") on CUDA, the twin GEMM on the CPU."""
+    static: StaticQuant = quant_static
+    if kernel is not None:
+        x = (torch.randn(8, 320, device=device) * 9).to(dtype)
+        x[0, :4] = torch.tensor([1e4, -1e4, 0.0, 3.0])  # saturation and zero on the way
+        try:
+            same = all(torch.equal(kernel(x, inv).view(torch.uint8), quant_static(x, inv).view(torch.uint8))
+                       for inv in (inverse_scale(0.02), inverse_scale(0.7), 1.0))
+        except Exception as exc:  # noqa: BLE001 - any compile or launch failure of the kernel
+            same = False
+            report["fp8_quant_error"] = repr(exc)[:300]
+        static = kernel if same else quant_static
+        report["fp8_quant"] = "triton static" if same else "twin static"
+        mm = scaled_mm_cuda if mode == "tensor" else cuda_scaled_mm(device, dtype)
+    else:
+        mm = scaled_mm_twin
+    store = Fp8Weights(quant_rows, mm)
+    report["fp8_mm"] = mm.__name__
+    report["fp8_gemms"] = ",".join(names)
+    report["fp8_scales"] = f"checkpoint ({mode})"
+    for layer, by_slot in zip(layers, scales):
+        for attr, (sw, s_in) in by_slot.items():
+            store.add_checkpoint(getattr(layer, attr), sw, s_in, static)
     return store

@@ -120,16 +120,19 @@ def sized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def agreeing_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequence[int],
-                   linear: Linear = F.linear, seed: int = 0) -> tuple[list[int], dict[int, bool]]:
+                   linear: Linear = F.linear, seed: int = 0,
+                   dtype: torch.dtype | None = None) -> tuple[list[int], dict[int, bool]]:
     """The candidates on which the GEMM gives the largest candidate's bits (rows from the start and the end).
 
     Returns (sizes, agrees) where agrees[M] says whether M matched (for the record). cuBLAS agrees on most sizes
     and not on a few in between where it picks split-K (max preset, down: 400, 416, 464, 480 among 352-512), so
-    every agreeing size is kept, not only the run of sizes that ends at the top."""
+    every agreeing size is kept, not only the run of sizes that ends at the top. `dtype`: the activations'
+    (the weight's unless given: a checkpoint's float8 weights take f16 activations)."""
     cands = sorted(set(candidates))
     top = cands[-1]
     gen = torch.Generator(device=weight.device).manual_seed(seed)
-    x = torch.randn(top, weight.shape[1], generator=gen, device=weight.device, dtype=torch.float32).to(weight.dtype)
+    x = torch.randn(top, weight.shape[1], generator=gen, device=weight.device, dtype=torch.float32).to(
+        dtype or weight.dtype)
     full = linear(x, weight, bias)
     agrees = {}
     for m in cands:
@@ -181,11 +184,11 @@ def graph_seconds(calls: dict, device: torch.device, reps: int = 8) -> dict:
 
 
 def time_sizes(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int], linear: Linear = F.linear,
-               reps: int = 8) -> dict[int, float]:
+               reps: int = 8, dtype: torch.dtype | None = None) -> dict[int, float]:
     """Seconds of one call at each of `sizes` on the weight's CUDA device (`graph_seconds`)."""
     if not sizes:
         return {}
-    x = torch.randn(max(sizes), weight.shape[1], device=weight.device, dtype=torch.float32).to(weight.dtype)
+    x = torch.randn(max(sizes), weight.shape[1], device=weight.device, dtype=torch.float32).to(dtype or weight.dtype)
     return graph_seconds({m: (lambda xm=x[:m]: linear(xm, weight, bias)) for m in sizes}, weight.device, reps)
 
 
@@ -248,10 +251,10 @@ class PinnedCall:
 
 
 def plan_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequence[int], max_floor: int,
-               chunk: int, linear: Linear = F.linear) -> dict:
+               chunk: int, linear: Linear = F.linear, dtype: torch.dtype | None = None) -> dict:
     """The row counts this weight's GEMMs may use: the verified candidates if they start at or below
     `max_floor`, else the fixed chunk [chunk]. Deterministic for a given device and library (no timing)."""
-    sizes, agrees = agreeing_sizes(weight, bias, candidates, linear)
+    sizes, agrees = agreeing_sizes(weight, bias, candidates, linear, dtype=dtype)
     if sizes and sizes[0] <= max_floor:
         return {"sizes": sizes, "route": "verified", "agrees": agrees}
     return {"sizes": [chunk], "route": "chunk", "agrees": agrees}
@@ -290,14 +293,16 @@ def open_lt(device, options, report: dict):
 
 def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, options, candidates: Sequence[int],
                  base: Linear = F.linear, lt=None, lt_sizes: Sequence[int] = (), floor_max: int = 512,
-                 timed_max: int = 1024, report_sizes: Sequence[int] = ()) -> tuple[SizedGemm, dict]:
+                 timed_max: int = 1024, report_sizes: Sequence[int] = (),
+                 dtype: torch.dtype | None = None) -> tuple[SizedGemm, dict]:
     """The GEMM of one weight shape issued only at row counts that give the same bits on this device, checked
     here (`plan_sizes`); on CUDA those are timed (`time_sizes`) and, with `lt`, cuBLASLt algorithms pinned where
-    they agree and are faster (`lt_choices`). Returns it and what was chosen (for the load report)."""
-    plan = plan_sizes(weight, bias, candidates, floor_max, options.gemm_chunk, base)
+    they agree and are faster (`lt_choices`). Returns it and what was chosen (for the load report). `dtype`:
+    the activations' (the weight's unless given)."""
+    plan = plan_sizes(weight, bias, candidates, floor_max, options.gemm_chunk, base, dtype)
     times, pins = {}, {}
     if weight.is_cuda and plan["route"] == "verified" and options.gemm_timed:
-        times = time_sizes(weight, bias, [m for m in plan["sizes"] if m <= timed_max], base)
+        times = time_sizes(weight, bias, [m for m in plan["sizes"] if m <= timed_max], base, dtype=dtype)
         if lt is not None:
             pins, lt_times = lt_choices(weight, bias, candidates[-1], lt_sizes, lt, times, margin=options.lt_margin)
             times.update(lt_times)

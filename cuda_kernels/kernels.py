@@ -362,3 +362,25 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quant_rows_kernel[(rows,)](x, q, s, x.stride(0), q.stride(0), n, BLOCK=min(2048, triton.next_power_of_2(n)),
                                     num_warps=4)
     return q, s
+
+
+# ---- fp8 static quantization (twin: fp8.quant_static) ---------------------------------------------------------
+@triton.jit
+def _quant_static_kernel(X, Q, stride_x, stride_q, N, inv, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32) * inv
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    tl.store(Q + row * stride_q + cols, x.to(tl.float8e4nv), mask=cols < N)
+
+
+def quant_static(x: torch.Tensor, inv: float) -> torch.Tensor:
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, n = x.shape
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _quant_static_kernel[(rows, triton.cdiv(n, block))](x, q, x.stride(0), q.stride(0), n, inv, BLOCK=block,
+                                                           num_warps=4)
+    return q

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8 import quant_rows  # noqa: F401  (the twin of kernels.quant_rows)
+from .fp8 import quant_rows, quant_static  # noqa: F401  (the twins of kernels.quant_rows, kernels.quant_static)
 from .plan import TilePlan
 
 

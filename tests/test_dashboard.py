@@ -49,7 +49,11 @@ async def test_overview_header_kpis_queue_and_memory():
         assert "batch 3: 4 req" in text and "35 ms" in text  # the running batch and the oldest wait
         # the device pane (telemetry/device.py's sample) and the backend's memory figures
         assert "GPU0 NVIDIA H200  util 87 %  412/700 W  1980 MHz" in text and "24.0/140.0 GiB" in text
-        assert "weights 3.0 MiB  free 116.0 GiB" in text and "cpu 112 % of 16 cores  RSS 512.0 MiB" in text
+        # used 24 GiB = weights 8.5 + graphs 1.5 + state cache 6.0 + other 8.0 (the canned backend figures)
+        assert "weights 8.5 GiB  graphs 1.5 GiB  cache 6.0 GiB  other 8.0 GiB  free 116.0 GiB" in text
+        assert "cpu 112 % of 16 cores  RSS 512.0 MiB" in text
+        # the state cache in one line (32 lines): 412 hits of 562 lookups, 1,234,567 tokens continued
+        assert "state cache hit 73 % 412/562  1.2M tok saved  6.0/12.0 GiB  37 nodes  9 evicted" in text
         assert "529 overloaded" in text
         # the daemon's totals, which add up to received
         assert "received 8  answered 5  failed 0  rejected 1  529 1  cancelled 0  in flight 1" in text
@@ -120,20 +124,27 @@ async def test_batches_view_shows_the_tree_with_tokens_and_owners():
         assert tree.root.label.plain.startswith("batch 2")
         batch = next(e for e in canned_events() if e.get("batch_id") == 2 and e["kind"] == "computed")
         assert f"{batch['packed_tokens']}/{batch['unpacked_tokens']:,} tok" in tree.root.label.plain
+        # batch 2 asks about a document the state cache holds: the row continues template (57) + state (100)
         row = tree.root.children[0]
-        assert "cached template 57 tok" in row.label.plain
-        states = row.children
-        assert [s.label.plain for s in states] == ["state 100 tok", "state 110 tok"]
-        question = states[0].children[0]
+        assert row.label.plain == "row 0 [pl] \u21ba 157 tok from the state cache + 94 tok, 8 prompts"
+        [cached] = row.children  # the cached block, marked, with the computed questions below it
+        assert cached.label.plain == "\u21ba template + state 157 tok  cached: not computed in this batch"
+        question = cached.children[0]
         assert question.label.plain == "question 14 tok"
         assert [leaf.label.plain for leaf in question.children] == ["order 6 tok  \u2190 req-0003:kind#0",
                                                                    "order 6 tok  \u2190 req-0003:kind#1"]
+        assert len(cached.children) == 4  # two questions for each of the two requests
         saved = 100 * (1 - batch["packed_tokens"] / batch["unpacked_tokens"])
-        assert f"{saved:.0f} % saved" in screen_text(app)
-        await pilot.press("down")  # the older batch
+        text = screen_text(app)
+        assert f"{saved:.0f} % saved" in text
+        assert " 2 \u21ba " in text and " 1 \u21ba " not in text  # the list marks the batch that hit the cache
+        await pilot.press("down")  # the older batch: no state cached, only the template
         await pilot.pause()
         assert tree.root.label.plain.startswith("batch 1")
-        assert len(tree.root.children[0].children) == 3
+        row = tree.root.children[0]
+        assert "cached template 57 tok" in row.label.plain and "\u21ba" not in row.label.plain
+        states = row.children
+        assert [s.label.plain for s in states] == ["state 100 tok", "state 110 tok", "state 120 tok"]
 
 
 async def test_models_and_log_views():
@@ -143,6 +154,8 @@ async def test_models_and_log_views():
         await settle(pilot, app)
         text = screen_text(app)
         assert "/models/demo" in text and "8192 tokens/batch" in text and "1 % error: 0.955" in text
+        # the format and the calibration file in use (/api/stats models[i]["port"], model/formats.py)
+        assert "format                   bf16, 16-bit" in text and "calibration file         CALIBRATION.json" in text
         await pilot.press("5")
         await settle(pilot, app)
         text = screen_text(app)
@@ -405,3 +418,21 @@ def test_totals_show_the_running_batch_jobs():
     assert "batch 1,234/50,000 in_progress +1" in totals_text(data).plain
     data.stats = {"totals": {}}
     assert "batch" not in totals_text(data).plain
+
+
+async def test_a_tall_overview_lists_each_batch_job_with_its_progress():
+    import copy
+
+    from .dashboard_canned import STATS
+
+    stats = copy.deepcopy(STATS)
+    stats["batch_jobs"] = [{"id": f"batch_{n}", "status": "in_progress", "total": 1000, "completed": 100 * n,
+                            "failed": n} for n in range(1, 7)]
+    app, _ = make_app(stats=stats)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot, app)
+        text = screen_text(app)
+        # batch_2: 200 + 2 of 1,000 lines = 20 %; four listed, the other two counted
+        line = next(s for s in text.splitlines() if "batch batch_2" in s)
+        assert "in_progress" in line and " 20 %  202/1,000 lines, 2 failed" in line
+        assert "batch batch_4" in text and "batch batch_5" not in text and "+2 more batches" in text

@@ -119,6 +119,17 @@ def test_nvml_sample_when_cuda_is_in_use(monkeypatch):
     assert "gpus" not in monitor.sample()  # a CPU daemon does not report the machine's GPUs
 
 
+def test_nvml_for_a_daemon_whose_cuda_runs_in_worker_processes(monkeypatch):
+    """Replicas on several GPUs compute in worker processes: the daemon's own process never initializes CUDA, so
+    the daemon's word (`cuda`, set from its device) turns the GPUs' telemetry on."""
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", FakeNvml())
+    monkeypatch.setattr(device_module, "_cuda_in_use", lambda: False)
+    monitor = DeviceMonitor(max_age_s=0.0)
+    assert "gpus" not in monitor.sample()
+    monitor.cuda = True
+    assert monitor.sample()["gpus"][0]["name"] == "NVIDIA H200"
+
+
 def test_no_nvml_falls_back_to_the_cpu(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # import fails: not installed
     monkeypatch.setattr(device_module, "_cuda_in_use", lambda: True)
@@ -148,6 +159,12 @@ def daemon(request):
 def test_device_telemetry_in_stats_and_on_the_event_stream(daemon):
     status, _, stats = http("GET", daemon.url + "/api/stats")
     assert status == 200 and stats["device"] == "cpu"  # the backend's device keeps its key
+    # each model's replicas with their device and the backend's memory figures (the dashboard splits each GPU
+    # by the replicas on it)
+    [replica] = stats["models"][0]["replicas"]
+    assert replica["replica"] == 0 and replica["device"] == "cpu" and replica["alive"] is True
+    assert replica["memory"]["weights_bytes"] > 0
+    assert daemon.state.telemetry.device.cuda is False
     telemetry = stats["device_telemetry"]
     assert telemetry["type"] == "cpu" and telemetry["rss_bytes"] > 1 << 20
     reader = SseReader(daemon.port)

@@ -27,8 +27,8 @@ def busy_events() -> list[dict]:
     return events
 
 
-def app(busy: bool = False) -> DashboardApp:
-    return DashboardApp(CannedSource(busy_events() if busy else None), clock=lambda: NOW, refresh_s=5.0)
+def app(busy: bool = False, stats: dict | None = None) -> DashboardApp:
+    return DashboardApp(CannedSource(busy_events() if busy else None, stats=stats), clock=lambda: NOW, refresh_s=5.0)
 
 
 async def settle(pilot) -> None:
@@ -70,3 +70,19 @@ def test_request_detail(snap_compare):
         await pilot.pause(0.2)
 
     assert snap_compare(app(), terminal_size=(100, 30), run_before=run_before)
+
+
+@pytest.mark.parametrize("key, size", [("1", (80, 24)), ("1", (120, 40)), ("4", (120, 40))],
+                         ids=["1-80x24", "1-120x40", "4-120x40"])
+def test_two_replicas_and_a_loading_model(snap_compare, key, size):
+    """A model on two GPUs: its lanes, state cache and memory split per replica (one line per GPU at 80x24, all
+    of it on screen); a second model loading, a third failed."""
+
+    async def run_before(pilot):
+        await pilot.press(key)
+        await settle(pilot)
+
+    from .dashboard_canned import run_time_models, two_replicas
+
+    stats = run_time_models(two_replicas())
+    assert snap_compare(app(busy=size != (80, 24), stats=stats), terminal_size=size, run_before=run_before)

@@ -126,7 +126,7 @@ def test_models_and_health(daemon):
 
     assert body == {"status": "ok", "version": __version__, "models": [M], "default_model": M, "backend": "torch",
                     "device": "cpu", "dtype": "f32",
-                    "replicas": [{"model": M, "replica": 0, "device": "cpu", "alive": True}]}
+                    "replicas": [{"model": M, "replica": 0, "device": "cpu", "alive": True, "state": "ready"}]}
 
 
 def test_concurrent_clients_batch_and_answers_do_not_change(daemon):

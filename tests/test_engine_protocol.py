@@ -94,7 +94,8 @@ def test_the_server_answers_both_dialects_from_the_outcome(model):
     assert urgent["noul"] == 0.75 and urgent["confidence"] == 0.75 and sorted(urgent["probabilities"].values()) == \
         [0.25, 0.75]
     assert fake.submitted[0] == ("r1", False)
-    assert health["replicas"] == [{"model": model.name, "replica": 0, "device": "fake:0", "alive": True}]
+    assert health["replicas"] == [{"model": model.name, "replica": 0, "device": "fake:0", "alive": True,
+                                  "state": "ready"}]
     assert stats["replicas"][0]["batches"] == 5 and "lanes" not in stats["replicas"][0]
     assert stats["queues"][model.name]["main"]["waiting"] == 1
     assert ps["models"][0]["queue"] == 2 and ps["models"][0]["weights_bytes"] == 123

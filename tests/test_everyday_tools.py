@@ -206,7 +206,7 @@ def test_ask_says_what_to_do_for_each_refusal(live, home, tmp_path):
     options = [f"-o=k{i}=option {i}" for i in range(12)]
     done = cli("ask", "--url", live.url, "--state", "x", "--choice", "which?", *options, env=home)
     assert done.returncode == 0, done.stderr
-    assert "/v1/systemone" in done.stdout and "k11" in done.stdout
+    assert "/v1/systemone" in done.stdout and "k11" in done.stdout and "TypeSafe confidence" in done.stdout
 
 
 def test_bench_http_honours_retry_after_and_stops_at_once_on_ctrl_c(home):

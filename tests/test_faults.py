@@ -18,6 +18,9 @@ M = "basal-test-tiny"
 SMALL = {"model": M, "state": "The parcel arrived broken.",
          "questions": {"q": {"type": "noul", "instructions": "Is this urgent?"}}}
 POISON_STATE = " ".join(f"p{i}" for i in range(800))  # ~2,900 tokens: the fault keys on a long batch
+# another long state for the next test: once answered, a state is in the state cache, and a new question about it
+# is a short batch (engine/prefix_cache.py)
+POISON_STATE_2 = " ".join(f"o{i}" for i in range(800))
 
 
 class FaultyBackend:
@@ -113,11 +116,11 @@ def test_device_out_of_memory_is_a_clear_retryable_error(live):
     faulty.fault = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     try:
         for path in ("/v1/systemone", "/v1/basal"):
-            status, headers, body = rawhttp.post(port, path, {**SMALL, "state": POISON_STATE})
+            status, headers, body = rawhttp.post(port, path, {**SMALL, "state": POISON_STATE_2})
             assert status == 503 and headers.get("retry-after") == "1"
             text = body["detail"]["message"] if path == "/v1/systemone" else body["error"]
             assert "ran out of memory" in text and "--max-batch-tokens" in text
         assert rawhttp.post(port, "/v1/basal", SMALL)[0] == 200
     finally:
         faulty.fault = None
-    assert rawhttp.post(port, "/v1/basal", {**SMALL, "state": POISON_STATE})[0] == 200
+    assert rawhttp.post(port, "/v1/basal", {**SMALL, "state": POISON_STATE_2})[0] == 200

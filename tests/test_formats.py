@@ -247,8 +247,8 @@ def test_show_names_format_bits_dense_layers_and_calibration(tmp_path):
     assert (info["calibration_file"], info["calibration_inherited"]) == ("CALIBRATION.json", True)
 
 
-@pytest.mark.slow  # no gguf-q4_k_m: its blocks are random bytes (no K-quant quantizer), not a copy of the source
-@pytest.mark.parametrize("fmt", ["mlx-8bit", "mlx-fp4", "gguf-q8_0", "fp8"])
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["mlx-8bit", "mlx-fp4", "gguf-q8_0", "gguf-q4_k_m", "fp8"])
 def test_port_agreement_with_its_bf16_source_on_the_sample_set(fmt, tmp_path):
     """docs/PERFORMANCE.md's table: same decision share, max and median |Δp_cal| vs the bf16 source (-s prints)."""
     from basal_local.backends.torch import TorchBackend
@@ -316,3 +316,124 @@ def test_port_answers_through_the_engine(fmt, backend, tmp_path):
     assert len(answers) == 3 and all(a.answers for a in answers)  # each an Outcome with its questions
     assert md.calibration.file == ("CALIBRATION.mlx.json" if backend == "mlx" else
                                    ("CALIBRATION.fp8.json" if fmt == "fp8" else "CALIBRATION.json"))
+
+
+@pytest.mark.parametrize("fmt,dtype", [("bf16", "f32"), ("bf16", "fp8"), ("fp8", "fp8"), ("fp8", "f32"),
+                                       ("gguf-q8_0", "f32")])
+def test_gpu_memory_check_counts_the_weights_as_this_load_holds_them(fmt, dtype, tmp_path):
+    """--gpu-memory refuses before loading by the bytes the load will hold (backends/memory.weights_bytes): the
+    run dtype for bf16 and dequantized ports, one byte per e4m3 projection weight for an FP8 checkpoint on its
+    fp8 route, the float8 copy beside the f16 weight for dtype fp8; equal to what the loaded backend reports,
+    less the scales."""
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.model.formats import is_projection
+    from basal_local.model.testmodel import make_test_model
+
+    if fmt == "bf16":
+        path = make_test_model(tmp_path / "bf16", preset="tiny64", seed=5, evidence_head=False)
+    else:
+        path = make_port(tmp_path, fmt)
+    backend = TorchBackend("cpu")
+    backend.load(path, dtype)
+    planned = backend.planned_weight_bytes(backend.config, is_projection)
+    scales = 0
+    if backend.fwd._fp8 is not None:
+        scales = sum(s.numel() * 4 for _, _, s, _ in backend.fwd._fp8._by_id.values())
+    assert planned == backend.memory()["weights_bytes"] - scales
+    if fmt == "fp8" and dtype == "fp8":
+        assert backend._dtype_label() == "the checkpoint's fp8"
+    elif fmt.startswith("gguf"):
+        assert backend._dtype_label() == "f32 (a gguf-q8_0 checkpoint dequantized at load)"
+
+
+def test_k_quant_blocks_decode_by_the_gguf_package_close_to_their_source():
+    """make-test-model's Q4_K / Q6_K quantizer (the gguf package has none) read back by the package's own
+    dequantizer: round to nearest at 4 / 6 bits gives an rms error of ~step / sqrt(12), i.e. ~8 % / ~2 % of a
+    Gaussian row's rms; a byte in the wrong place would give ~140 %. Zero blocks decode to zeros."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from basal_local.model.testformats import k_quant_blocks
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 512)) * np.array([1e-3, 0.05, 1, 3, 0.02, 0.5])[:, None]).astype(np.float32)
+    x[2, :256] = np.abs(x[2, :256])  # a block without negatives (Q4_K's minimum is then 0)
+    x[3, 256:] = 0.0
+    for qtype, bound, size in ((Q.Q4_K, 0.1, 144), (Q.Q6_K, 0.03, 210)):
+        blocks = k_quant_blocks(x, qtype)
+        assert blocks.dtype == np.uint8 and blocks.shape == (6, 2 * size)
+        dec = gguf.quants.dequantize(blocks, qtype).reshape(x.shape)
+        for row in range(6):
+            rel = np.linalg.norm(dec[row] - x[row]) / np.linalg.norm(x[row])
+            assert rel <= bound, (qtype.name, row, rel)
+        assert not dec[3, 256:].any()
+
+
+def test_gguf_directory_without_config_json_reads_the_metadata(tmp_path):
+    """A GGUF port shipped without config.json (llama.cpp's layout) loads from the file's metadata: the same
+    LlamaConfig as the config.json it was written from, and the same letter logits."""
+    from basal_local.model.formats import FormatError, gguf_config
+
+    port = make_port(tmp_path, "gguf-q8_0", preset="tiny")  # tiny: q/k/v and MLP biases
+    with_config = load_model_dir(port)
+    _, backend, prefixes = load_backend(port)
+    want = _logits(backend, with_config, prefixes)
+    (port / "config.json").unlink()
+    md = load_model_dir(port)
+    assert md.config == with_config.config and md.format.name == "gguf-q8_0"
+    assert gguf_config(port / "model.gguf")["rms_norm_eps"] == with_config.config.rms_norm_eps
+    _, backend, prefixes = load_backend(port)
+    assert np.array_equal(_logits(backend, md, prefixes), want)
+    # a GGUF of another architecture, without config.json: refused naming the file and the field
+    import gguf
+
+    other = tmp_path / "qwen"
+    other.mkdir()
+    for f in port.iterdir():
+        if f.suffix != ".gguf":
+            shutil.copy(f, other / f.name)
+    writer = gguf.GGUFWriter(str(other / "model.gguf"), "qwen2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(FormatError, match=r"^model\.gguf: general\.architecture is 'qwen2'; basal-local reads llama"):
+        gguf_config(other / "model.gguf")
+    with pytest.raises(ModelLoadError, match=r"general\.architecture is 'qwen2'"):
+        load_model_dir(other)
+
+
+def test_pull_on_a_mac_names_the_port_that_fits(monkeypatch):
+    """`pull 4.5B` on an Apple Silicon Mac: with 16 GB the bf16 weights (9.5 GB) are refused before any
+    download, naming 4.5B:mlx-8bit (the largest port within half the memory) and the way to get bf16 anyway;
+    with 32 GB bf16 fits and the hint only mentions the ports; a tag is never second-guessed."""
+    import argparse
+    import os
+    import platform
+    import sys
+
+    from basal_local.commands import UserError
+    from basal_local.commands import models as commands
+    from basal_local.model.registry import mac_port_advice
+
+    text, fits = mac_port_advice("4.5B", 16 * 10 ** 9)
+    assert not fits and text == ("this Mac has 16 GB of memory: 4.5B in bf16 (9.5 GB) leaves too little; pull "
+                                 "4.5B:mlx-8bit (5.2 GB), the largest port that fits (4.5B:bf16 9.5 GB, "
+                                 "4.5B:mlx-8bit 5.2 GB, 4.5B:mlx-fp4 2.9 GB)")
+    assert mac_port_advice("4.5B", 8 * 10 ** 9)[0].startswith("this Mac has 8 GB of memory: 4.5B in bf16 (9.5 GB) "
+                                                                "leaves too little; pull 4.5B:mlx-fp4 (2.9 GB)")
+    assert mac_port_advice("4.5B@abc", 32 * 10 ** 9)[1] is True
+    assert "try a smaller model" in mac_port_advice("max", 16 * 10 ** 9)[0]
+    assert mac_port_advice("4.5B:bf16", 8 * 10 ** 9) is None and mac_port_advice("4.5B:mlx-8bit", 8 * 10 ** 9) is None
+    assert mac_port_advice("Remek/other", 8 * 10 ** 9) is None
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(os, "sysconf", lambda key: {"SC_PAGE_SIZE": 16384, "SC_PHYS_PAGES": 16 * 10 ** 9 // 16384}[key])
+    monkeypatch.setattr("basal_local.model.registry.pull", lambda ref: pytest.fail("downloaded"))
+    with pytest.raises(UserError) as err:
+        commands.pull(argparse.Namespace(ref="4.5B"))
+    assert "pull 4.5B:mlx-8bit (5.2 GB)" in err.value.cause
+    assert err.value.fix == "`basal-local pull 4.5B:bf16` downloads the bf16 weights anyway"

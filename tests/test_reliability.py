@@ -81,6 +81,21 @@ def test_deep_nesting_is_a_4xx_in_the_dialect_shape(d, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", [[], {}, ["choice"], {"a": 1}])
+def test_a_list_or_object_as_a_question_type_is_a_4xx(d, path, qtype):
+    """An unhashable type was looked up in the refusal tables: 500 TypeError on /v1/basal (found by
+    tools/fuzz.py, 185 of 10,000 inputs). System One refuses it; the lenient upstream dialect answers an unknown
+    type as a choice (docs/PROTOCOL.md §8) or refuses what it cannot render."""
+    for question in ({"type": qtype, "instructions": "Is this urgent?"}, {"type": qtype, "criteria": ""},
+                     {"type": qtype, "criteria": ["a", "b"], "option_keys": "hide"}):
+        status, _, body = rawhttp.post(d.port, path, {"model": M, "state": "s", "questions": {"q": question}})
+        if path == "/v1/basal" and status == 200:
+            assert set(body["answers"]) == {"q"}, body
+        else:
+            assert_dialect_error(path, status, body)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_huge_integer_is_a_4xx(d, path):
     raw = json.dumps(SMALL)[:-1] + ', "n": ' + "7" * 4301 + "}"
     status, _, body = rawhttp.post(d.port, path, raw.encode())
@@ -376,6 +391,34 @@ def test_an_api_key_is_required_when_set(keyed):
         assert rawhttp.get(keyed.port, "/health", headers)[::2] == (200, {"status": "ok"})
     status, _, body = rawhttp.get(keyed.port, "/health", {"x-api-key": KEY})
     assert status == 200 and body["status"] == "ok" and body["models"] and "version" in body
+
+
+def _send_all_then_read(port: int, path: str, body: bytes, headers: dict[str, str]):
+    """http.client's order (and requests', and most SDKs'): the whole body, then the answer."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json", **headers})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("mb", [8, 40])
+def test_an_answer_before_the_body_is_read_reaches_a_client_that_sends_it_all(keyed, mb):
+    """401 without the key (8 MiB body) and 413 over the 32 MiB limit (40 MiB) are answered before the body is
+    read; the daemon reads and drops the rest of the body before closing, so the client reads its answer instead
+    of a connection reset (every try reset before, from ~4 MiB up)."""
+    body = json.dumps({**SMALL, "state": "x" * (mb << 20)}).encode()
+    for path in PATHS:
+        for _ in range(3):
+            status, headers, answer = _send_all_then_read(keyed.port, path, body, {} if mb == 8 else
+                                                          {"x-api-key": KEY})
+            assert status == (401 if mb == 8 else 413), answer
+            assert_dialect_error(path, status, answer)
+    assert rawhttp.post(keyed.port, "/v1/basal", SMALL, {"x-api-key": KEY})[0] == 200  # and it serves on
 
 
 def test_the_key_flag_and_the_environment_both_set_the_key(monkeypatch):

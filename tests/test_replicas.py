@@ -138,8 +138,8 @@ def test_a_batch_that_fails_on_a_working_device_fails_alone(replica_set):
     assert isinstance(replica_set.submit(plans(replica_set, 1)[0]).result(WAIT), Outcome)
 
 
-def test_every_replica_dead_answers_engine_stopped(replica_set):
-    from basal_local.engine.scheduler import EngineStopped
+def test_every_replica_dead_answers_unavailable(replica_set):
+    from basal_local.engine.protocol import EngineUnavailable
 
     for engine in replica_set.replicas:
         engine.backend.die.set()
@@ -148,9 +148,11 @@ def test_every_replica_dead_answers_engine_stopped(replica_set):
         job.result(WAIT)
     # whichever replica ran it first died; once both are out, new work is refused at once
     follow = [replica_set.submit(p) for p in plans(replica_set, 2)]
-    for f in follow:
-        with pytest.raises((RuntimeError, EngineStopped)):
+    for f in follow:  # the server's 503 + Retry-After (app.py), not the 500 "engine stopped" of a shutdown
+        with pytest.raises(EngineUnavailable, match="no replica of basal-test-tiny is serving") as caught:
             f.result(WAIT)
+        assert caught.value.retry_after_s >= 1
+    assert [r["alive"] for r in replica_set.describe()] == [False, False]
 
 
 # ---- replicas in worker processes (`--replica-processes`): one daemon for the three tests below, in order
@@ -350,10 +352,12 @@ def test_a_lost_replica_is_announced_once_even_when_a_send_saw_it_first(caplog):
     owner._lock, owner.dead, owner.stopping = threading.Lock(), set(), False
     owner.model = SimpleNamespace(name="m")
     owner._dispatch = lambda pending: None
+    owner.restarts = SimpleNamespace(exit_codes={}, schedule=lambda slot, ready_at: None)  # not serving: none
 
     def replica(number: int, ready: bool):
         return SimpleNamespace(replica=number, info=SimpleNamespace(pid=1) if ready else None, alive=False,
-                               pending={}, queued=0, running_ids=set(), device="cpu",
+                               pending={}, queued=0, running_ids=set(), device="cpu", lost_seen=False,
+                               ready_at=None, load_error=None,
                                process=SimpleNamespace(join=lambda timeout: None, exitcode=-9))
 
     seen, never_ready = replica(1, True), replica(2, False)  # `alive` already False: a send failed first

@@ -52,7 +52,7 @@ def test_a_flag_and_the_same_key_in_config_toml_give_the_same_settings(tmp_path)
               "insecure_public": True, "allowed_hosts": ["a.example"], "allowed_origins": ["https://b.example"],
               "log_bodies": True, "body_timeout_s": 2.5, "drain_s": 3.0, "metrics": True, "models": ["mini"],
               "max_batch_tokens": 512, "schedule": "fifo", "long_tokens": 0, "long_slice_ms": 20.0,
-              "prefix_cache": "2GB", "coalesce_ms": 5.0, "pipeline": False}
+              "prefix_cache": "2GB", "coalesce_ms": 5.0, "pipeline": False, "keep_alive_s": 600.0}
     values.update({"gemm": "chunked", "cublaslt": False, "fp8_gemms": ["gate_up", "down"],  # the "torch" group
                    "attention_alt_tiling": False, "cuda_graphs": False})
     flagged = {key for key, spec, *_ in all_settings() if spec.flag}

@@ -115,6 +115,9 @@ class Inputs:
             return kind, request("POST", path, body, content_length=len(body) + rng.randint(1, 100)), {}
         if kind == "oversize_length":
             return kind, request("POST", path, b"", content_length=rng.choice([32 * 2**20 + 1, 10**12])), {}
+        if kind == "oversize_body":  # the whole body sent before reading: the 413 must come back, not a reset
+            size = rng.choice([33, 40, 60]) * 2**20
+            return kind, request("POST", path, b'{"state": "' + b"x" * size + b'"}'), {}
         if kind == "hostile_headers":
             headers = rng.choice([{"host": "evil.example"}, {"origin": "http://evil.example"},
                                   {"content-type": "text/plain"}, {"content-type": "multipart/form-data"},
@@ -129,8 +132,8 @@ class Inputs:
 
 
 KINDS = {"valid": 10, "structured": 25, "mutated": 20, "random_bytes": 8, "deep_nesting": 4, "huge_int": 3,
-         "bad_encoding": 8, "bomb": 1, "length_lie": 1, "oversize_length": 3, "hostile_headers": 8, "half_close": 4,
-         "hang_up": 5}
+         "bad_encoding": 8, "bomb": 1, "length_lie": 1, "oversize_length": 3, "oversize_body": 0.3,
+         "hostile_headers": 8, "half_close": 4, "hang_up": 5}
 
 
 def main() -> int:

@@ -8,7 +8,7 @@
 
 Each mutation (tests/mutations.py) names a file, an exact snippet (found exactly once, or the mutation is
 reported STALE), its replacement, and the narrow set of tests that must fail. A fresh copy per mutation keeps them independent;
-the copy imports its own package (`basal_local/backends`, `cuda_kernels`, `metal_shaders` and `assets` are
+the copy imports its own package (`basal_local/backends`, `cuda_kernels`, `metal_shaders`, `assets` and `tui` are
 linked in, as the wheel installs them), never the editable install of the source tree. The result is "caught" only when pytest
 ran and reported failing tests (exit code 1) or the selection ran past its timeout; an import or collection
 error (exit code 2-4) is an ERROR, not a catch.
@@ -36,8 +36,9 @@ from tests.mutations import MUTATIONS, Mutation  # noqa: E402
 
 def make_copy(target: Path) -> None:
     shutil.copytree(ROOT, target, ignore=IGNORE)
-    # import the copy as the wheel lays it out: basal_local.backends, .cuda_kernels, .metal_shaders, .assets
-    for name in ("backends", "cuda_kernels", "metal_shaders", "assets"):
+    # import the copy as the wheel lays it out: basal_local.backends, .cuda_kernels, .metal_shaders, .assets, .tui
+    # (a folder left out here is imported from the source tree's editable install: its mutations never show)
+    for name in ("backends", "cuda_kernels", "metal_shaders", "assets", "tui"):
         (target / "basal_local" / name).symlink_to(Path("..") / name, target_is_directory=True)
 
 

@@ -18,7 +18,13 @@ MAX_REQUESTS = 500
 MAX_BATCHES = 40
 MAX_LOG = 1000
 SERIES_S = 120  # seconds of sparkline history
+RECENT_S = 10.0  # the state cache's "now" hit rate: over the stats polls of the last this many seconds
+# the counters of a state cache (/api/stats models[i]["prefix_cache"]) that add up over replicas and models
+CACHE_SUMS = ("budget_bytes", "bytes", "nodes", "tokens", "hits", "misses", "hit_tokens", "evictions")
+CACHE_COUNTERS = ("hits", "misses", "hit_tokens", "evictions")  # what `c` starts over
 TERMINAL = {"answered", "failed", "rejected", "cancelled"}
+MODEL_EVENTS = {"model_loading": "loading", "model_loaded": "loaded", "model_load_failed": "failed",
+                "model_unloading": "unloading", "model_unloaded": "unloaded"}
 KNOWN_CLIENTS = {"python-httpx": "httpx", "python-urllib": "urllib", "basal-client-python": "basal-client",
                  "python-requests": "requests"}
 
@@ -89,6 +95,13 @@ class DashboardData:
     # the daemon's totals when `c` cleared the stats: the views show counters since then
     baseline: dict[str, int] = field(default_factory=dict)
     cleared_at: float | None = None
+    # the state caches' counters when `c` cleared the stats, by model (or "model/rN")
+    cache_baseline: dict[str, dict[str, int]] = field(default_factory=dict)
+    # model (or "model/rN") -> (clock, hits, misses) of the last stats polls: the cache's recent hit rate
+    cache_polls: dict[str, deque[tuple[float, int, int]]] = field(default_factory=dict)
+    # model -> its status ("loaded", "loading", "unloading", "unloaded", "failed") from /api/stats model_states,
+    # and from the model_* events between two polls
+    model_status: dict[str, str] = field(default_factory=dict)
     last_seq: int = 0
     events_seen: int = 0
     version: int = 0  # bumped on every change, so views redraw only when something happened
@@ -100,6 +113,13 @@ class DashboardData:
         self.stats_at = self.clock()
         if isinstance(snap.get("device_telemetry"), dict):
             self.device = snap["device_telemetry"]
+        # a daemon with run-time models (server/models.py) lists them; the poll is the truth as of now
+        self.model_status = {str(e["name"]): str(e.get("status", "")) for e in snap.get("model_states") or []
+                             if isinstance(e, dict) and e.get("name")}
+        for label, cache in self.caches(per_replica=True) + [("", self.cache_total())]:
+            if cache.get("enabled"):
+                polls = self.cache_polls.setdefault(label, deque(maxlen=64))
+                polls.append((self.stats_at, int(cache.get("hits", 0)), int(cache.get("misses", 0))))
         if first:
             for event in snap.get("log", []):  # the daemon's log from before we attached (start-up, loading)
                 self.add_log(LogLine(float(event.get("ts", 0.0)), event.get("level", "INFO"),
@@ -180,6 +200,8 @@ class DashboardData:
             self.access.append(access_line(ts, row))
         elif kind == "log":
             self.add_log(LogLine(ts, event.get("level", "INFO"), event.get("logger", ""), event.get("message", "")))
+        elif kind in MODEL_EVENTS:  # a model loads or unloads at run time (the daemon's log says it in words)
+            self.model_status[str(event.get("model", ""))] = MODEL_EVENTS[kind]
         elif kind == "device":
             self.device = {k: v for k, v in event.items() if k not in ("kind", "seq", "ts")}
         elif kind == "dropped":
@@ -191,6 +213,10 @@ class DashboardData:
         percentiles, the batch-size histogram, finished requests and past batches. Requests still in flight,
         running batches, the log and the daemon's identity stay."""
         self.baseline = {k: int(v) for k, v in self.stats.get("totals", {}).items()}
+        self.cache_baseline = {}  # caches() below reads the daemon's own counters
+        self.cache_baseline = {label: {k: int(cache.get(k, 0) or 0) for k in CACHE_COUNTERS}
+                               for label, cache in self.caches(per_replica=True) + self.caches()}
+        self.cache_polls.clear()
         self.cleared_at = self.clock()
         self.buckets.clear()
         self.latencies.clear()
@@ -255,6 +281,64 @@ class DashboardData:
         if "uptime_s" not in self.stats:
             return None
         return float(self.stats["uptime_s"]) + (self.clock() - self.stats_at if self.connected else 0.0)
+
+    def caches(self, per_replica: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        """(label, state cache) per model, or per replica ("model/r1") where a model has several; the counters
+        since `c` where it was pressed."""
+        out = []
+        for entry in self.stats.get("models", []):
+            name = str(entry.get("name", ""))
+            replicas = [r for r in entry.get("replicas") or [] if isinstance(r.get("prefix_cache"), dict)]
+            if per_replica and len(replicas) > 1:
+                out += [(f"{name}/r{r.get('replica', n)}", r["prefix_cache"]) for n, r in enumerate(replicas)]
+            elif isinstance(entry.get("prefix_cache"), dict):
+                out.append((name, entry["prefix_cache"]))
+        return [(label, self._since_clear(label, cache)) for label, cache in out]
+
+    def _since_clear(self, label: str, cache: dict[str, Any]) -> dict[str, Any]:
+        base = self.cache_baseline.get(label)
+        if not base:
+            return cache
+        now = {k: int(cache.get(k, 0) or 0) for k in CACHE_COUNTERS}
+        if any(now[k] < v for k, v in base.items()):  # the daemon restarted: its counters began again
+            return cache
+        return {**cache, **{k: now[k] - base[k] for k in CACHE_COUNTERS}}
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Every model's replicas (device, memory figures, state cache), as `/api/stats` lists them."""
+        return [r for entry in self.stats.get("models", []) for r in entry.get("replicas") or []]
+
+    def cache_total(self) -> dict[str, Any]:
+        """Every model's state cache added up (the one-line summary); `enabled` when any is on."""
+        caches = [c for _, c in self.caches()]
+        total: dict[str, Any] = {k: sum(int(c.get(k, 0) or 0) for c in caches if c.get("enabled"))
+                                 for k in CACHE_SUMS}
+        total["enabled"] = any(c.get("enabled") for c in caches)
+        settings = sorted({str(c.get("setting", "")) for c in caches if c.get("setting")})
+        total["setting"] = settings[0] if len(settings) == 1 else ("mixed" if settings else "")
+        return total
+
+    def recent_hit_rate(self, label: str, seconds: float = RECENT_S) -> float | None:
+        """Hits / lookups between the stats polls of the last `seconds` (None: too few polls, or no lookups)."""
+        polls = self.cache_polls.get(label)
+        if not polls or len(polls) < 2:
+            return None
+        now = polls[-1][0]
+        first = next((p for p in polls if now - p[0] <= seconds + 0.5), polls[-1])
+        hits, misses = polls[-1][1] - first[1], polls[-1][2] - first[2]
+        if hits < 0 or misses < 0 or hits + misses == 0:  # a restarted daemon counts from 0 again
+            return None
+        return hits / (hits + misses)
+
+    def model_states(self) -> list[dict[str, Any]]:
+        """The daemon's known models (`/api/stats` model_states: status, keep-alive, idle time, error), each with
+        its latest status (an event may have come since the poll); empty for a daemon without run-time models."""
+        states = [dict(e) for e in self.stats.get("model_states") or [] if isinstance(e, dict) and e.get("name")]
+        for entry in states:
+            entry["status"] = self.model_status.get(str(entry["name"]), entry.get("status", ""))
+        listed = {str(e["name"]) for e in states}
+        states += [{"name": name, "status": status} for name, status in self.model_status.items() if name not in listed]
+        return states
 
     def thresholds(self, model: str) -> dict[str, float]:
         for entry in self.stats.get("models", []):

@@ -8,7 +8,6 @@ the quantized q8/q4 (MLX's own format, group size 64) on request.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,17 +72,17 @@ class MLXBackend:
     # ---- loading -------------------------------------------------------------------------------------------
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
         from basal_local.model.config import LlamaConfig
+        from basal_local.model.formats import detect_format, read_config
 
         model_dir = Path(model_dir)
-        cfg = self.config = LlamaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        raw_config = read_config(model_dir)  # config.json, or a GGUF file's metadata
+        cfg = self.config = LlamaConfig.from_dict(raw_config)
         dtype = host.resolve_dtype(dtype, self.device == "cpu", (*DTYPES, *QUANTIZED), "MLX")
         self.dtype_name = dtype
         # quantized weights compute in f16 on Metal and f32 on the CPU
         self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
         self._apply_memory_limit()
-        from basal_local.model.formats import detect_format
-
-        self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
+        self.format = detect_format(model_dir, raw_config)
         if self.format.family != "safetensors" and dtype in QUANTIZED:
             raise ValueError(f"--dtype {dtype} quantizes bf16 weights; a {self.format.name} checkpoint is "
                              "already quantized (use --dtype auto, f16 or f32)")

@@ -2,7 +2,8 @@
 
 The fused matrices (qkv, o_proj, gate_up, down_proj) are quantized once from the checkpoint and kept in the
 user cache folder (`home_dirs()["cache"]/mlx-quantized`), keyed by the SHA-256 of model.safetensors, so a
-model is converted on its first start only. Nothing is written into the model directory. Embeddings, norms,
+model is converted on its first start only (and again whenever its content changes). Nothing is written into
+the model directory. Embeddings, norms,
 biases and the letter rows of lm_head stay in the compute dtype.
 """
 
@@ -55,12 +56,21 @@ def cache_dir() -> Path:
     return home_dirs()["cache"] / "mlx-quantized"
 
 
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a weight file, remembered per (path, size, mtime) so a restart does not read it again."""
-    path = Path(path).resolve()
+def _stat_key(path: Path) -> str:
+    """What the remembered hash of a file is valid for. Size and mtime alone are not enough: a file replaced by
+    another of the same size with its mtime kept (`cp -p`, `rsync -t`, tar, a copy tool) would keep the old hash
+    and load the old model's quantized weights. A replacement is a new inode; a write into the file, and every
+    `utime` that sets an mtime back, moves its ctime, which no program can set."""
     stat = path.stat()
+    return f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}|{stat.st_dev}"
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a weight file, remembered per (path, size, mtime, ctime, inode) so a restart does not read it
+    again while the file is the same one, unchanged."""
+    path = Path(path).resolve()
     memo_file = cache_dir() / "hashes.json"
-    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = _stat_key(path)
     try:
         memo = json.loads(memo_file.read_text())
     except (OSError, ValueError):
@@ -71,6 +81,9 @@ def file_sha256(path: Path) -> str:
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 24):
             digest.update(chunk)
+    if _stat_key(path) != key:  # written to while it was read: hash it on the next start, remember nothing
+        return digest.hexdigest()
+    memo = {k: v for k, v in memo.items() if not k.startswith(f"{path}|")}  # one entry per file: its latest
     memo[key] = digest.hexdigest()
     memo_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")

@@ -89,7 +89,16 @@ class Forward:
     def _verified(self):
         """cuBLAS (or the fp8 GEMM) at verified row counts per weight shape (`gemm.build_linear`)."""
         base = F.linear
-        if self.gemm == "fp8":
+        if self.gemm == "fp8" and getattr(self.b, "fp8_checkpoint", None) is not None:
+            # a ModelOpt FP8 checkpoint: its e4m3 weights as loaded, its static scales (llama.py's load)
+            names = [n for n in FP8_GEMMS if n in self.options.fp8_gemms]
+            kernel = self.ops.quant_static if self.use_triton else None
+            self._fp8 = fp8.build_checkpoint_store(self.b.layers, self.b.fp8_checkpoint, names, self.b.device,
+                                                   self.b.dtype, kernel, self.options.fp8_scales, self.report)
+            self.report["fp8_requantized_parts"] = self.b.fp8_requantized
+            self.fp8_bytes = self._fp8.nbytes()
+            base = self._fp8.linear
+        elif self.gemm == "fp8":
             names = [n for n in FP8_GEMMS if n in self.options.fp8_gemms]
             kernel = self.ops.quant_rows if self.use_triton else None
             self._fp8 = fp8.build_store(self.b.layers, names, self.b.device, self.b.dtype, kernel, self.report)
@@ -107,7 +116,7 @@ class Forward:
             if key not in self._gemms:
                 self._gemms[key], plan = gemm.build_linear(
                     w, bias, self.options, candidates, base, lt, LT_SIZES, VERIFIED_FLOOR_MAX, TIMED_MAX,
-                    TOKEN_BUCKETS + READOUT_BUCKETS)
+                    TOKEN_BUCKETS + READOUT_BUCKETS, dtype=self.b.dtype)
                 self.report[f"{w.shape[0]}x{w.shape[1]}" + ("-f16" if self._fp8 and not key[3] else "")] = plan
         gemms, store = self._gemms, self._fp8  # not self: the closure would make a cycle through self.linear
         return lambda x, w, b: gemms[(w.shape[0], w.shape[1], b is not None, store is not None and store.has(w))](

@@ -8,6 +8,8 @@ last layer) and come back through a pinned buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -65,9 +67,29 @@ def tile_cap(size: int) -> int:
     return size // 8 + size // 4 + 8
 
 
+class PoolMeter:
+    """The device memory the graph captures took: what the caching allocator reserved during each capture (the
+    graphs' private pool grows only then; a capture that reuses the pool's free blocks adds nothing). Eager
+    warm-up runs before a capture stay outside it: their blocks serve every later forward."""
+
+    def __init__(self, reserved: Callable[[], int]) -> None:
+        self.reserved = reserved
+        self.bytes = 0
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        before = self.reserved()
+        try:
+            yield
+        finally:
+            # an allocator that let cached blocks go to make room reads lower: that is no graph memory either
+            self.bytes += max(0, self.reserved() - before)
+
+
 class Graphs:
     def __init__(self, fwd: Forward) -> None:
         self.fwd = fwd
+        self.pool = PoolMeter(lambda: torch.cuda.memory_reserved(fwd.b.device))
         # the chunked route runs every GEMM on whole chunks of rows, so graph sizes are whole chunks
         self.chunk = fwd.options.gemm_chunk if fwd.gemm == "chunked" else 1
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -77,6 +99,12 @@ class Graphs:
     def clear(self) -> None:
         self.graphs.clear()  # captured graphs read the old prefix buffers
         self._pool = None  # their memory pool went with them: the next capture starts a new one
+        self.pool.bytes = 0
+
+    def memory_bytes(self) -> int:
+        """Device memory the captured graphs hold: their pool and their input buffers (`memory()`'s
+        `graphs_bytes`, the dashboard's share of the GPU for graphs)."""
+        return self.pool.bytes + sum(g.static.numel() * g.static.element_size() for g in list(self.graphs.values()))
 
     def bucket(self, tokens: int) -> int:
         """The graph size for a forward of `tokens`: the next bucket, rounded up to whole GEMM chunks."""
@@ -152,7 +180,7 @@ class Graphs:
             if self._capture_stream is None:  # torch's default capture stream lives on the first device used
                 self._capture_stream = torch.cuda.Stream()
             graph = torch.cuda.CUDAGraph()
-            with no_gc(), torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+            with self.pool.measure(), no_gc(), torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 logits = self._run(v)
             staging = torch.empty(static.shape, dtype=static.dtype, pin_memory=True)
             self.graphs[key] = _Graph(graph, static, layout, logits, staging, staging.numpy(), [None])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +86,8 @@ class TorchBackend:
         self.graphs = None  # graphs.Graphs on CUDA with the kernels
         self._legacy_end = 0  # where add_prefix without an offset puts a prefix (no state cache opened)
         self._managed = False  # open_cache ran: the engine's state cache places every prefix
+        self.fp8_checkpoint: list[dict] | None = None  # a ModelOpt FP8 checkpoint's scales per layer (load)
+        self.fp8_requantized = 0
 
     def _device_scope(self):
         if self.device.startswith("cuda"):
@@ -97,26 +98,36 @@ class TorchBackend:
     @functools.partial(_on_device, inference=False)
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
         from basal_local.model.config import LlamaConfig
+        from basal_local.model.formats import detect_format, read_config, torch_tensors
 
         from .forward import Forward
         from .graphs import Graphs
 
         model_dir = Path(model_dir)
-        cfg = self.config = LlamaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        raw_config = read_config(model_dir)  # config.json, or a GGUF file's metadata
+        cfg = self.config = LlamaConfig.from_dict(raw_config)
+        weights: dict[str, torch.Tensor] = {}
+        self.format = detect_format(model_dir, raw_config)
+        if dtype == "auto" and self.format.family == "fp8" and self.device.startswith("cuda"):
+            dtype = "fp8"  # the checkpoint's own e4m3 GEMMs; the CPU dequantizes it to f32 (the reference)
         self.dtype_name = host.resolve_dtype(dtype, self.device == "cpu", tuple(DTYPES), "torch")
         self.dtype = DTYPES[self.dtype_name]
-        weights: dict[str, torch.Tensor] = {}
-        from basal_local.model.formats import detect_format, torch_tensors
-
-        self.format = detect_format(model_dir, json.loads((model_dir / "config.json").read_text()))
+        if self.dtype_name == "fp8" and self.device.startswith("cuda"):
+            self._check_fp8_gpu()
+        self.fp8_checkpoint = None
+        self._apply_memory_limit(cfg)
         if self.format.family != "safetensors":
-            # GGUF and ModelOpt FP8 are dequantized at load to the run dtype (model/formats.py)
-            for key, t in torch_tensors(self.format, cfg):
-                weights[key] = t.to(device=self.device, dtype=self.dtype)
+            try:
+                if self.format.family == "fp8" and self.dtype_name == "fp8":
+                    weights, self.fp8_checkpoint = self._load_fp8_checkpoint(cfg)
+                else:  # GGUF, and ModelOpt FP8 off its route, dequantized at load to the run dtype (model/formats.py)
+                    for key, t in torch_tensors(self.format, cfg):
+                        weights[key] = t.to(device=self.device, dtype=self.dtype)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc, "loading the weights") from None
         else:
             # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
             with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
-                self._apply_memory_limit(fh)
                 try:
                     for key in fh.keys():
                         weights[key] = fh.get_tensor(key).to(device=self.device, dtype=self.dtype)
@@ -149,15 +160,69 @@ class TorchBackend:
         return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, self.dtype_name, self.device, params,
                          sum(t.numel() * t.element_size() for t in self._tensors()))
 
+    def _check_fp8_gpu(self) -> None:
+        from basal_local.cuda_kernels import fp8
+
+        ok, what = fp8.fp8_supported(self.device)
+        if not ok:
+            dequant = " (--dtype f16 loads this FP8 checkpoint dequantized)" if self.format.family == "fp8" else ""
+            raise ValueError(f"fp8 needs a GPU with fp8 tensor cores (compute capability 8.9 or later); {self.device}"
+                             f" is {what}{dequant}")
+
+    def _load_fp8_checkpoint(self, cfg) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        """A ModelOpt FP8 checkpoint as it is: e4m3 projection weights on the device (the fused ones' parts at
+        one scale where `fp8_scales` is "tensor": fp8.fuse_parts), everything else in the run dtype, and per
+        layer {weight slot: (weight scale, input scale)}. Projections outside `fp8_gemms` are dequantized."""
+        from basal_local.cuda_kernels import fp8
+        from basal_local.model.formats import torch_tensors
+
+        weights: dict[str, torch.Tensor] = {}
+        scales: dict[str, float] = {}
+        for key, t in torch_tensors(self.format, cfg, keep_fp8=True):
+            if key.endswith((".weight_scale", ".input_scale")):
+                scales[key] = float(t)
+            else:
+                weights[key] = t.to(self.device) if t.dtype == fp8.FP8 else t.to(device=self.device, dtype=self.dtype)
+        names = {"qkv": "qkv", "o_proj": "o", "gate_up": "gate_up", "down_proj": "down"}
+        per_layer, requantized = [], 0
+        fname = self.format.weights_file.name
+        for i in range(cfg.num_hidden_layers):
+            by_slot = {}
+            for slot, parts in host.FUSED.items():
+                keys = [f"model.layers.{i}.{part}.weight" for part in parts]
+                for k in keys:
+                    if k not in weights or weights[k].dtype != fp8.FP8 or k[:-7] + ".input_scale" not in scales:
+                        raise ValueError(f"{fname}: tensor {k!r} is not float8 e4m3 with its weight and input "
+                                         "scales, as a ModelOpt FP8 checkpoint holds every projection")
+                ws = [scales.pop(k[:-7] + ".weight_scale") for k in keys]
+                ins = [scales.pop(k[:-7] + ".input_scale") for k in keys]
+                qs = [weights[k] for k in keys]
+                if names[slot] not in self.options.fp8_gemms:
+                    weights.update({k: (q.float() * w).to(self.dtype) for k, q, w in zip(keys, qs, ws)})
+                    continue
+                qs, sw, s_in, changed = fp8.fuse_parts(qs, ws, ins, self.options.fp8_scales)
+                weights.update(zip(keys, qs))
+                by_slot[f"{slot}_weight"] = (sw, s_in)
+                requantized += changed
+            per_layer.append(by_slot)
+        if scales:
+            raise ValueError(f"{fname}: unknown tensor {next(iter(scales))!r}")
+        self.fp8_requantized = requantized
+        return weights, per_layer
+
     def describe(self) -> dict:
         """What runs (for /api/stats and the bench): the ops, the options, what load chose."""
         return {"attention": self.attention, "gemm": self.fwd.gemm if self.fwd else "", "cuda_graphs":
                 self.graphs is not None, "options": self.options.product(), "plan": self.fwd.report if self.fwd else {}}
 
-    def _apply_memory_limit(self, fh) -> None:
-        """--gpu-memory: refuse weights that cannot fit, then cap torch's allocator on this device."""
+    def _apply_memory_limit(self, cfg) -> None:
+        """--gpu-memory: refuse weights that cannot fit (as this load will hold them: the run dtype, a ModelOpt
+        FP8 checkpoint's e4m3 projections at a byte each, dtype fp8's float8 copies beside the f16 weights),
+        then cap torch's allocator on this device."""
         if self.memory_limit is None:
             return
+        from basal_local.model.formats import is_projection
+
         from .. import memory
 
         if not self.device.startswith("cuda"):
@@ -167,13 +232,33 @@ class TorchBackend:
         index = torch.cuda.current_device() if index is None else index
         total = torch.cuda.get_device_properties(index).total_memory
         limit = memory.limit_bytes(self.memory_limit, total, self.device)
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        weights = sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys()) * size
-        if self.dtype_name == "fp8":  # the float8 copies of the GEMM weights are held beside the f16 ones
-            weights += weights // size
-        memory.check_weights_fit(weights, limit, self.memory_limit, self.device, self.dtype_name)
+        weights = self.planned_weight_bytes(cfg, is_projection)
+        memory.check_weights_fit(weights, limit, self.memory_limit, self.device, self._dtype_label())
         torch.cuda.set_per_process_memory_fraction(limit / total, index)
         self.memory_limit_bytes = limit
+
+    def planned_weight_bytes(self, cfg, is_projection) -> int:
+        """The device bytes of the weights this load holds (memory.weights_bytes), before any is read."""
+        from .. import memory
+
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        names = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+                 "up_proj": "gate_up", "down_proj": "down"}
+
+        def quantized(name: str) -> bool:
+            part = name.split(".")[-2] if name.endswith(".weight") else ""
+            return is_projection(name) and names.get(part) in self.options.fp8_gemms
+
+        if self.dtype_name != "fp8":
+            return memory.weights_bytes(cfg.weight_shapes(), size)
+        return memory.weights_bytes(cfg.weight_shapes(), size, 1 if self.format.family == "fp8" else size + 1, quantized)
+
+    def _dtype_label(self) -> str:
+        if self.dtype_name == "fp8" and self.format.family == "fp8":
+            return "the checkpoint's fp8"
+        if self.format.family != "safetensors":
+            return f"{self.dtype_name} (a {self.format.name} checkpoint dequantized at load)"
+        return self.dtype_name
 
     def _out_of_memory(self, exc: Exception, doing: str) -> Exception:
         """An out-of-memory error while loading, with what the limit allowed (the original without one)."""
@@ -201,6 +286,8 @@ class TorchBackend:
         if self.device.startswith("cuda"):
             out["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            if self.graphs is not None:
+                out["graphs_bytes"] = self.graphs.memory_bytes()
         if self.memory_limit_bytes is not None:
             out["device_limit_bytes"] = self.memory_limit_bytes
         if self.fwd is not None:

@@ -68,6 +68,8 @@ def type_refusal(qid: str, qtype: Any, dialect: str) -> tuple[str, list[Any], st
 
 
 def field_refusal(qid: str, qtype: Any, q: dict, dialect: str) -> tuple[str, list[Any], str] | None:
+    if not isinstance(qtype, str):  # a list or an object as the type (unhashable): validation names it
+        return None
     if dialect == "basal" and qtype in ANSWERED_ON_BASAL:
         return None
     for name, why in QUESTION_FIELDS.get(qtype, {}).items():

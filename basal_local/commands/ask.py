@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +15,7 @@ from . import UserError, auth_headers, key_refused
 
 BAR = 32
 MAX_OPTIONS = 10  # /v1/basal: one letter A-J per option
+LOAD_WAIT_S = 900.0  # a model the daemon loads on this request: how long to wait for it
 
 
 def read_state(text: str) -> str:
@@ -83,21 +85,28 @@ def error_text(body: dict[str, Any]) -> str:
     return json.dumps(body)[:200]
 
 
-def chart(question: str, answer: dict[str, Any], color: bool) -> str:
-    """The answer as one headline and a bar per option, highest probability marked."""
+def chart(question: str, answer: dict[str, Any], color: bool, dialect: str = "basal") -> str:
+    """The answer as one headline and a bar per option, highest probability marked.
+
+    The headline gives the answer's own probability as `p`. Both dialects also send a `confidence`: on /v1/basal it
+    is that same largest p (so it is not repeated); on /v1/systemone it is TypeSafe's formula, a different number,
+    printed under its own name with what it measures."""
     probs: dict[str, float] = answer.get("probabilities") or {}
     kind = answer.get("type")
+    top = max(probs.values()) if probs else None
     if kind == "noul":
         verdict = "yes" if answer["noul"] >= 0.5 else "no"
         head = f"{verdict}  (p(true) = {answer['noul']:.3f})"
     elif kind == "score":
         legend = answer.get("legend") or {}
         probs = {f"{k} {legend.get(k, '')}".strip(): v for k, v in probs.items()}
-        head = f"score {answer['score']:.2f}"
+        best = max(probs, key=probs.get) if probs else None
+        head = f"score {answer['score']:.2f}" + (f"  (most likely {best}, p = {top:.3f})" if best else "")
     else:
-        head = str(answer.get("choice"))
-    if "confidence" in answer:
-        head += f", confidence {answer['confidence']:.2f}"
+        head = f"{answer.get('choice')}" + (f"  (p = {top:.3f})" if top is not None else "")
+    if dialect == "systemone" and "confidence" in answer and kind in ("choice", "score"):
+        what = "(p - 1/n) / (1 - 1/n)" if kind == "choice" else "1 - spread around the most likely level"
+        head += f"\n    TypeSafe confidence {answer['confidence']:.3f} = {what}"
     lines = [f"{question}\n  → {head}"]
     width = max((len(k) for k in probs), default=0)
     best = max(probs, key=probs.get) if probs else None
@@ -145,6 +154,14 @@ def ask_command(args: argparse.Namespace) -> int:
     if args.model:
         body["model"] = args.model
     status, answer = post(url, path, body, api_key=key)
+    started, said = time.monotonic(), False
+    while status == 503 and " is loading" in error_text(answer) and time.monotonic() - started < LOAD_WAIT_S:
+        if not said:  # the daemon loads the model this request named (it was unloaded): wait for it
+            print(f"basal-local: {error_text(answer).split(';')[0]}; waiting for it (Ctrl-C stops)",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(1.0)
+        status, answer = post(url, path, body, api_key=key)
     if status != 200:
         raise refusal(url, status, answer, key)
     if args.json:
@@ -152,7 +169,7 @@ def ask_command(args: argparse.Namespace) -> int:
         return 0
     text = args.noul or args.choice or args.score
     color = sys.stdout.isatty()
-    print(chart(text, answer["answers"]["q"], color))
+    print(chart(text, answer["answers"]["q"], color, dialect=path.removeprefix("/v1/")))
     via = ", through /v1/systemone (more than 10 options)" if path == "/v1/systemone" else ""
     print(f"  model {answer.get('model')}, {answer.get('usage', {}).get('latency_ms', 0):.0f} ms{via}")
     return 0

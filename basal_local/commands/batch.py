@@ -24,6 +24,7 @@ from typing import Any
 from . import UserError, auth_headers
 
 RETRIES = 6
+LOAD_WAIT_S = 900.0  # how long a 503 is retried: a large model loading from a cold disk
 
 
 def read_items(path: Path) -> list[dict[str, Any]]:
@@ -74,10 +75,13 @@ def is_correct(item: dict[str, Any], body: dict[str, Any]) -> bool | None:
 
 
 def send(url: str, body: dict[str, Any], api_key: str | None = None) -> tuple[int, dict[str, Any], float]:
-    """(status, body, seconds); 503/529 are retried after the daemon's retry-after-ms."""
+    """(status, body, seconds); 503/529 are retried after the daemon's retry-after-ms (a 503 for as long as a
+    model takes to load: the daemon loads an unloaded model on the first request for it)."""
     data = json.dumps(body).encode()
     started = time.perf_counter()
-    for attempt in range(RETRIES):
+    attempt = -1
+    while True:
+        attempt += 1
         req = urllib.request.Request(url + "/v1/systemone", data,
                                      {"Content-Type": "application/json", **auth_headers(api_key)})
         try:
@@ -88,14 +92,15 @@ def send(url: str, body: dict[str, Any], api_key: str | None = None) -> tuple[in
                 payload = json.loads(err.read())
             except ValueError:
                 payload = {"error": err.reason}
-            if err.code in (503, 529) and attempt < RETRIES - 1:
+            loading = err.code == 503 and "is loading" in json.dumps(payload) and \
+                time.perf_counter() - started < LOAD_WAIT_S
+            if err.code in (503, 529) and (attempt < RETRIES - 1 or loading):
                 wait = err.headers.get("retry-after-ms") or str(float(err.headers.get("retry-after") or 1) * 1000)
                 time.sleep(min(float(wait) / 1000.0, 30.0))
                 continue
             return err.code, payload, time.perf_counter() - started
         except (urllib.error.URLError, OSError) as exc:
             return 0, {"error": f"connection failed: {getattr(exc, 'reason', exc)}"}, time.perf_counter() - started
-    return 0, {"error": "gave up"}, time.perf_counter() - started
 
 
 def failure_reason(status: int, body: Any) -> str:

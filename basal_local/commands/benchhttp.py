@@ -10,13 +10,14 @@ import collections
 import http.client
 import json
 import random
+import sys
 import threading
 import time
 import urllib.parse
 from typing import Any
 
 from ..samples import single_question_requests
-from . import auth_headers, get_json
+from . import UserError, auth_headers, get_json
 from .benchout import percentile
 
 MAX_RETRIES = 20  # 529s for one request before it counts as failed
@@ -81,10 +82,30 @@ class Client:
         return body, int(resp.headers.get("x-basal-batch-requests", "1"))
 
 
+def loaded_default(url: str, api_key: str | None) -> str:
+    """The daemon's default model, loaded first when it is not (an unloaded model would answer 503s)."""
+    from .ask import error_text, post
+
+    info = get_json(url, "/api/ps", timeout=30, flag="--http", api_key=api_key)
+    default = next((m for m in info.get("models", []) if m.get("default")), None) or \
+        next(iter(info.get("models", [])), None)
+    if default is None:
+        raise UserError(f"the daemon at {url} serves no model", "load one: basal-local load mini")
+    if default.get("status", "loaded") != "loaded":
+        print(f"basal-local bench: loading {default['name']} first (it is {default['status']})", file=sys.stderr,
+              flush=True)
+        status, answer = post(url, "/api/load", {"model": default["name"], "wait": True}, timeout=900.0,
+                              api_key=api_key)
+        if status != 200:
+            raise UserError(f"the daemon could not load {default['name']}: {error_text(answer)}",
+                            "see its log (`basal-local logs`)", status=1)
+    return default["name"]
+
+
 def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_key: str | None = None,
                progress=None) -> dict[str, Any]:
     url = url.rstrip("/")
-    model = get_json(url, "/v1/models", timeout=30, flag="--http", api_key=api_key)["models"][0]["name"]
+    model = loaded_default(url, api_key)
     bodies = single_question_requests(model)
     total = total or len(bodies)
     latencies: list[float] = []
@@ -175,7 +196,7 @@ def bench_http_invariance(url: str, trials: int, api_key: str | None = None) -> 
     """Over HTTP: a request's answers alone, then again sent at the same moment as 31 others (so they share
     batches); the probabilities must be the same bits (JSON floats print every bit of a float64)."""
     url = url.rstrip("/")
-    model = get_json(url, "/v1/models", timeout=30, flag="--http", api_key=api_key)["models"][0]["name"]
+    model = loaded_default(url, api_key)
     bodies = single_question_requests(model)
     rng = random.Random(0)
     equal, batches = 0, []

@@ -1,9 +1,11 @@
-"""Models the Ollama way: `pull`, `list`, `show`, `rm` (the Hugging Face cache) and `ps` (a running daemon)."""
+"""Models the Ollama way: `pull`, `list`, `show`, `rm` (the Hugging Face cache), `ps` (a running daemon) and
+`make-test-model` (a random-weight model directory)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -37,6 +39,13 @@ def pull(args: argparse.Namespace) -> int:
         repo, revision = split_ref(args.ref)
     except ModelNotFound as exc:
         raise UserError(str(exc)) from None
+    advice = _mac_advice(args.ref)
+    if advice is not None:
+        text, bf16_fits = advice
+        if not bf16_fits:
+            raise UserError(text, f"`basal-local pull {args.ref.partition('@')[0]}:bf16` downloads the bf16 "
+                            "weights anyway")
+        print(f"basal-local: {text}", flush=True)
     print(f"basal-local: pulling {repo}{'@' + revision if revision else ''} into the Hugging Face cache "
           "(an interrupted pull resumes where it stopped)", flush=True)
     try:
@@ -63,6 +72,22 @@ def pull(args: argparse.Namespace) -> int:
         return 1
     print(f"basal-local: {repo} is in {path}\n  serve it: basal-local serve --model {args.ref}")
     return 0
+
+
+def _mac_advice(ref: str) -> tuple[str, bool] | None:
+    """On an Apple Silicon Mac, which port of a short name fits its memory (registry.mac_port_advice)."""
+    import os
+    import platform
+
+    from ..model.registry import mac_port_advice
+
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        return None
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return mac_port_advice(ref, memory)
 
 
 def list_(args: argparse.Namespace) -> int:
@@ -186,6 +211,17 @@ def rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "forever"
+    seconds = float(seconds)
+    if seconds >= 7200:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
 def ps(args: argparse.Namespace) -> int:
     from .serving import client_key, daemon_url
 
@@ -198,13 +234,154 @@ def ps(args: argparse.Namespace) -> int:
     rss = info.get("process_rss_bytes")
     print(f"basal-local {info.get('version', '?')} at {url}: {state}, pid {info.get('pid')}, "
           f"process memory {human_bytes(rss) if rss else 'n/a'}, {info.get('inflight', 0)} in flight")
-    table = [("NAME", "DEVICE", "DTYPE", "WEIGHTS", "DEVICE MEM", "QUEUE", "PATH")]
+    table = [("NAME", "STATUS", "DEVICE", "DTYPE", "WEIGHTS", "DEVICE MEM", "QUEUE", "UNLOAD", "PATH")]
+    replicas = []
     for m in info.get("models", []):
         name = m["name"] + (" (default)" if m.get("default") else "")
+        status = m.get("status", "loaded")
+        loaded = status == "loaded"
         dev_mem = human_bytes(m["device_allocated_bytes"]) if "device_allocated_bytes" in m else "-"
-        table.append((name, m.get("device", ""), m.get("dtype", ""), human_bytes(m.get("weights_bytes", 0)),
-                      dev_mem, str(m.get("queue", 0)), m.get("path", "")))
-    widths = [max(len(r[i]) for r in table) for i in range(6)]
+        if loaded and m.get("expires_in_s") is not None:
+            until = f"in {_duration(m['expires_in_s'])}"  # unless a request comes first
+        else:
+            until = "never" if loaded else "-"
+        table.append((name, status, m.get("device", "") if loaded else "-", m.get("dtype", "") if loaded else "-",
+                      human_bytes(m.get("weights_bytes", 0)) if loaded else "-", dev_mem if loaded else "-",
+                      str(m.get("queue", 0)) if loaded else "-", until, m.get("path", "")))
+        if m.get("error") and status == "failed":
+            replicas.append(f"  {m['name']}: {m['error']}")
+        shown = m.get("replicas") or []
+        if len(shown) > 1 or any(r.get("worker_process") for r in shown):
+            for r in shown:
+                mem = ", ".join(f"{label} {human_bytes(r[key])}" for label, key in
+                                (("weights", "weights_bytes"), ("device", "device_allocated_bytes"),
+                                 ("process", "process_rss_bytes")) if r.get(key))
+                replicas.append(f"  {m['name']} replica {r['replica']}: pid {r['pid']}"
+                                f"{' (worker process)' if r.get('worker_process') else ''}, {r.get('device')}, "
+                                f"{r.get('state')}" + (f" (restarts {r['restarts']})" if r.get("restarts") else "")
+                                + f", {r.get('in_flight', 0)} in flight, {r.get('batches', 0)} batches"
+                                + (f", {mem}" if mem else ""))
+    n = len(table[0]) - 1
+    widths = [max(len(r[i]) for r in table) for i in range(n)]
     for r in table:
-        print("  ".join(f"{r[i]:<{widths[i]}}" for i in range(6)) + "  " + r[6])
+        print("  ".join(f"{r[i]:<{widths[i]}}" for i in range(n)) + "  " + r[n])
+    if replicas:
+        print("\n".join(["", *replicas]))
+    return 0
+
+
+def load(args: argparse.Namespace) -> int:
+    """`basal-local load NAME`: a running daemon loads a model (and keeps it for --keep-alive)."""
+    from .ask import error_text, post
+    from .serving import client_key, daemon_url
+
+    url, key = daemon_url(args), client_key(args)
+    body: dict[str, Any] = {"model": _model_ref(args.model), "wait": not args.no_wait}
+    if args.keep_alive is not None:
+        body["keep_alive"] = args.keep_alive
+    get_json(url, "/api/ps", api_key=key)  # reachable, ready and the key right, before saying anything
+    if not args.no_wait:
+        print(f"basal-local: loading {args.model} in the daemon at {url}...", flush=True)
+    try:
+        status, answer = post(url, "/api/load", body, timeout=900.0, api_key=key)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: the daemon goes on loading {args.model}",
+                        "`basal-local ps` shows when it is in; `basal-local unload NAME` drops it", status=130) from None
+    _refused(url, key, status, answer, error_text, "load")
+    name = answer.get("name", args.model)
+    if answer.get("status") == "loaded":
+        took = f" in {answer['load_s']:.1f} s" if answer.get("load_s") and not answer.get("already_loaded") else ""
+        print(f"basal-local: {name} is loaded{took}; stays {_stay(answer.get('keep_alive_s'))}")
+    else:
+        print(f"basal-local: {name} is {answer.get('status')}; `basal-local ps` shows when it is in")
+    return 0
+
+
+def unload(args: argparse.Namespace) -> int:
+    """`basal-local unload NAME`: a running daemon drops a model (its memory is freed; a request loads it again)."""
+    from .ask import error_text, post
+    from .serving import client_key, daemon_url
+
+    url, key = daemon_url(args), client_key(args)
+    status, answer = post(url, "/api/unload", {"model": args.model, "wait": not args.no_wait}, timeout=120.0,
+                          api_key=key)
+    _refused(url, key, status, answer, error_text, "unload")
+    name, now = answer.get("name", args.model), answer.get("status")
+    if not answer.get("unloaded"):
+        print(f"basal-local: {name} is {now}; `basal-local ps` shows when it is out")
+    elif now == "unloaded":
+        print(f"basal-local: {name} is unloaded; a request for it loads it again")
+    else:
+        print(f"basal-local: {name} was unloaded, and a request has loaded it again since (it is {now})")
+    return 0
+
+
+def _model_ref(ref: str) -> str:
+    """A directory given on this machine goes to the daemon as an absolute path; names and refs as they are."""
+    path = Path(ref).expanduser()
+    return str(path.resolve()) if path.is_dir() else ref
+
+
+def _stay(keep_alive_s: float | None) -> str:
+    return "loaded until the daemon stops" if keep_alive_s is None else \
+        f"until it has been idle {_duration(keep_alive_s)}"
+
+
+def _refused(url: str, key: str | None, status: int, answer: dict[str, Any], error_text, what: str) -> None:
+    from . import key_refused
+
+    if status in (200, 202):
+        return
+    if status == 401:
+        raise key_refused(url, key)
+    if status == 404 and answer.get("code") not in ("MODEL_NOT_FOUND",):
+        raise UserError(f"the daemon at {url} has no /api/{what} (HTTP 404)",
+                        "is it an older basal-local? restart it with this version", status=1)
+    fix = {"MODEL_NOT_FOUND": "`basal-local list` shows the downloaded models; `basal-local ps` the daemon's",
+           "INVALID_KEEP_ALIVE": "e.g. --keep-alive 10m, 1h, 600 (seconds) or forever",
+           "LOAD_FAILED": "see the daemon's log (`basal-local logs`)",
+           "MODEL_LOADING": "wait until `basal-local ps` shows it loaded"}.get(answer.get("code", ""),
+                                                                              f"`basal-local {what} -h`")
+    raise UserError(f"the daemon answered {status}: {error_text(answer)}", fix, status=1)
+
+
+def make_test_model(args: argparse.Namespace) -> int:
+    from ..model.testmodel import make_test_model as write_model
+
+    out = Path(args.directory).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file", "give make-test-model a new or empty folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "basal.json").exists():
+        raise UserError(f"{out} is not empty and holds no model",
+                        "give make-test-model a new or empty folder (an existing test model is overwritten)")
+    if args.device == "cuda":
+        from .serving import check_device
+
+        check_device("cuda")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "give make-test-model a folder you can write to") from None
+    print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
+    try:
+        write_model(out, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
+                    progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted: the test model in {out} is incomplete",
+                        "run the same command again (it overwrites the folder)", status=130) from None
+    except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
+        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
+                        "free disk space, or give make-test-model another folder") from None
+    if args.format != "bf16":
+        from ..model.testformats import convert_test_model
+
+        print(f"  writing the {args.format} layout...", flush=True)
+        try:
+            convert_test_model(out, args.format, seed=args.seed, device=args.device)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
     return 0

@@ -1,8 +1,10 @@
-"""`basal-local service install|uninstall|status`: the daemon in the background, the platform's way.
+"""`basal-local service install|uninstall|status|start|stop|restart|logs`: the daemon in the background, the
+platform's way.
 
 Linux: a systemd user unit (`~/.config/systemd/user/basal-local.service`); macOS: a launchd agent
 (`~/Library/LaunchAgents/dev.basal-local.daemon.plist`). Logs go to the platformdirs log folder (and the journal
-on Linux). Nothing is started here: the command prints how to start it.
+on Linux). `install` writes the file and says how to enable it; start/stop/restart run systemctl or launchctl;
+where the service manager is missing (a container, WSL without systemd) they say so in one sentence and exit 1.
 """
 
 from __future__ import annotations
@@ -78,12 +80,80 @@ def render(kind: str, argv: list[str], log_file: Path) -> str:
             "</dict>\n</plist>\n")
 
 
+MANAGER = {"systemd": ("systemctl", "systemd"), "launchd": ("launchctl", "launchd")}
+
+
+def manage(kind: str, argv: list[str], what: str) -> subprocess.CompletedProcess:
+    """Run the service manager; its absence or a refusal is a UserError (exit 1) in one sentence."""
+    tool, name = MANAGER[kind]
+    if shutil.which(tool) is None:
+        raise UserError(f"`service {what}` needs {name}, and there is no {tool} on this machine",
+                        "run the daemon with `basal-local serve --detach` (then `basal-local stop`) instead",
+                        status=1)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"`{' '.join(argv)}` did not run ({exc.__class__.__name__})",
+                        "run the daemon with `basal-local serve --detach` instead", status=1) from None
+    if done.returncode != 0:
+        said = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[0]
+        if "Failed to connect to bus" in said or "System has not been booted with systemd" in said:
+            raise UserError(f"`service {what}` needs a systemd user session, and there is none here ({said})",
+                            "run the daemon with `basal-local serve --detach` (then `basal-local stop`) instead",
+                            status=1)
+        raise UserError(f"`{' '.join(argv)}` failed: {said}", "`basal-local service logs` shows the daemon's log",
+                        status=1)
+    return done
+
+
+def control(kind: str, action: str, path: Path) -> list[list[str]]:
+    """The manager's commands for start, stop and restart."""
+    if kind == "systemd":
+        reload = ["systemctl", "--user", "daemon-reload"]  # the unit file may have been rewritten by install
+        return [reload, ["systemctl", "--user", action, "basal-local"]] if action != "stop" else \
+            [["systemctl", "--user", "stop", "basal-local"]]
+    target = f"gui/{os.getuid()}/{LABEL}"
+    return {"start": [["launchctl", "load", "-w", str(path)]],
+            "stop": [["launchctl", "unload", str(path)]],
+            "restart": [["launchctl", "kickstart", "-k", target]]}[action]
+
+
+def logs(kind: str, args: argparse.Namespace, log_file: Path) -> int:
+    """The journal on Linux when journalctl is there, else the log file (`basal-local logs`)."""
+    if kind == "systemd" and shutil.which("journalctl"):
+        argv = ["journalctl", "--user", "-u", "basal-local", "--no-pager"]
+        if args.lines:
+            argv += ["-n", str(args.lines)]
+        if args.follow:
+            argv.append("-f")
+        try:
+            return subprocess.run(argv).returncode
+        except KeyboardInterrupt:
+            return 0  # -f ends with Ctrl-C
+    from .background import logs_command
+
+    return logs_command(args)
+
+
 def service_command(args: argparse.Namespace) -> int:
     from ..server.settings import home_dirs
 
     kind = platform_kind() if not getattr(args, "kind", None) else args.kind
     path = unit_path(kind)
     log_file = home_dirs()["logs"] / "basal-local.log"
+    if args.action in ("start", "stop", "restart"):
+        if not path.exists():
+            raise UserError(f"no service installed ({path} does not exist)",
+                            "add one first: basal-local service install --model mini", status=1)
+        for argv in control(kind, args.action, path):
+            manage(kind, argv, args.action)
+        done = {"start": "started", "stop": "stopped", "restart": "restarted"}[args.action]
+        print(f"basal-local: {done} the service ({' '.join(control(kind, args.action, path)[-1])})")
+        if args.action != "stop":
+            print("  `basal-local service status` says if it runs, `basal-local service logs -f` follows it")
+        return 0
+    if args.action == "logs":
+        return logs(kind, args, log_file)
     if args.action == "install":
         argv = serve_argv(args)
         from .serving import load_settings
@@ -104,9 +174,11 @@ def service_command(args: argparse.Namespace) -> int:
         if kind == "systemd":
             print("  start it now and at every log-in:\n"
                   "    systemctl --user daemon-reload && systemctl --user enable --now basal-local\n"
+                  "  or only now: basal-local service start  (stop, restart, logs -f the same way)\n"
                   f"  logs: journalctl --user -u basal-local -f   (and {log_file})")
         else:
-            print(f"  start it now and at every log-in:\n    launchctl load -w {path}\n  logs: {log_file}")
+            print(f"  start it now and at every log-in:\n    launchctl load -w {path}   (or: basal-local service start)\n"
+                  f"  logs: {log_file}")
         return 0
     if args.action == "uninstall":
         if not path.exists():
@@ -131,6 +203,8 @@ def service_command(args: argparse.Namespace) -> int:
         done = subprocess.run(["systemctl", "--user", "is-active", "basal-local"], capture_output=True, text=True,
                               timeout=10)
         state = done.stdout.strip() or done.stderr.strip() or state
+        if "Failed to connect to bus" in state or "not been booted with systemd" in state:
+            state = "unknown: no systemd user session here (`basal-local serve --detach` runs without one)"
     elif kind == "launchd" and shutil.which("launchctl"):
         done = subprocess.run(["launchctl", "list", LABEL], capture_output=True, text=True, timeout=10)
         state = "loaded" if done.returncode == 0 else "not loaded"

@@ -185,8 +185,10 @@ def serve_command(args: argparse.Namespace) -> int:
     from ..model.directory import ModelLoadError, load_model_dir
     from ..model.registry import ModelNotFound, demo_model_dir, resolve_model
     from ..server.daemon import serve
+    from ..server.output import guard_output
     from ..server.security import public_bind_refusal
 
+    guard_output()  # a full disk under stdout or the log is one warning, never a failed start
     ephemeral = getattr(args, "port", None) == 0
     if ephemeral:  # the settings take ports 1-65535; 0 is the command line's "pick one"
         args.port = None

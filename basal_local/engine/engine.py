@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -112,7 +113,10 @@ class ModelEngine:
         if setting != "off":  # the templates always fit, whatever the budget
             capacity = max(capacity, sum(len(ids) for ids in templates.values()))
         cache = PrefixCache(capacity, per_token, enabled=setting != "off", setting=str(setting))
-        cache.on_drop = backend.drop_prefix
+        # the backend holds its cache (its pool's bookkeeping); the cache reaches the backend only weakly, so a
+        # dropped backend is freed where it is dropped, never by the garbage collector (backends/torch/forward.py)
+        drop = weakref.WeakMethod(backend.drop_prefix)
+        cache.on_drop = lambda name: (method := drop()) is not None and method(name)
         backend.open_cache(cache.capacity)
         backend.state_cache = cache
         for lang, ids in templates.items():

@@ -17,6 +17,15 @@ from ..protocol.questions import DecisionRequest
 from .plan import RequestPlan
 
 
+class EngineUnavailable(Exception):
+    """No replica of the model can compute now (every worker died and is restarting): the server answers 503 with
+    `retry_after_s` as the client's Retry-After."""
+
+    def __init__(self, reason: str, retry_after_s: int = 5) -> None:
+        super().__init__(reason)
+        self.retry_after_s = max(1, int(retry_after_s))
+
+
 @runtime_checkable
 class Engine(Protocol):
     model: ModelDir
@@ -27,7 +36,7 @@ class Engine(Protocol):
 
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = ..., request_id: str = "") -> Future[Outcome]:
         """Queue the request: its evidence forwards, every round of a large choice, its answer. The future fails
-        with Cancelled (the client left), EngineStopped, a protocol error (NoEvidenceHead) or the batch's error."""
+        with Cancelled (the client left), EngineStopped, EngineUnavailable, a protocol error (NoEvidenceHead) or the batch's error."""
         ...
 
     def describe(self) -> list[dict[str, Any]]:

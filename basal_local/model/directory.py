@@ -22,7 +22,7 @@ from ..protocol.constants import (
 )
 from .config import ConfigError, LlamaConfig
 from .evidence_head import HEAD_FILE, EvidenceHead, EvidenceHeadError
-from .formats import FormatError, WeightFormat, calibration_file, detect_format
+from .formats import FormatError, WeightFormat, calibration_file, detect_format, read_config
 from .formats import check_weights as check_format_weights
 from .tokenizer import BasalTokenizer, TokenizerError
 
@@ -202,8 +202,8 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a model directory")
     for name in REQUIRED_FILES:
-        if not (path / name).exists():
-            raise ModelLoadError(f"{name}: missing from {path}")
+        if not (path / name).exists() and not (name == "config.json" and any(path.glob("*.gguf"))):
+            raise ModelLoadError(f"{name}: missing from {path}")  # a GGUF file carries the config itself
     with reading("basal.json"):
         name, version = _check_basal_json(_read_json(path / "basal.json"))
     with reading("chat_template.jinja"):
@@ -211,7 +211,14 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
     if not same:
         raise ModelLoadError("chat_template.jinja: differs from the Basal chat template (byte comparison)")
     with reading("config.json"):
-        config = LlamaConfig.from_dict(_read_json(path / "config.json"))
+        if (path / "config.json").exists():
+            raw_config = _read_json(path / "config.json")
+        else:
+            try:
+                raw_config = read_config(path)  # the GGUF file's metadata
+            except FormatError as exc:
+                raise ModelLoadError(str(exc)) from None
+        config = LlamaConfig.from_dict(raw_config)
     with reading("tokenizer_config.json"):
         tok_config = _read_json(path / "tokenizer_config.json")
         bos = tok_config.get("bos_token") if isinstance(tok_config, dict) else None
@@ -227,7 +234,7 @@ def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:
         raise ModelLoadError(f"tokenizer.json: {tokenizer.vocab_size} tokens, more than config.json field "
                              f"'vocab_size' ({config.vocab_size})")
     try:  # the port formats (model/formats.py) name the file and tensor themselves
-        fmt = detect_format(path, _read_json(path / "config.json"))
+        fmt = detect_format(path, raw_config)
         if check_weights:
             with reading(fmt.weights_file.name):  # anything else a damaged file raises: one sentence too
                 try:

@@ -85,6 +85,68 @@ def _json(path: Path) -> Any:
         raise FormatError(f"{path.name}: cannot be read as JSON ({type(exc).__name__})") from None
 
 
+GGUF_CONFIG = {"num_hidden_layers": "block_count", "max_position_embeddings": "context_length",
+               "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+               "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+               "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+               "vocab_size": "vocab_size"}
+
+
+def read_config(path: Path) -> dict:
+    """A model directory's config.json, or, for a GGUF directory without one, the same fields from the GGUF
+    file's metadata (`gguf_config`)."""
+    if (path / "config.json").exists() or not list(path.glob("*.gguf")):
+        return _json(path / "config.json")
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise FormatError(f"{path}: holds {len(ggufs)} GGUF files and no config.json; keep the one to serve")
+    return gguf_config(ggufs[0])
+
+
+def gguf_config(file: Path) -> dict:
+    """config.json's fields (the Hugging Face Llama layout) from a llama GGUF file's metadata; biases and tied
+    embeddings from the tensors it holds. f32 metadata values as their shortest decimal (1e-06, not 9.99e-07)."""
+    import numpy as np
+
+    from .config import ConfigError, LlamaConfig
+
+    reader = _gguf_reader(file)
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        if f is None or not f.types:
+            return None
+        if f.types[0].name == "STRING":
+            return bytes(f.parts[-1]).decode("utf-8", "replace")
+        value = f.parts[-1][0]
+        return float(str(np.float32(value))) if f.types[0].name == "FLOAT32" else value.item()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise FormatError(f"{file.name}: general.architecture is {arch!r}; basal-local reads llama GGUF files "
+                          "(or put the model's config.json beside it)")
+    names = {t.name for t in reader.tensors}
+    raw: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                           "attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": "blk.0.ffn_gate.bias" in names,
+                           "tie_word_embeddings": "output.weight" not in names}
+    for hf, key in GGUF_CONFIG.items():
+        raw[hf] = field(f"llama.{key}")
+    if raw["vocab_size"] is None:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        raw["vocab_size"] = int(embd.shape[-1]) if embd is not None else None
+    if raw["head_dim"] is None and raw["hidden_size"] and raw["num_attention_heads"]:
+        raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": field("llama.rope.freq_base") or 10000.0}
+    if field("llama.rope.scaling.type") not in (None, "none"):
+        raw["rope_scaling"] = {"type": field("llama.rope.scaling.type")}
+    try:
+        LlamaConfig.from_dict(raw)
+    except ConfigError as exc:
+        message = str(exc).replace("config.json: field", f"{file.name} (no config.json): the metadata's")
+        raise FormatError(message) from None
+    return raw
+
+
 def detect_format(path: Path, raw_config: dict) -> WeightFormat:
     """The layout of a model directory, from config.json and the files beside it (no tensor data read)."""
     ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -262,8 +324,11 @@ def gguf_tensors(fmt: WeightFormat, config, dequantize: bool = True) -> Iterator
         raise FormatError(f"{fname}: unknown tensor {next(iter(by_name))!r} ({len(by_name)} unknown in all)")
 
 
-def torch_tensors(fmt: WeightFormat, config) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, torch tensor) per weight, dequantized at load for the torch backend (bf16 passes as is)."""
+def torch_tensors(fmt: WeightFormat, config, keep_fp8: bool = False) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, torch tensor) per weight, dequantized at load for the torch backend (bf16 passes as is).
+
+    keep_fp8: a ModelOpt FP8 checkpoint's e4m3 weights as they are, each followed by its `weight_scale` and
+    `input_scale` (f32 scalars, checked finite and positive) for the fp8 GEMMs (cuda_kernels/fp8.py)."""
     import numpy as np
     import torch
     from safetensors import safe_open
@@ -282,8 +347,23 @@ def torch_tensors(fmt: WeightFormat, config) -> Iterator[tuple[str, Any]]:
                 continue
             t = fh.get_tensor(key)
             if fmt.family == "fp8" and t.dtype == torch.float8_e4m3fn:
-                t = t.float() * fh.get_tensor(key[: -len(".weight")] + ".weight_scale").float()
+                stem = key[: -len(".weight")]
+                if keep_fp8:
+                    yield key, t
+                    for kind in (".weight_scale", ".input_scale"):
+                        yield stem + kind, _fp8_scale(fh, fmt, stem + kind)
+                    continue
+                t = t.float() * _fp8_scale(fh, fmt, stem + ".weight_scale")
             yield key, t
+
+
+def _fp8_scale(fh, fmt: WeightFormat, key: str):
+    """A ModelOpt per-tensor scale as an f32 scalar tensor; FormatError unless finite and positive."""
+    t = fh.get_tensor(key).float().reshape(())
+    value = float(t)
+    if not (value > 0 and value < float("inf")):
+        raise FormatError(f"{fmt.weights_file.name}: tensor {key!r} is {value!r}, a scale must be finite and positive")
+    return t
 
 
 def calibration_file(path: Path, fmt: WeightFormat | None) -> tuple[Path | None, bool]:

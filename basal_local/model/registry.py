@@ -39,6 +39,36 @@ PORT_TAGS = {"bf16": ("", None), "mlx-8bit": ("-MLX-8bit", None), "mlx-fp4": ("-
              "gguf-q8_0": ("-GGUF", "Q8_0"), "gguf-q4_k_m": ("-GGUF", "Q4_K_M"), "fp8": ("-FP8", None)}
 
 
+# download sizes (GB) of the ports a Mac runs: 4.5B's as upstream lists them; mini's and max's from their parameter
+# counts at 4.5B's ratios (8-bit 0.55x, fp4 0.31x of bf16)
+MAC_PORT_GB = {"4.5B": {"bf16": 9.5, "mlx-8bit": 5.2, "mlx-fp4": 2.9},
+               "mini": {"bf16": 3.2, "mlx-8bit": 1.8, "mlx-fp4": 1.0},
+               "max": {"bf16": 33.3, "mlx-8bit": 18.2, "mlx-fp4": 10.2}}
+# a port fits when its weights take at most this share of the Mac's memory (the rest: macOS, the apps, Metal's
+# working-set limit, the cache and workspaces)
+MAC_FIT_SHARE = 0.5
+
+
+def mac_port_advice(ref: str, memory_bytes: int) -> tuple[str, bool] | None:
+    """For `pull NAME` (no tag) on a Mac of `memory_bytes`: (the sentence naming the port that fits, whether the
+    bf16 weights fit at all); None for a tagged ref, a repository name, or a name without port sizes."""
+    base, tag = split_tag(ref)
+    name = base.partition("@")[0]
+    if tag is not None or name not in MAC_PORT_GB:
+        return None
+    sizes, gb = MAC_PORT_GB[name], memory_bytes / 1e9
+    fits = [t for t in ("bf16", "mlx-8bit", "mlx-fp4") if sizes[t] <= MAC_FIT_SHARE * gb]
+    listed = ", ".join(f"{name}:{t} {sizes[t]:g} GB" for t in ("bf16", "mlx-8bit", "mlx-fp4"))
+    if "bf16" in fits:
+        return (f"this Mac has {gb:.0f} GB of memory: {name} in bf16 ({sizes['bf16']:g} GB) fits; the MLX ports "
+                f"are smaller and faster here ({listed})", True)
+    if fits:
+        return (f"this Mac has {gb:.0f} GB of memory: {name} in bf16 ({sizes['bf16']:g} GB) leaves too little; "
+                f"pull {name}:{fits[0]} ({sizes[fits[0]]:g} GB), the largest port that fits ({listed})", False)
+    return (f"this Mac has {gb:.0f} GB of memory: even {name}:mlx-fp4 ({sizes['mlx-fp4']:g} GB) leaves too little "
+            f"({listed}); try a smaller model (mini)", False)
+
+
 def split_tag(ref: str) -> tuple[str, str | None]:
     """(`name[@rev]`, tag) of `mini:mlx-8bit[@rev]`; an unknown tag lists the known ones."""
     name, at, revision = ref.partition("@")

@@ -5,9 +5,13 @@ H200s that left each GPU ~20 % idle. Here the front (this module, in the daemon'
 validation, planning and routing, and each worker process (worker.py) owns one device and runs each request to
 its Outcome. One duplex pipe per worker, the messages of wire.py.
 
-A worker whose pipe ends (its process died) leaves the rotation; every request it had not answered is sent to the
-live worker with the least queued tokens (a decision is a pure function of its body, so a retry cannot double an
-effect).
+A worker whose pipe ends (its process died: killed, a segfault, the OOM killer) leaves the rotation; every request
+it had not answered is sent once to the live worker with the least queued tokens (a decision is a pure function of
+its body, so a retry cannot double an effect). A request whose second worker dies too, or that has no live worker
+to go to, fails with EngineUnavailable (the dialect's 503 + Retry-After): a request that kills workers cannot take
+every replica down in turn, and none waits for a process that is not there. The dead worker is started again
+after a back-off (1 s, doubling per death that came soon after its load, at most 60 s); until it has loaded it is
+out of rotation and `describe` (so /health, /api/ps, /api/stats) says `restarting` or `loading`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from ..engine.engine import EngineSettings
 from ..engine.plan import RequestPlan, finish, plan_request
+from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import EngineStopped
 from ..model.directory import ModelDir
 from ..protocol.errors import NoEvidenceHead
@@ -31,6 +36,7 @@ from ..protocol.outcome import Outcome
 from ..protocol.questions import DecisionRequest
 from ..telemetry import BatchRecord, Telemetry
 from . import wire
+from .restarts import Restarts
 from .start import end_forkserver, start_context
 from .worker import WorkerSpec, worker_main
 
@@ -38,6 +44,7 @@ log = logging.getLogger(__name__)
 
 CANCEL_SCAN_S = 0.1  # how often the front looks for requests whose client went away
 TREE_WAIT_S = 5.0  # a dashboard's batch tree asked of a worker: how long to wait before it reads as null
+MAX_DEATHS = 2  # a request on this many workers that died fails (503) instead of going to a third
 
 # every replica set of this process: the forkserver is ended only when all of them have stopped (a worker's exit
 # status comes through the forkserver, so the others' workers would look dead without it)
@@ -53,6 +60,7 @@ class _Pending:
     tokens: int  # packed tokens: the routing cost
     arrival: float
     cancel_sent: bool = False
+    deaths: int = 0  # workers that died holding this request
 
     def gone(self) -> bool:
         if self.future.done():
@@ -101,6 +109,9 @@ class RemoteReplica:
         self.info: wire.Ready | None = None
         self.ready = threading.Event()
         self.load_error: str | None = None
+        self.started = time.monotonic()
+        self.ready_at: float | None = None
+        self.lost_seen = False  # `lost` ran for this process (its pipe closed)
         self.reader = threading.Thread(target=self._read, name=f"basal-replica-{spec.replica}-reader", daemon=True)
         self.reader.start()
 
@@ -150,6 +161,8 @@ class ProcessReplicaSet:
     def __post_init__(self) -> None:
         if not self.specs:
             raise ValueError("a replica set needs at least one replica")
+        self._slots = {spec.replica: i for i, spec in enumerate(self.specs)}
+        self.restarts = Restarts(list(self._slots), self._spawn, self.model.name)
         if self.settings.prefix_cache != "off":
             for lang in ("pl", "en"):
                 self.prefixes[lang] = self.model.tokenizer.template_prefix(lang)
@@ -173,14 +186,19 @@ class ProcessReplicaSet:
             why = failed[0].load_error or f"replica {failed[0].replica}'s process exited while loading"
             self.stop(5.0)
             raise RuntimeError(why)
+        self.restarts.load_s = max(r.ready_at - r.started for r in self.replicas if r.ready_at is not None)
+        self.restarts.serving = True
         return self.replicas[0].info  # type: ignore[return-value]
 
     def start(self) -> None:
         self._scanner.start()
 
     def stop(self, timeout: float | None = 30.0) -> bool:
+        self.restarts.stop()  # no restart spawns a worker after this
         self.stopping = True
         for r in self.replicas:
+            if r.info is None and r.process.is_alive():  # still loading (a restart): nothing of it to drain
+                r.process.kill()
             r.send(wire.Stop())
         deadline = time.monotonic() + (30.0 if timeout is None else timeout)
         for r in self.replicas:
@@ -226,17 +244,42 @@ class ProcessReplicaSet:
     def describe(self) -> list[dict[str, Any]]:
         now = time.perf_counter()
         out = []
-        for r in self.replicas:
+        clock = time.monotonic()
+        for r in list(self.replicas):
             waiting = r.waiting()
             label = "main" + (f"-r{r.replica}" if r.replica else "")
             lane = {"waiting": len(waiting), "waiting_tokens": sum(p.tokens for p in waiting),
                     "oldest_wait_ms": round(max((now - p.arrival for p in waiting), default=0.0) * 1000.0, 1)}
-            out.append({"model": self.model.name, "replica": r.replica, "device": r.device,
-                        "alive": r.alive and r.replica not in self.dead, "batches": r.batches,
-                        "waiting": len(waiting), "in_flight": len(r.pending), "queued_tokens": r.queued,
-                        "pid": r.process.pid, "requests": len(r.pending), "lanes": {label: lane},
-                        "memory": r.memory()})
+            alive = r.alive and r.replica not in self.dead
+            entry = {"model": self.model.name, "replica": r.replica, "device": r.device, "alive": alive,
+                     "state": self._state(r, alive), "restarts": self.restarts.count[r.replica], "batches": r.batches,
+                     "waiting": len(waiting), "in_flight": len(r.pending), "queued_tokens": r.queued,
+                     "pid": r.process.pid, "requests": len(r.pending), "lanes": {label: lane},
+                     "memory": r.memory()}
+            if not alive:
+                entry["exit_code"] = self.restarts.exit_codes.get(r.replica)
+                at = self.restarts.at.get(r.replica)
+                if at is not None and entry["state"] == "restarting":
+                    entry["restart_in_s"] = round(max(0.0, at - clock), 1)
+            out.append(entry)
         return out
+
+    def _state(self, r: RemoteReplica, alive: bool) -> str:
+        """ready | loading (its process started, not yet loaded) | restarting (dead, waiting for its back-off)
+        | stopped (the daemon is stopping) | down (dead for good: only while the set is not serving yet)."""
+        if alive:
+            return "ready"
+        if self.stopping:
+            return "stopped"
+        if r.replica in self.restarts.at:
+            return "restarting"
+        if not r.lost_seen and r.info is None:
+            return "loading"
+        return "down"
+
+    def _unavailable(self, why: str) -> EngineUnavailable:
+        loading = [r.started for r in list(self.replicas) if not r.lost_seen and r.info is None]
+        return EngineUnavailable(why, self.restarts.retry_after_s(loading))
 
     # ---- routing ------------------------------------------------------------------------------------------
     def _pick(self) -> RemoteReplica | None:
@@ -247,7 +290,8 @@ class ProcessReplicaSet:
         while True:
             target = None if self.stopping else self._pick()
             if target is None:
-                _fail(pending.future, EngineStopped())
+                _fail(pending.future, EngineStopped() if self.stopping else self._unavailable(
+                    f"no replica of {self.model.name} is serving: its worker processes died and are restarting"))
                 return
             with self._lock:
                 if not target.alive:
@@ -315,8 +359,16 @@ class ProcessReplicaSet:
                 ask.set_result(message.tree)
         elif isinstance(message, wire.Ready):
             r.info, r.device = message, message.device
-            r.alive = True
+            r.last_memory = dict(message.memory)  # the weights show before the first batch
+            r.ready_at = time.monotonic()
+            with self._lock:
+                r.alive = True
+                self.dead.discard(r.replica)
             r.ready.set()
+            if self.restarts.count[r.replica]:
+                log.warning("replica %d of %s on %s is back in rotation (restart %d, pid %d, loaded in %.1f s)",
+                            r.replica, self.model.name, r.device, self.restarts.count[r.replica], message.pid,
+                            r.ready_at - r.started)
         elif isinstance(message, wire.LoadError):
             r.load_error = message.text
             r.ready.set()
@@ -339,11 +391,15 @@ class ProcessReplicaSet:
             return None
 
     def lost(self, r: RemoteReplica) -> None:
-        """A worker's pipe closed: out of rotation; what it had not answered runs on the others."""
+        """A worker's pipe closed: out of rotation; what it had not answered runs once more on another live worker
+        (or fails with EngineUnavailable); the worker is started again after its back-off."""
         with self._lock:
-            # announced once per replica that had joined the rotation (`ready`): a failed send to it may have marked
-            # it not alive already (`_dispatch`), before its reader saw the pipe close
-            announce = r.info is not None and r.replica not in self.dead
+            if r.lost_seen:  # a second report of the same process's end
+                return
+            r.lost_seen = True
+            # announced once per process that had joined the rotation (`ready`): a failed send to it may have
+            # marked it not alive already (`_dispatch`), before its reader saw the pipe close
+            announce = r.info is not None
             r.alive = False
             self.dead.add(r.replica)
             orphans = list(r.pending.values())
@@ -353,17 +409,34 @@ class ProcessReplicaSet:
         for pending in orphans:  # first, so that no request waits for the process to be reaped
             if pending.future.done():
                 continue
+            pending.deaths += 1
             if self.stopping:
                 _fail(pending.future, EngineStopped())
+            elif pending.deaths >= MAX_DEATHS:
+                _fail(pending.future, self._unavailable(
+                    f"the worker processes computing this request died {pending.deaths} times"))
             else:
                 pending.cancel_sent = False
                 self._dispatch(pending)
         # then reap it (a forkserver's child: its exit status arrives through the forkserver, a moment later)
         r.process.join(timeout=5)
-        if announce and not self.stopping:
+        self.restarts.exit_codes[r.replica] = r.process.exitcode
+        delay = self.restarts.schedule(r.replica, r.ready_at)
+        if self.stopping:
+            return
+        again = "" if delay is None else f"; restarting it in {delay:.0f} s"
+        if announce:
             log.error("replica %d of %s on %s is out of rotation: its process ended (exit code %s); %d requests "
-                      "went to the others", r.replica, self.model.name, r.device, r.process.exitcode,
-                      len(orphans))
+                      "went to the others%s", r.replica, self.model.name, r.device, r.process.exitcode,
+                      len(orphans), again)
+        elif delay is not None:  # a restarted worker that did not load
+            log.error("replica %d of %s on %s did not restart: %s%s", r.replica, self.model.name, r.device,
+                      r.load_error or f"its process ended while loading (exit code {r.process.exitcode})", again)
+
+    def _spawn(self, slot: int) -> None:
+        """A fresh worker process for a dead replica's slot (Restarts' timer thread); it joins once loaded."""
+        index = self._slots[slot]
+        self.replicas[index] = RemoteReplica(self, self.specs[index], start_context())
 
     def _fail_all(self, exc: Exception) -> None:
         for r in self.replicas:

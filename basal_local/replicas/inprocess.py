@@ -19,8 +19,9 @@ from typing import Any
 
 from ..engine.engine import ModelEngine
 from ..engine.plan import RequestPlan
+from ..engine.protocol import EngineUnavailable
 from ..engine.requests import RoundResult, run_request
-from ..engine.scheduler import EngineStopped, Job
+from ..engine.scheduler import Job
 from ..model.directory import ModelDir
 from ..protocol.outcome import Outcome
 from ..protocol.questions import DecisionRequest
@@ -79,9 +80,10 @@ class ReplicaSet:
 
     def _submit_round(self, plan: RequestPlan, is_cancelled: Callable[[], bool], request_id: str) -> Future[RoundResult]:
         engine = self._pick(plan=plan)
-        if engine is None:
+        if engine is None:  # every device failed its probe: nothing here computes again
             future: Future[RoundResult] = Future()
-            future.set_exception(EngineStopped())
+            future.set_exception(EngineUnavailable(f"no replica of {self.model.name} is serving: every device "
+                                                   "failed (the daemon's log says why); restart the daemon", 30))
             return future
         return engine.submit_round(plan, is_cancelled, request_id)
 

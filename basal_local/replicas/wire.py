@@ -101,6 +101,7 @@ class Ready(msgspec.Struct, tag="ready", **_STRUCT):
     dtype: str
     pid: int
     layers: int
+    memory: dict[str, int] = msgspec.field(default_factory=dict)  # the device's, once loaded (`basal-local ps`)
 
 
 class LoadError(msgspec.Struct, tag="load_error", **_STRUCT):

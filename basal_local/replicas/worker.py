@@ -156,7 +156,8 @@ def _load(spec: WorkerSpec, out: queue.SimpleQueue) -> tuple[ModelEngine, RelayT
     telemetry.memory_probe = backend.memory
     engine = ModelEngine(model, backend, DeviceGate(spec.settings.long_slice_ms / 1000.0), telemetry, spec.settings,
                          replica=spec.replica)
-    return engine, telemetry, wire.Ready(backend.name, backend.device, info.dtype, os.getpid(), info.layers)
+    return engine, telemetry, wire.Ready(backend.name, backend.device, info.dtype, os.getpid(), info.layers,
+                                          backend.memory())
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:

@@ -30,6 +30,7 @@ from ..api.answers import response_body
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error, refusal_error
 from ..engine.gate import Entry
 from ..engine.plan import RequestPlan
+from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import Cancelled, EngineStopped
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..protocol.outcome import Outcome
@@ -38,6 +39,7 @@ from .batch_routes import BATCH_ROUTES, batch_summary, start_batches, stop_batch
 from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
+from .model_routes import MODEL_ROUTES
 from .security import UNAUTHENTICATED
 from .state import MAX_BODY_BYTES, AppState
 
@@ -158,9 +160,14 @@ async def _parse_and_plan(call: _Call, raw: bytes, gone: threading.Event) -> tup
             entry = _admit(call)
             if not entry.admitted:  # wait for a place on the event loop, then come back
                 return body, entry
-        call.model_name = route(body, dialect, call.state.engines, call.state.default_model or "",
-                                call.state.aliases)
-        engine = call.state.engines[call.model_name]
+        registry = call.state.models  # known models that are not loaded route too, and start loading
+        call.model_name = route(body, dialect, registry.routable() if registry else call.state.engines,
+                                call.state.default_model or "", call.state.aliases)
+        engine = call.state.engines.get(call.model_name)
+        if engine is None:
+            raise registry.not_loaded(call.model_name, dialect)
+        if registry is not None:
+            registry.touch(call.model_name)  # the keep-alive clock
         planned = engine.plan(validate(body, dialect, call.model_name))
         planned.arrival = call.arrived
         planned.background = call.request.headers.get("x-basal-priority") == "batch"  # the Batch API's lines
@@ -267,7 +274,15 @@ async def _decide(request: Request, dialect: str) -> Response:
         log.info("request %s: client disconnected %s (cancelled)", call.request_id, where)
         return _json_response(499, {"error": "client closed request"}, call.id_headers)
     except EngineStopped:
+        registry = call.state.models
+        if registry is not None and not call.state.stopping and call.model_name in registry.entries \
+                and call.model_name not in call.state.engines:  # unloaded while this request was planned: retry
+            return _error(call, registry.not_loaded(call.model_name, dialect))
         return _error(call, internal("engine stopped", dialect))
+    except EngineUnavailable as exc:
+        log.warning("request %s: %s (answered 503)", call.request_id, exc)
+        return _error(call, http_error(503, "UNAVAILABLE", f"{exc}; retry in {exc.retry_after_s} s", dialect,
+                                       {"retry-after": str(exc.retry_after_s)}))
     except asyncio.CancelledError:  # the server cancelled the handler (shutdown): counted as cancelled
         call.status = 499
         raise
@@ -296,9 +311,12 @@ async def models(request: Request) -> Response:
     state: AppState = request.app.state.basal
     from ..model.formats import port_summary
 
+    listed = {name: port_summary(engine.model) for name, engine in list(state.engines.items())}
+    if state.models is not None:  # known and unloaded: a request for one loads it (server/models.py)
+        listed.update(state.models.unloaded_listings())
     entries = [{"name": name, "release_date": state.release_date, "description": DESCRIPTION,
-                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [],
-                **port_summary(engine.model)} for name, engine in list(state.engines.items())]
+                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [], **summary}
+               for name, summary in listed.items()]
     return _json_response(200, {"models": entries})
 
 
@@ -308,22 +326,45 @@ def replicas(state: AppState) -> list[dict[str, Any]]:
             for r in e.describe()]
 
 
+def serving(state: AppState) -> tuple[str, list[dict[str, Any]]]:
+    """ok | degraded (a replica is down, every model still has a live one) | unavailable (a model has none: its
+    decisions answer 503), with the replicas' short entries."""
+    entries = []
+    for r in replicas(state):
+        entry = {k: r[k] for k in ("model", "replica", "device", "alive")}
+        entry["state"] = r.get("state", "ready" if r["alive"] else "down")
+        for key in ("restarts", "exit_code", "restart_in_s"):
+            if key in r:
+                entry[key] = r[key]
+        entries.append(entry)
+    live = {e["model"] for e in entries if e["alive"]}
+    if any(e["model"] not in live for e in entries):
+        return "unavailable", entries
+    return ("ok" if all(e["alive"] for e in entries) else "degraded"), entries
+
+
 @get("/health")
 async def health(request: Request) -> Response:
     state: AppState = request.app.state.basal
-    if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
-        word = "ok" if state.ready else ("error" if state.load_error else "loading")
-        return _json_response(200 if state.ready else 503, {"status": word})
     if not state.ready:
+        if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
+            return _json_response(503, {"status": "error" if state.load_error else "loading"})
         body: dict[str, Any] = {"status": "loading", "version": __version__}
         if state.load_error:
             body = {"status": "error", "error": state.load_error, "version": __version__}
         return _json_response(503, body)
-    return _json_response(200, {"status": "ok", "version": __version__, "models": list(state.engines),
-                                "default_model": state.default_model, "backend": state.backend_name,
-                                "device": state.device, "dtype": state.dtype,
-                                "replicas": [{k: r[k] for k in ("model", "replica", "device", "alive")}
-                                             for r in replicas(state)]})
+    word, entries = serving(state)
+    status, headers = (503, {"retry-after": "5"}) if word == "unavailable" else (200, {})
+    if request.scope.get(UNAUTHENTICATED):
+        return _json_response(status, {"status": word}, headers)
+    body = {"status": word, "version": __version__, "models": list(state.engines),
+            "default_model": state.default_model, "backend": state.backend_name, "device": state.device,
+            "dtype": state.dtype, "replicas": entries}
+    if word == "unavailable":
+        down = sorted({e["model"] for e in entries} - {e["model"] for e in entries if e["alive"]})
+        body["error"] = (f"no replica of {', '.join(down)} is serving; its decisions answer 503 until one is "
+                         "back (`replicas` says each one's state)")
+    return _json_response(status, body, headers)
 
 
 @get("/api/stats")
@@ -333,6 +374,7 @@ async def stats(request: Request) -> Response:
     snap["replicas"] = replicas(state)
     snap["batch_jobs"] = batch_summary(request.app)  # the Batch API's ("batches" are the forwards)
     snap["admission"] = state.admission.snapshot()
+    snap["model_states"] = state.models.snapshot() if state.models else []  # loading, unloading (models.py)
     return _json_response(200, snap)
 
 
@@ -353,7 +395,7 @@ def _http_exception(request: Request, exc: Exception) -> Response:
 
 def create_app(state: AppState) -> Litestar:
     app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state),
-                                   *BATCH_ROUTES],
+                                   *BATCH_ROUTES, *MODEL_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
                    exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],
                    on_startup=[start_batches], on_shutdown=[stop_batches],

@@ -19,6 +19,7 @@ from basal_local.backends.select import expand_devices, make_backend
 from ..api.errors import dialect_of, http_error
 from ..engine.engine import ModelEngine, freeze_heap
 from ..engine.gate import Admission, DeviceGate
+from ..engine.protocol import Engine
 from ..model.directory import load_model_dir
 from ..replicas.front import ProcessReplicaSet
 from ..replicas.inprocess import ReplicaSet
@@ -28,6 +29,9 @@ from .aliases import resolve_aliases
 from .app import create_app
 from .body import BodyLimits
 from .events import BusLogHandler, close_streams
+from .httpproto import http_protocol
+from .models import ModelRegistry
+from .output import guard_output
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 from .state import AppState
@@ -36,44 +40,65 @@ log = logging.getLogger("basal_local.daemon")
 KEEP_ALIVE_S = 35  # SDKs keep idle connections for 30 s (tests/test_clients.py)
 
 
+class Loader:
+    """Loads one model directory into an Engine with the daemon's settings: at start (`load_engines`) and at run
+    time (`server/models.py`). Models on the same device and replica slot share one gate and take turns."""
+
+    def __init__(self, state: AppState, settings: Settings) -> None:
+        self.state, self.settings = state, settings
+        self.devices = expand_devices(settings.devices, settings.device)
+        self.gates: dict[tuple[str, int], DeviceGate] = {}
+        self.lock = threading.Lock()  # one model loads at a time: the gates, the state's device fields
+
+    def __call__(self, path: Path) -> Engine:
+        """The started engine of the model in `path` (not yet routed to)."""
+        with self.lock:
+            return self._load(path)
+
+    def _load(self, path: Path) -> Engine:
+        state, settings = self.state, self.settings
+        model = load_model_dir(path)
+        if model.name in state.engines:
+            raise ValueError(f"two models are named {model.name!r} (basal.json name)")
+        model_devices = settings.placement.get(model.name) or self.devices
+        if use_processes(settings, model_devices):
+            engine: Engine = _process_replicas(state, settings, model, model_devices)
+            engine.start()
+            return engine
+        replicas = []
+        for device in model_devices:
+            for slot in range(settings.replicas):
+                backend = make_backend(settings.backend, device, memory_limit=settings.gpu_memory,
+                                       torch_options=settings.torch_options())
+                info = backend.load(model.path, settings.dtype)
+                state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
+                gate = self.gates.setdefault((backend.device, slot),
+                                             DeviceGate(settings.engine.long_slice_ms / 1000.0))
+                replicas.append(ModelEngine(model, backend, gate, state.telemetry, settings.engine,
+                                            replica=len(replicas)))
+                log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
+                         backend.device)
+        engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
+        state.telemetry.memory_probe = replicas[-1].backend.memory  # the last backend's view of its device
+        engine.start()
+        return engine
+
+
 def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
     """Load every model on every device it is placed on (`replicas` engines per device, one gate per device and
     replica slot), then mark the state ready. Errors go to /health. `freeze` (the daemon's own process): take
     what was loaded out of the garbage collector's view (`freeze_heap`)."""
     try:
-        devices = expand_devices(settings.devices, settings.device)
         if settings.replicas < 1:
             raise ValueError(f"--replicas must be at least 1 (got {settings.replicas})")
-        # one gate per replica slot: models on the same device and slot take turns, replicas run side by side
-        gates: dict[tuple[str, int], DeviceGate] = {}
         state.engine_settings = settings.engine
+        loader = Loader(state, settings)
+        state.models = ModelRegistry(state, loader, settings.keep_alive_s, frozen=freeze)
         for i, path in enumerate(model_dirs, 1):
             log.info("loading model %d/%d from %s", i, len(model_dirs), path)
-            model = load_model_dir(path)
-            if model.name in state.engines:
-                raise ValueError(f"two models are named {model.name!r} (basal.json name)")
-            model_devices = settings.placement.get(model.name) or devices
-            if use_processes(settings, model_devices):
-                engine = _process_replicas(state, settings, model, model_devices)
-                engine.start()
-                state.engines = {**state.engines, model.name: engine}
-                continue
-            replicas = []
-            for device in model_devices:
-                for slot in range(settings.replicas):
-                    backend = make_backend(settings.backend, device, memory_limit=settings.gpu_memory,
-                                           torch_options=settings.torch_options())
-                    info = backend.load(model.path, settings.dtype)
-                    state.backend_name, state.device, state.dtype = backend.name, backend.device, info.dtype
-                    gate = gates.setdefault((backend.device, slot), DeviceGate(settings.engine.long_slice_ms / 1000.0))
-                    replicas.append(ModelEngine(model, backend, gate, state.telemetry, settings.engine,
-                                                replica=len(replicas)))
-                    log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
-                             backend.device)
-            engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
-            state.telemetry.memory_probe = replicas[-1].backend.memory  # the last backend's view of its device
-            engine.start()
-            state.engines = {**state.engines, model.name: engine}
+            engine = loader(path)
+            state.engines = {**state.engines, engine.model.name: engine}
+            state.models.loaded_at_start(engine)
         default = settings.default_model or next(iter(state.engines))
         if default not in state.engines:
             raise ValueError(f"default_model {default!r} is not one of the served models "
@@ -84,6 +109,7 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
         if freeze:
             freeze_heap()
         state.ready = True
+        state.models.start()
         print(f"basal-local: ready: {', '.join(state.engines)} on {state.backend_name}/{state.device} "
               f"({state.dtype})", flush=True)
     except Exception as exc:
@@ -109,7 +135,7 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
     state.backend_name, state.device, state.dtype = info.backend, info.device, info.dtype
-    state.telemetry.memory_probe = engine.replicas[-1].memory  # its last batch's figures
+    state.telemetry.memory_probe = lambda: engine.replicas[-1].memory()  # its last batch's (a restart replaces it)
     for r in engine.replicas:
         if r.info is not None:
             log.info("loaded %s from %s: %d layers, %s on %s (replica %d, pid %d)", model.name, model.path,
@@ -138,78 +164,6 @@ class _Server(uvicorn.Server):
         if self.state is not None:
             close_streams(self.state)  # dashboards' streams end first: the drain is for requests
         await super().shutdown(sockets)
-
-
-def _guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_s: float) -> type:
-    """The HTTP protocol class, changed in two ways that uvicorn does not offer.
-
-    - A client that half-closes after a complete request is answered: asyncio closes the transport on EOF
-      unless `eof_received` returns True, so `printf 'POST ...' | nc -N` would never read its answer. EOF in
-      the middle of a body is still the client going away.
-    - Malformed HTTP gets a JSON 400 (`{"error", "code"}`), as every other error outside the dialects.
-    - A connection must start a request (complete headers) within `header_timeout_s` of opening, or of its
-      last answer plus the keep-alive time, else it is closed: uvicorn has no header timeout, so a client
-      sending half a header line would hold a connection forever.
-    """
-
-    class GuardedProtocol(protocol_class):  # type: ignore[misc, valid-type]
-        _peer_eof = False
-        _header_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_header_timer(header_timeout_s)
-
-        def _arm_header_timer(self, delay: float) -> None:
-            waiting_for = getattr(self, "cycle", None)
-
-            def expire() -> None:
-                if getattr(self, "cycle", None) is waiting_for and not self.transport.is_closing():
-                    self.transport.close()  # no new request started in time
-
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = asyncio.get_running_loop().call_later(delay, expire)
-
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            super().connection_lost(exc)
-
-        def eof_received(self):
-            cycle = getattr(self, "cycle", None)
-            if cycle is not None and not cycle.response_complete and not cycle.more_body:
-                self._peer_eof = True
-                return True  # keep the write side open for the answer
-            return super().eof_received()
-
-        def send_400_response(self, msg: str) -> None:
-            # malformed HTTP: the JSON error shape of every path outside the dialects, not the parser's plain text
-            body = json.dumps({"error": f"malformed HTTP request ({msg.rstrip('.')})", "code": "BAD_REQUEST"})
-            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
-                                 % (len(body), body.encode("ascii")))
-            self.transport.close()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.transport.is_closing():
-                return
-            if self._peer_eof:
-                self.transport.close()
-            else:
-                self._arm_header_timer(keep_alive_s + header_timeout_s)
-
-    GuardedProtocol.__name__ = f"Guarded{protocol_class.__name__}"
-    return GuardedProtocol
-
-
-def _http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools is optional; uvicorn then parses with h11
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    return _guarded_protocol(base, header_timeout_s, keep_alive_s)
 
 
 class DrainGuard:
@@ -273,7 +227,7 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
         logging.getLogger("basal_local").addHandler(BusLogHandler(state))  # the dashboards' log pane
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_keep_alive=KEEP_ALIVE_S, access_log=False,
-                            http=_http_protocol(settings.body_timeout_s, KEEP_ALIVE_S),
+                            http=http_protocol(settings.body_timeout_s, KEEP_ALIVE_S),
                             timeout_graceful_shutdown=max(1, round(settings.drain_s)),
                             **({"log_config": None} if quiet else {}))
     return state, config
@@ -302,6 +256,7 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
     """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503).
     `ready_text` is printed once the models are loaded; `sock`: an already bound socket (--port 0)."""
     state, config = build(settings, model_dirs)
+    guard_output()  # after build: uvicorn's handlers exist now; a full disk under any output is one warning
     server = _Server(config, state)
 
     def stop() -> None:
@@ -324,6 +279,8 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
 def shutdown(state: AppState, timeout: float = 30.0) -> None:
     """Stop planning and every engine: queued requests fail with "engine stopped", lane threads are joined."""
     state.stopping = True
+    if state.models is not None:
+        state.models.stop()
     if state.dashboard_token:
         remove_token(state.token_port, state.dashboard_token)
     state.planner.shutdown(wait=False, cancel_futures=True)

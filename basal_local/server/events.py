@@ -99,7 +99,18 @@ def _models(state: AppState) -> list[dict[str, Any]]:
                     "engine": {"max_batch_tokens": s.max_batch_tokens, "schedule": s.schedule,
                                "long_tokens": s.long_tokens, "long_slice_ms": s.long_slice_ms,
                                "max_row_tokens": s.max_row_tokens, "max_forward_tokens": s.max_forward_tokens,
-                               "prefix_cache": s.prefix_cache}})
+                               "prefix_cache": s.prefix_cache},
+                    "replicas": [_replica(r) for r in engine.describe()]})
+    return out
+
+
+def _replica(described: dict[str, Any]) -> dict[str, Any]:
+    """One replica of a model as the dashboard shows it: its device, its memory, its state cache (when it has
+    one). The lanes are in `queues`."""
+    out = {k: described[k] for k in ("replica", "device", "alive", "state", "restarts") if k in described}
+    out["memory"] = dict(described.get("memory") or {})
+    if isinstance(described.get("prefix_cache"), dict):
+        out["prefix_cache"] = described["prefix_cache"]
     return out
 
 
@@ -118,6 +129,7 @@ def cache_totals(replicas: list[dict[str, Any]], setting: str) -> dict[str, Any]
 
 def stats_snapshot(state: AppState) -> dict[str, Any]:
     """Everything a dashboard needs at start: identity, limits, counters, percentiles, queues, recent history."""
+    state.telemetry.device.cuda = str(state.device or "").startswith("cuda")  # replicas may run in workers
     snap = state.telemetry.snapshot()
     snap.update({"version": __version__, "ready": state.ready, "load_error": state.load_error,
                  "backend": state.backend_name, "device": state.device, "dtype": state.dtype,

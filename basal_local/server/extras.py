@@ -87,13 +87,15 @@ def _json(status: int, body: Any) -> Response:
                     media_type="application/json")
 
 
-def _rss_bytes() -> int | None:
-    """This process's resident memory (Linux /proc, else the peak from resource, else unknown)."""
+def _rss_bytes(pid: int | None = None) -> int | None:
+    """A process's resident memory (Linux /proc; for this process else the peak from resource; else unknown)."""
     try:
-        with open(f"/proc/{os.getpid()}/statm") as fh:
+        with open(f"/proc/{pid or os.getpid()}/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
         pass
+    if pid not in (None, os.getpid()):
+        return None
     try:
         import resource  # Unix only
 
@@ -103,20 +105,41 @@ def _rss_bytes() -> int | None:
         return None
 
 
+def _replica(r: dict[str, Any]) -> dict[str, Any]:
+    """One replica for `basal-local ps`: its process (a worker's own pid, else the daemon's), device, state, work
+    and memory."""
+    pid = r.get("pid") or os.getpid()
+    return {"replica": r.get("replica", 0), "pid": pid, "worker_process": "pid" in r, "device": r.get("device"),
+            # a dead worker process shows `restarting`/`loading` until it is back (replicas/restarts.py)
+            "state": r.get("state", "ready" if r.get("alive", True) else "dead"), "alive": r.get("alive", True),
+            "restarts": r.get("restarts", 0), "in_flight": r.get("requests", 0),
+            "batches": r.get("batches", 0), **(r.get("memory") or {}),
+            **({"process_rss_bytes": _rss_bytes(pid)} if "pid" in r else {})}
+
+
 @get("/api/ps")
 async def ps(request: Request) -> Response:
     state: AppState = request.app.state.basal
     loaded = []
+    states = {e["name"]: e for e in state.models.snapshot()} if state.models else {}
     for name, engine in list(state.engines.items()):
         described = engine.describe()
         # the first live replica's device, as one engine would show it
         first = next((r for r in described if r["alive"]), described[0]) if described else {}
         memory = dict(first.get("memory") or {})
+        devices = sorted({str(r.get("device")) for r in described if r.get("device")})
+        entry = states.pop(name, {})
         loaded.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
-                       "default": name == state.default_model, "backend": state.backend_name,
-                       "device": state.device, "dtype": state.dtype,
-                       "aliases": sorted(a for a, t in state.aliases.items() if t == name),
-                       "queue": sum(r["requests"] for r in described), **memory})
+                       "status": entry.get("status", "loaded"), "default": name == state.default_model,
+                       "backend": state.backend_name, "device": ",".join(devices) or state.device,
+                       "dtype": state.dtype, "aliases": sorted(a for a, t in state.aliases.items() if t == name),
+                       "queue": sum(r["requests"] for r in described), **memory,
+                       "keep_alive_s": entry.get("keep_alive_s"), "expires_in_s": entry.get("expires_in_s"),
+                       "replicas": [_replica(r) for r in described]})
+    for entry in states.values():  # known, not loaded: loading, unloading, unloaded or failed
+        loaded.append({"name": entry["name"], "path": entry["path"], "status": entry["status"],
+                       "default": entry["default"], "keep_alive_s": entry["keep_alive_s"], "error": entry["error"],
+                       "since": entry["since"], "replicas": []})
     return _json(200, {"version": __version__, "ready": state.ready, "error": state.load_error,
                        "pid": os.getpid(), "process_rss_bytes": _rss_bytes(), "inflight": state.inflight,
                        "models": loaded})

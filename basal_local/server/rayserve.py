@@ -105,6 +105,8 @@ class EngineReplica:
         load_engines(self.state, settings, dirs)
         if self.state.load_error:  # the replica fails to start; Ray reports it and `serve` prints it
             raise RuntimeError(self.state.load_error)
+        self.state.models.stop()  # models at run time are one daemon's: under Ray each replica keeps its models
+        self.state.models = None
         policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts,
                                     settings.allowed_origins)
         self.app = Guard(create_app(self.state), policy)

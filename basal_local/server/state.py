@@ -56,3 +56,4 @@ class AppState:
     planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "basal-plan"))
     big_planner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "basal-plan-big"))
     metrics_recorder: Any = None  # metrics.MetricsRecorder when --metrics
+    models: Any = None  # models.ModelRegistry once loading began: every known model's state (load/unload)

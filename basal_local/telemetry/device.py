@@ -114,9 +114,12 @@ class DeviceMonitor:
         self._last_at = -1e9
         self._ticker: threading.Thread | None = None
         self._read_at = time.monotonic()
+        # the daemon computes on CUDA in worker processes (replicas on several GPUs): this process never
+        # initializes CUDA itself, so the daemon says so (server/events.py) for NVML to report the GPUs
+        self.cuda = False
 
     def _gpus(self) -> list[dict[str, Any]] | None:
-        if not _cuda_in_use():
+        if not (self.cuda or _cuda_in_use()):
             return None
         if not self._nvml_tried:
             self._nvml_tried = True

@@ -13,7 +13,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Static
 
 from ..data import DashboardData
-from ..widgets.batch_tree import BatchTree
+from ..widgets.batch_tree import CACHED, CACHED_STYLE, BatchTree, hit_tokens
 from ..widgets.follow_table import FollowTable
 from ..widgets.format import clock, ms, saving_line
 from .base import DashboardScreen
@@ -58,7 +58,8 @@ def histogram_line(sizes: dict[int, int]) -> Text:
 def batch_cells(b: dict[str, Any]) -> tuple:
     packed, unpacked = b.get("packed_tokens", 0), b.get("unpacked_tokens", 0)
     saved = f"{100 * (1 - packed / unpacked):.0f} %" if unpacked else "-"
-    return (str(b.get("batch_id")), clock(b.get("started")), b.get("model", ""), b.get("lane", ""),
+    mark = f" {CACHED}" if hit_tokens(b) else ""  # a row of it continued a state from the state cache
+    return (Text(str(b.get("batch_id"))).append(mark, style=CACHED_STYLE), clock(b.get("started")), b.get("model", ""), b.get("lane", ""),
             str(b.get("requests")), str(b.get("questions")), f"{packed:,}", f"{unpacked:,}", saved,
             str(b.get("forwards")), ms(b.get("compute_ms")))
 

@@ -51,7 +51,9 @@ def detail_renderable(record: dict[str, Any], thresholds: dict[str, float]) -> G
     head.add_row("status", str(record.get("status", "-")) + (f"  {record['error']}" if record.get("error") else ""))
     head.add_row("model / client", f"{record.get('model', '-')} via {record.get('endpoint', '-')}, "
                                    f"{client_name(record.get('client', ''))} at {clock(record.get('ts'))}")
-    head.add_row("tokens", f"{record.get('input_tokens', '-')} input, {record.get('packed_tokens', '-')} packed")
+    cached = record.get("cached_tokens")
+    head.add_row("tokens", f"{record.get('input_tokens', '-')} input, {record.get('packed_tokens', '-')} packed"
+                 + (f", {cached:,} continued from the state cache" if isinstance(cached, int) and cached else ""))
     head.add_row("timings ms", f"planning {ms(record.get('planning_ms'))}, queue {ms(record.get('queue_ms'))}, "
                                f"compute {ms(record.get('compute_ms'))}, total {ms(record.get('total_ms'))}")
     head.add_row("batch", f"{record.get('batch_id', '-')} ({record.get('batch_requests', '-')} requests)")

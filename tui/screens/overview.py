@@ -1,11 +1,14 @@
-"""View 1: KPIs with sparklines, the queue per model and lane beside the device, the daemon's totals.
+"""View 1: KPIs with sparklines, the queue per model and lane beside the device, the state cache, the totals.
 
 The KPI cards take the height the terminal leaves (their sparklines grow); from 160 columns the queue and the
-device sit side by side; under 100 columns titles shorten; under 36 lines the totals take one line.
+device sit side by side; under 100 columns titles shorten; under 36 lines the state cache and the totals take
+one line each.
 """
 
 from __future__ import annotations
 
+from rich.bar import Bar
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -13,6 +16,7 @@ from textual.containers import Grid, Horizontal
 from textual.widgets import Static
 
 from ..data import DashboardData
+from ..widgets.cache import cache_line, cache_table
 from ..widgets.device import device_renderable
 from ..widgets.format import ms
 from ..widgets.kpi import KpiCard
@@ -51,8 +55,9 @@ def queue_table(data: DashboardData, narrow: bool = False) -> Table:
     return table
 
 
-def totals_text(data: DashboardData, narrow: bool = False) -> Text:
-    """The daemon's request counters (since `c`, if pressed): they add up to received."""
+def totals_text(data: DashboardData, narrow: bool = False, jobs: bool = True) -> Text:
+    """The daemon's request counters (since `c`, if pressed): they add up to received; with `jobs`, the first
+    running Batch API batch's progress too."""
     text = Text()
     for key, label in TOTALS:
         value = data.total(key)
@@ -63,14 +68,35 @@ def totals_text(data: DashboardData, narrow: bool = False) -> Text:
         text.append("  ")
     text.append("in flight " if not narrow else "flying ", style="dim")
     text.append(str(data.stats.get("inflight", data.stats.get("totals", {}).get("in_flight", 0))), style="bold")
-    jobs = data.stats.get("batch_jobs") or []  # the Batch API's batches still running
-    if jobs:
-        job = jobs[0]
+    running = data.stats.get("batch_jobs") or []  # the Batch API's batches still running
+    if running and jobs:
+        job = running[0]
         done = job.get("completed", 0) + job.get("failed", 0)
         text.append("  batch " if not narrow else "  b ", style="dim")
         text.append(f"{done:,}/{job.get('total', 0):,}", style="bold")
-        text.append(f" {job.get('status', '')}" + (f" +{len(jobs) - 1}" if len(jobs) > 1 else ""), style="dim")
+        text.append(f" {job.get('status', '')}" + (f" +{len(running) - 1}" if len(running) > 1 else ""), style="dim")
     return text
+
+
+MAX_JOBS = 4  # Batch API batches listed one per line on a tall terminal
+
+
+def jobs_renderable(data: DashboardData) -> Group:
+    """The totals, then each running Batch API batch with its progress (a tall terminal's totals pane)."""
+    grid = Table.grid(padding=(0, 2))
+    jobs = data.stats.get("batch_jobs") or []
+    for job in jobs[:MAX_JOBS]:
+        done, failed, total = job.get("completed", 0), job.get("failed", 0), job.get("total", 0)
+        counts = Text(f"{done + failed:,}/{total:,} lines")
+        if failed:
+            counts.append(f", {failed:,} failed", style="yellow")
+        grid.add_row(Text(f"batch {job.get('id', '?')}", style="bold"), Text(str(job.get("status", "")), style="dim"),
+                     Bar(float(total or 1), 0.0, float(done + failed), width=20, color="cyan", bgcolor="grey23"),
+                     Text(f"{100 * (done + failed) / total:.0f} %" if total else "-", style="bold"), counts)
+    parts: list = [totals_text(data, jobs=False), grid]
+    if len(jobs) > MAX_JOBS:
+        parts.append(Text(f"+{len(jobs) - MAX_JOBS} more batches", style="dim"))
+    return Group(*parts)
 
 
 class OverviewScreen(DashboardScreen):
@@ -84,8 +110,9 @@ class OverviewScreen(DashboardScreen):
     OverviewScreen.-wide #middle { layout: horizontal; }
     OverviewScreen.-wide #queues { width: 3fr; }
     OverviewScreen.-wide #device { width: 2fr; }
-    OverviewScreen #totals { height: 1; padding: 0 1; border: none; }
-    OverviewScreen.-tall #totals { height: 3; border: round $primary-darken-2; }
+    OverviewScreen #totals, OverviewScreen #cache { height: 1; padding: 0 1; border: none; }
+    OverviewScreen.-tall #totals { height: auto; border: round $primary-darken-2; }
+    OverviewScreen.-tall #cache { height: auto; border: round $primary-darken-2; }
     """
 
     def body(self) -> ComposeResult:
@@ -99,6 +126,9 @@ class OverviewScreen(DashboardScreen):
             device = Static(id="device", classes="panel")
             device.border_title = "device"
             yield device
+        cache = Static(id="cache", classes="panel")
+        cache.border_title = "state cache"
+        yield cache
         totals = Static(id="totals", classes="panel")
         totals.border_title = "requests since start"
         yield totals
@@ -131,7 +161,21 @@ class OverviewScreen(DashboardScreen):
         overloaded = data.total("overloaded")
         card("overloaded").show(str(overloaded), data.series("overloaded"), alert=overloaded > 0)
         self.query_one("#queues", Static).update(queue_table(data, narrow))
-        self.query_one("#device", Static).update(device_renderable(data.device, data.stats.get("memory", {}), narrow))
+        # a bar per memory part (7 lines a GPU) where the terminal leaves the KPI cards room, else one line each
+        gpus = len(data.device.get("gpus") or [])
+        split = self.has_class("-tall") and 8 * gpus <= self.app.size.height - 26
+        compact = gpus > 1 and not self.has_class("-tall")  # several GPUs on a short terminal: a line each
+        self.query_one("#device", Static).update(device_renderable(
+            data.device, data.stats.get("memory", {}), narrow, data.replicas(), tall=split, compact=compact))
+        cache = self.query_one("#cache", Static)
+        cache.border_title = "state cache since the clear" if data.cleared_at else "state cache"
+        if self.has_class("-tall"):
+            total = data.cache_total()
+            cache.border_subtitle = f"cache setting {total['setting']}" if total.get("setting") else ""
+            cache.update(cache_table(data, (cache.size.width or self.app.size.width) - 2))
+        else:
+            cache.update(cache_line(data, narrow))
         totals_pane = self.query_one("#totals", Static)
         totals_pane.border_title = "requests since the clear" if data.cleared_at else "requests since start"
-        totals_pane.update(totals_text(data, narrow))
+        totals_pane.update(jobs_renderable(data) if self.has_class("-tall") and data.stats.get("batch_jobs")
+                           else totals_text(data, narrow))

@@ -23,15 +23,16 @@ from .base import DashboardScreen
 COLUMNS = [("id", "id", "id", 10), ("ts", "time", "time", 10), ("status", "status", "status", 10),
            ("queue_ms", "queue ms", "queue", 9), ("compute_ms", "compute ms", "comp", 9), ("model", "model", "model", 8),
            ("client", "client", "client", 8), ("endpoint", "endpoint", "api", 7), ("questions", "q", "q", 5),
-           ("input_tokens", "in tok", "tok", 4), ("batch_id", "batch", "batch", 3), ("lane", "lane", "lane", 2),
-           ("total_ms", "total ms", "total", 1)]
+           ("input_tokens", "in tok", "tok", 4), ("cached_tokens", "cached", "cache", 3.5),
+           ("batch_id", "batch", "batch", 3), ("lane", "lane", "lane", 2), ("total_ms", "total ms", "total", 1)]
 # width of each column's content at most (model and client are cut to it), plus DataTable's padding of 2
 WIDTH = {"id": 10, "ts": 8, "status": 6, "queue_ms": 5, "compute_ms": 5, "model": 12, "client": 12, "endpoint": 9,
-         "questions": 3, "input_tokens": 6, "batch_id": 5, "lane": 6, "total_ms": 5}
+         "questions": 3, "input_tokens": 6, "cached_tokens": 6, "batch_id": 5, "lane": 6, "total_ms": 5}
 NARROW_WIDTH = {"model": 10, "client": 10, "endpoint": 5}
 SHORT_STATUS = {"received": "recv", "planned": "plan", "queued": "queue", "computing": "run"}
 # `s` cycles through these: (label, row field, newest/largest first)
 SORTS = [("time", "ts", True), ("queue ms", "queue_ms", True), ("compute ms", "compute_ms", True),
+         ("cached tokens", "cached_tokens", True),
          ("status", "status", False), ("model", "model", False), ("client", "client", False)]
 
 

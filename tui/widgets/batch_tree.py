@@ -1,4 +1,8 @@
-"""A batch as the engine packed it: rows (one prefix trie per language) -> template -> state -> question -> orders."""
+"""A batch as the engine packed it: rows (one prefix trie per language) -> template -> state -> question -> orders.
+
+A row that continues a state the state cache holds (`cache_hit`) gets the cached template + state as its first
+block, marked as coming from the cache; its computed blocks hang below it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,20 @@ from textual.widgets.tree import TreeNode
 from .format import ms, short_id
 
 KIND_STYLE = {"template": "magenta", "state": "cyan", "question": "yellow", "order": "green"}
+CACHED = "\u21ba"  # the mark of what a row continues from the state cache
+CACHED_STYLE = "bold magenta"
+
+
+def cached_tokens(row: dict[str, Any]) -> int:
+    """Tokens a row continues from a cached node (the template, or a cached template + state)."""
+    if "cached_tokens" in row:
+        return int(row.get("cached_tokens") or 0)
+    return int(row.get("prefix_tokens") or 0) if row.get("prefix") else 0  # a daemon without the state cache
+
+
+def hit_tokens(batch: dict[str, Any]) -> int:
+    """Tokens the batch's rows continued from cached states (0: no row hit the state cache)."""
+    return sum(cached_tokens(row) for row in batch.get("tree") or [] if row.get("cache_hit"))
 
 
 def batch_label(batch: dict[str, Any]) -> Text:
@@ -26,9 +44,18 @@ def batch_label(batch: dict[str, Any]) -> Text:
 
 def row_label(n: int, row: dict[str, Any]) -> Text:
     text = Text(f"row {n} [{row.get('lang')}] ", style="bold")
-    if row.get("prefix"):
-        text.append(f"cached template {row.get('prefix_tokens', 0)} tok + ", style=KIND_STYLE["template"])
+    if row.get("cache_hit"):
+        text.append(f"{CACHED} {cached_tokens(row):,} tok from the state cache + ", style=CACHED_STYLE)
+    elif cached_tokens(row):
+        text.append(f"cached template {cached_tokens(row):,} tok + ", style=KIND_STYLE["template"])
     text.append(f"{row.get('tokens', 0):,} tok, {row.get('prompts', 0)} prompts")
+    return text
+
+
+def cached_label(row: dict[str, Any]) -> Text:
+    """The block a cache-hit row continues: the template and the state, computed by an earlier batch."""
+    text = Text(f"{CACHED} template + state {cached_tokens(row):,} tok", style=CACHED_STYLE)
+    text.append("  cached: not computed in this batch", style="dim")
     return text
 
 
@@ -72,6 +99,8 @@ def fill_tree(tree: Tree, batch: dict[str, Any] | None, expand_depth: int = 3) -
         tree.root.add_leaf(Text("tree not kept: the dashboard read this batch too late", style="dim"))
     for n, row in enumerate(batch.get("tree") or []):
         node = tree.root.add(row_label(n, row), expand=True)
+        if row.get("cache_hit"):
+            node = node.add(cached_label(row), expand=True)
         _add_blocks(node, row.get("children") or [], expand_depth)
     tree.root.expand()
 

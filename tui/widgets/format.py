@@ -39,6 +39,30 @@ def size(n: float | None) -> str:
     return "-"
 
 
+def size_pair(used: float | None, total: float | None) -> str:
+    """`6.0/12.0 GiB`: a part of a whole in the whole's unit."""
+    if used is None or not total:
+        return size(used)
+    unit, scale = next(((u, 1024.0 ** k) for k, u in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
+                        if total < 1024.0 ** (k + 1) or u == "TiB"))
+    if unit == "B":
+        return f"{used:.0f}/{total:.0f} B"
+    return f"{used / scale:.1f}/{total / scale:.1f} {unit}"
+
+
+def count(n: float | None) -> str:
+    """A count in at most 6 cells: 9,999, then 48.2k, 1.2M, 3.4G."""
+    if n is None:
+        return "-"
+    n = float(n)
+    if abs(n) < 10_000:
+        return f"{n:,.0f}"
+    for unit, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9)):
+        if abs(n) < 999.5 * scale or unit == "G":
+            return f"{n / scale:.1f}{unit}" if abs(n) < 99.95 * scale else f"{n / scale:.0f}{unit}"
+    return "-"
+
+
 def clock(ts: float | None) -> str:
     if not ts:
         return "-"

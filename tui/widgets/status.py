@@ -30,6 +30,9 @@ def status_parts(data: DashboardData, paused: bool, narrow: bool) -> list[Part]:
             parts.append((10, " error ", "bold white on red"))
         else:
             parts.append((10, " loading ", "bold black on yellow"))
+        moving = [f" {e['status']} {e['name']} " for e in data.model_states() if e["status"] in ("loading", "unloading")]
+        if moving and s.get("ready"):  # a model loads or unloads while the others serve
+            parts.append((9, moving[0] + (f"+{len(moving) - 1} " if len(moving) > 1 else ""), "bold black on yellow"))
         backend = "/".join(x for x in (s.get("backend"), s.get("device"), s.get("dtype")) if x)
         models = ", ".join(m.get("name", "") for m in s.get("models", []))
         parts += [(7, f" {url}", ""), (8, f"  {backend or '-'}", ""), (5, f"  {models or '-'}", ""),
