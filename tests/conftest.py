@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from . import bytecode, hf_reference, zygote
-from .zygote import cli_popen
+from . import hf_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".test-cache"
@@ -66,12 +65,15 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 _shared: list[subprocess.Popen] = []
 _starting: list[threading.Thread] = []
+_made: list[str] = []  # the folder of the generated test models, removed at the end
+
+# What the workers and their daemons import, then what the transformers reference imports. A fresh
+# `pip install --no-compile` has no bytecode for them, and four workers starting at once would each compile the
+# same files (a cold `import torch` costs ~3x a warm one). One plain import per group writes the bytecode once.
+WARM_IMPORTS = [["torch", "numpy", "litestar", "uvicorn", "basal_local.cli", "basal_local.server.daemon",
+                 "basal_local.backends.torch"], ["textual", "rich", "hypothesis", "httpx", "mlx.core"], ["transformers"]]
 
 
-# A fresh `pip install --no-compile` has no bytecode: the first `import torch` then costs ~31 s of CPU instead of
-# ~9 s, compiling on one core, and the fork server, the transformers reference and every worker would compile the
-# same files at the same time. On such an install the controller first compiles what a run imports, one process
-# per core (tests/bytecode.py), then starts everything as on a warm install.
 def _bytecode_cold() -> bool:
     """Whether torch's bytecode is not cached yet (torch stands for everything the suite imports)."""
     import importlib.util
@@ -80,38 +82,30 @@ def _bytecode_cold() -> bool:
     return bool(spec and spec.origin) and not os.path.exists(importlib.util.cache_from_source(spec.origin))
 
 
+def _import(modules: list[str], env: dict) -> subprocess.Popen:
+    code = "".join(f"try:\n    import {m}\nexcept ImportError:\n    pass\n" for m in modules)
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
 def pytest_configure(config) -> None:
-    """Under xdist the controller starts, in the background, what every worker would otherwise build for itself:
-    the fork server with torch and the daemon preloaded (tests/zygote.py), the transformers reference
-    (tests/hf_reference.py) and a folder for the generated test models (built once, by the first worker that
-    needs one). The workers inherit the paths through the environment; each waits for a server on first use."""
+    """Under xdist the controller prepares, before the workers start, what every worker would otherwise do for
+    itself: the bytecode of a fresh install (the first two groups of WARM_IMPORTS, one process per core), the
+    transformers reference (tests/hf_reference.py, started in the background) and a folder for the generated test
+    models (built once, by the first worker that needs one). The workers inherit the paths through the environment."""
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", default=0):
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    late: list[subprocess.Popen] = []
-    if _bytecode_cold():  # a fresh `--no-compile` install: compile what the run imports first, on every core
-        for proc in bytecode.compile_listed(env, late=False):  # what the fork server imports
+    cold = _bytecode_cold()
+    if cold:
+        for proc in [_import(group, env) for group in WARM_IMPORTS[:-1]]:
             proc.wait()
-        # the rest on one core while the fork server imports (one core's work); each worker rewrites the test
-        # modules' assertions itself (pytest's own hook: ~5 s of CPU per worker on a fresh clone)
-        late = bytecode.compile_listed(env, jobs=1, late=True)
-    if zygote.ENABLED and not os.environ.get(zygote.SHARED):
-        proc, path = zygote.start_server(env)
-        _shared.append(proc)
-        os.environ[zygote.SHARED] = path
-        if config.option.tx == ["popen"] * len(config.option.tx):  # `-n N`: the workers are forks of it too
-            config.option.tx = [f"popen//python={zygote.worker_python()}"] * len(config.option.tx)
     if sys.platform != "win32" and not os.environ.get(hf_reference.ENV):
-        fork = None
-        if zygote.ENABLED and os.environ.get(zygote.SHARED):  # a fork of the server: torch is imported there
-            def fork(code: str, env: dict) -> zygote.ForkedProcess:
-                return zygote.ForkedProcess([], code=code, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stderr=2)
         path = hf_reference.socket_path()
 
-        def start() -> None:  # once transformers is compiled and the fork server listens
-            for proc in late:
-                proc.wait()
-            _shared.append(hf_reference.start_server(ROOT, fork, path)[0])
+        def start() -> None:  # transformers' bytecode first, so the reference does not compile it itself
+            if cold:
+                _import(WARM_IMPORTS[-1], env).wait()
+            _shared.append(hf_reference.start_server(ROOT, path)[0])
 
         _starting.append(threading.Thread(target=start, name="hf-reference-start", daemon=True))
         _starting[-1].start()
@@ -120,24 +114,21 @@ def pytest_configure(config) -> None:
         import tempfile
 
         os.environ["BASAL_LOCAL_TEST_MODELS"] = tempfile.mkdtemp(prefix="basal-test-models-")
-        config._basal_models = os.environ["BASAL_LOCAL_TEST_MODELS"]
+        _made.append(os.environ["BASAL_LOCAL_TEST_MODELS"])
 
 
 def pytest_unconfigure(config) -> None:
     for thread in _starting:
         thread.join(timeout=300)
-    for proc in reversed(_shared):  # the forks of the fork server before the server
+    for proc in _shared:
         proc.terminate()
-    for proc in reversed(_shared):
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-        except RuntimeError:  # a fork whose server went first: the server's exit killed it
-            pass
-    if folder := getattr(config, "_basal_models", None):
-        import shutil
+    import shutil
 
+    for folder in _made:
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -178,6 +169,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cli_popen(args: list, **kwargs) -> subprocess.Popen:
+    """`basal-local ARGS` as its own process (subprocess.Popen's keyword arguments)."""
+    return subprocess.Popen([sys.executable, "-m", "basal_local.cli", *map(str, args)], **kwargs)
+
+
+def cli_run(args: list, **kwargs) -> subprocess.CompletedProcess:
+    """`basal-local ARGS` run to its end (subprocess.run's keyword arguments)."""
+    return subprocess.run([sys.executable, "-m", "basal_local.cli", *map(str, args)], **kwargs)
+
+
 def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None, timeout: float = 60):
     """(status, headers, parsed JSON body) for a request; errors are answers too."""
     if isinstance(body, dict):
@@ -203,10 +204,8 @@ class Daemon:
         self.url = f"http://127.0.0.1:{self.port}"
         options = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
                    "env": {**os.environ, **(env or {})}}
-        if command is None:  # `basal-local serve`, forked from the suite's preloaded server (tests/zygote.py)
-            self.proc = cli_popen(["serve", "--port", str(self.port), *args], **options)
-        else:
-            self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], **options)
+        command = command or [sys.executable, "-m", "basal_local.cli", "serve"]
+        self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], **options)
         self._lines: collections.deque[str] = collections.deque(maxlen=self.LOG_LINES)
         self._drain = threading.Thread(target=self._read, daemon=True)
         self._drain.start()

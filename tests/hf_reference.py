@@ -20,7 +20,7 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the pytest controller imports this module before it compiles a cold install's bytecode
+if TYPE_CHECKING:  # the pytest controller imports this module: it needs no NumPy
     import numpy as np
 
 ENV = "BASAL_LOCAL_TEST_HF"
@@ -96,17 +96,12 @@ def socket_path() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="basal-hfref-"), "s")
 
 
-def start_server(root: Path, fork: Any = None, path: str | None = None) -> tuple[Any, str]:
-    """Start the shared server in the background (the caller does not wait for it); (process, socket path).
-
-    `fork`: a callable that runs code in a fork of the suite's fork server (tests/zygote.py), which has torch
-    imported already (~6-9 s of CPU less than a fresh interpreter; transformers is still imported here)."""
+def start_server(root: Path, path: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Start the shared server in the background (the caller does not wait for it); (process, socket path)."""
     path = path or socket_path()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # read when torch loads: one thread, as in the workers
     code = f"import sys; sys.path.insert(0, {str(root)!r}); from tests.hf_reference import serve; serve({path!r})"
-    if fork is not None:
-        return fork(code, env), path
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, cwd=root, env=env)
     return proc, path
 

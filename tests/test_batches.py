@@ -16,8 +16,7 @@ from basal_local.engine.packer import PromptSpec
 from basal_local.engine.scheduler import Job, form_batch
 
 from . import rawhttp
-from .conftest import Daemon
-from .zygote import cli_run
+from .conftest import Daemon, cli_run
 
 pytestmark = pytest.mark.skipif(not find_spec("basal_client"), reason="basal-client is in the test extra")
 

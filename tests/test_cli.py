@@ -17,8 +17,7 @@ import pytest
 
 from basal_local import __version__
 
-from .conftest import Daemon, free_port
-from .zygote import cli_popen, cli_run
+from .conftest import Daemon, cli_popen, cli_run, free_port
 
 
 def cli(*args: str, env: dict | None = None, stdin: str | None = None):

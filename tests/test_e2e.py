@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from .conftest import Daemon, http
+from .conftest import Daemon, cli_run, http
 from .hf_reference import HFModel
 from .reference import TEMPS, ReferenceTokenizer, render
-from .zygote import cli_run
 
 M = "basal-test-tiny"
 STATE = {"zgłoszenie": "Paczka dotarła uszkodzona 🙁", "kwota": 129.99, "tagi": ["dostawa", None]}

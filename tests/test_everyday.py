@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Daemon, free_port
-from .zygote import cli_popen
+from .conftest import Daemon, cli_popen, free_port
 
 
 def _open_events(port: int) -> socket.socket:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Daemon
-from .zygote import cli_popen
+from .conftest import Daemon, cli_popen
 
 # ---- a stand-in daemon for the tools' own behaviour (interruptions, 529s, a daemon that dies) ------------------
 

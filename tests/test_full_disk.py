@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port, http
-from .zygote import cli_popen
+from .conftest import cli_popen, free_port, http
 
 FULL = Path("/dev/full")
 pytestmark = pytest.mark.skipif(not FULL.exists(), reason="no /dev/full (Linux) on this machine")

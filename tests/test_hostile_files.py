@@ -23,8 +23,7 @@ import torch
 from basal_local.model.directory import ModelLoadError, load_model_dir
 from basal_local.model.evidence_head import EvidenceHeadError, read_state_dict
 
-from .conftest import free_port
-from .zygote import cli_run
+from .conftest import cli_run, free_port
 
 HEAD = "evidence_head.pt"
 

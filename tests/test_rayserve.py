@@ -24,9 +24,8 @@ import pytest
 
 from basal_local.server.settings import Settings
 
-from .conftest import free_port, http
+from .conftest import cli_run, free_port, http
 from .test_replicas import bodies, probabilities  # the same requests as the one-host test
-from .zygote import cli_run
 
 if TYPE_CHECKING:
     from basal_local.server.rayserve import EngineReplica, Front

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from . import rawhttp
-from .conftest import Daemon, free_port
-from .zygote import cli_run
+from .conftest import Daemon, cli_run, free_port
 
 M = "basal-test-tiny"
 SMALL = {"model": M, "state": "The parcel arrived broken.",

@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .conftest import Daemon, http
+from .conftest import Daemon, cli_run, http
 from .test_replicas import bodies, close
-from .zygote import cli_run
 
 WAIT = 90.0
 
