@@ -105,6 +105,7 @@ EXAMPLES = {  # the `-h` description of each command without its own: what it do
     "ask": 'basal-local ask --state "The parcel arrived broken." --noul "Is this urgent?"',
     "run": "basal-local run --input items.jsonl --output answers.jsonl --concurrency 8",
     "stop": "basal-local stop --timeout 60",
+    "restart": "basal-local restart",
     "status": "basal-local status",
     "logs": "basal-local logs -f -n 50",
     "bench": "basal-local bench --model mini --device cuda   (or --http http://127.0.0.1:8000 --clients 32)",
@@ -305,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stop", help="stop the daemon started with `serve --detach`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it (default 30)")
     p.set_defaults(func=_lazy("background", "stop_command"))
+    p = sub.add_parser("restart", help="stop the `serve --detach` daemon and start it again (same arguments, port)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to stop (default 30)")
+    p.set_defaults(func=_lazy("background", "restart_command"))
     p = sub.add_parser("status", help="whether the `serve --detach` daemon runs, where, and if it is ready")
     p.set_defaults(func=_lazy("background", "status_command"))
     p = sub.add_parser("logs", help="the daemon's log file (-f: follow it)")

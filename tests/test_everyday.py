@@ -228,9 +228,15 @@ def test_detach_status_logs_stop(tiny_model, home):
         assert logs.stdout.count("basal_local.daemon: loaded") == 1  # stdout and the log handler: one copy
         again = subcli("serve", "--detach", "--model", str(tiny_model), "--device", "cpu", env=home)
         assert again.returncode == 2 and "already running" in again.stderr
+        restarted = subcli("restart", env=home)
+        assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+        after = json.loads(state.read_text())
+        assert after["pid"] != info["pid"] and after["port"] == info["port"] and after["argv"] == info["argv"]
+        assert "ready" in subcli("status", env=home).stdout
     finally:
         stopped = subcli("stop", env=home)
     assert stopped.returncode == 0, stopped.stderr
     assert not state.exists()
     assert subcli("status", env=home).returncode == 3
     assert subcli("stop", env=home).returncode == 1
+    assert subcli("restart", env=home).returncode == 1

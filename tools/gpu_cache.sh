@@ -35,8 +35,8 @@ if has bench; then
   python3 - "$OUT/bench-cache.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print({k: r[k] for k in ("state_tokens", "first_ms", "second_ms", "first_ratio_cached_vs_templates_only",
-                         "second_speedup", "bitwise_equal", "documents")})
+print({k: r.get(k) for k in ("state_tokens", "first_ms", "second_ms", "first_ratio_cached_vs_templates_only",
+                             "fill_cost_ratio_same_engine", "second_speedup", "bitwise_equal", "documents")})
 print("per document:", [{k: v for k, v in d.items()} for d in r["per_document"]])
 print("cache:", r["cache"], "memory:", r["memory"])
 PY

@@ -221,8 +221,13 @@ class Forward:
                 src, _ = self.prefix_rows[f.parent]
                 for pool in (*self.prefix_k, *self.prefix_v):
                     pool[f.offset:f.offset + f.parent_len].copy_(pool[src:src + f.parent_len])
-            idx = torch.from_numpy(np.ascontiguousarray(f.tokens, dtype=np.int64)).to(self.b.device)
-            out.append((f.offset + f.parent_len, int(idx.shape[0]), idx))
+            tokens = np.asarray(f.tokens, dtype=np.int64)
+            n = int(tokens.shape[0])
+            if n and int(tokens[-1]) - int(tokens[0]) + 1 == n and (n == 1 or bool((np.diff(tokens) == 1).all())):
+                idx: torch.Tensor | int = int(tokens[0])  # one run of the forward's tokens (a row's shared block)
+            else:
+                idx = torch.from_numpy(np.ascontiguousarray(tokens)).to(self.b.device)
+            out.append((f.offset + f.parent_len, n, idx))
             self.prefix_rows[f.name] = (f.offset, f.length)
         return out
 
@@ -319,8 +324,12 @@ class Forward:
                 capture.append((k.clone(), val.clone()))
             for row, n, idx in v.get("fills", ()):  # K/V kept for later batches (the state cache)
                 _, k, val = self._split(qkv)
-                self.prefix_k[i][row:row + n].copy_(k.index_select(0, idx))
-                self.prefix_v[i][row:row + n].copy_(val.index_select(0, idx))
+                if isinstance(idx, int):  # a run of tokens: one copy each, no gather
+                    self.prefix_k[i][row:row + n].copy_(k[idx:idx + n])
+                    self.prefix_v[i][row:row + n].copy_(val[idx:idx + n])
+                else:
+                    self.prefix_k[i][row:row + n].copy_(k.index_select(0, idx))
+                    self.prefix_v[i][row:row + n].copy_(val.index_select(0, idx))
             attn = self._attention(i, qkv, v, last)
             if last:
                 x = x.index_select(0, v["readout"])

@@ -73,7 +73,8 @@ def detach(argv: list[str], host: str, port: int) -> int:
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)  # Ctrl-C in this terminal no longer reaches it
     state_file().write_text(json.dumps({"pid": child.pid, "port": port, "host": host, "url": url,
-                                        "started": time.time(), "log": str(log)}), encoding="utf-8")
+                                        "started": time.time(), "log": str(log), "argv": list(argv)}),
+                            encoding="utf-8")
     print(f"basal-local: starting in the background (pid {child.pid}) on {url}; log: {log}", flush=True)
     deadline = time.time() + START_TIMEOUT_S
     while time.time() < deadline:
@@ -90,6 +91,25 @@ def detach(argv: list[str], host: str, port: int) -> int:
             time.sleep(0.2)
     print(f"basal-local: still loading after {START_TIMEOUT_S} s; `basal-local status` tells when it is ready")
     return 0
+
+
+def restart_command(args: argparse.Namespace) -> int:
+    """Stop the `serve --detach` daemon and start it again with the same arguments and port (a new model file,
+    a changed config.toml)."""
+    running = read_state()
+    if not running or not alive(running["pid"]):
+        state_file().unlink(missing_ok=True)
+        raise UserError("no background daemon is running", "start one with `basal-local serve --detach ...`", status=1)
+    if "argv" not in running:
+        raise UserError("the background daemon was started by an older basal-local (its arguments are not known)",
+                        "`basal-local stop`, then `basal-local serve --detach ...` again", status=1)
+    stop_command(args)
+    deadline = time.time() + 10.0  # the old process has exited; its port may linger a moment
+    from . import port_free
+
+    while not port_free(running["host"], running["port"]) and time.time() < deadline:
+        time.sleep(0.2)
+    return detach(running["argv"], running["host"], running["port"])
 
 
 def stop_command(args: argparse.Namespace) -> int:

@@ -117,6 +117,17 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
             times["second_bitwise"] = probs["before_second"] == probs["cached_second"]
             times["second_max_abs_diff"] = float(np.abs(np.array(probs["before_second"])
                                                         - np.array(probs["cached_second"])).max())
+            # what storing a document costs, on one engine: a new document with the fills held back, then another
+            # stored as usual (both computed in full)
+            from ..engine import prefix_cache
+
+            saved = prefix_cache.FILL_MIN_TOKENS
+            prefix_cache.FILL_MIN_TOKENS = 1 << 30
+            try:
+                times["cached_engine_no_fill_ms"], _, _ = run(cached, f"Draft {d + 1}.\n" + base, LONG_DOC_QUESTIONS)
+            finally:
+                prefix_cache.FILL_MIN_TOKENS = saved
+            times["cached_engine_fill_ms"], _, _ = run(cached, f"Version {d + 1}.\n" + base, LONG_DOC_QUESTIONS)
             rows.append(times)
         state_tokens = len(model.tokenizer.encode(base))
         out = {"mode": "cache", "device": cached.backend.device, "state_tokens": state_tokens,
@@ -129,6 +140,8 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
                "cache": cached.cache_snapshot(), "memory": cached.backend.memory()}
         out["first_ratio_cached_vs_templates_only"] = round(out["first_ms"]["cached"]
                                                             / out["first_ms"]["templates_only"], 3)
+        out["fill_cost_ratio_same_engine"] = round(_median([r["cached_engine_fill_ms"] for r in rows])
+                                                   / _median([r["cached_engine_no_fill_ms"] for r in rows]), 3)
         out["second_speedup"] = round(out["second_ms"]["templates_only"] / out["second_ms"]["cached"], 1)
         return out
     finally:
