@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help=f"config.toml to read and edit (default {config_path()})")
     p.add_argument("--json", action="store_true", help="show, keys: print JSON")
     g = p.add_argument_group("serve flags (show: what `serve` would use with them)")
-    add_flags(g)
+    add_flags(g, headings=False)
     p.set_defaults(func=_lazy("config", "config_command"))
 
     p = sub.add_parser("completion", help="print a shell completion script (bash, zsh or fish)",

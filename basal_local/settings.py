@@ -397,10 +397,12 @@ def shown_default(default: Any) -> str:
     return ",".join(default) if isinstance(default, list) else str(default)
 
 
-def add_flags(parser: argparse.ArgumentParser, group: str | None = None) -> None:
+def add_flags(parser, group: str | None = None, headings: bool = True) -> None:
     """Every declared setting that has a flag (only those of `group` when it is given), with its declared help and
-    default; a grouped flag under its group's heading."""
-    headings = {name: parser.add_argument_group(title) for name, title in GROUPS.items() if group in (None, name)}
+    default; a grouped flag under its group's heading (`headings=False`: `parser` is itself a group, and groups
+    do not nest)."""
+    headings = {name: parser.add_argument_group(title) for name, title in GROUPS.items()
+                if group in (None, name)} if headings else {}
     for key, spec, default, _ in all_settings():
         if spec.flag is None or group is not None and spec.group != group:
             continue

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -169,13 +170,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interruptible() -> None:
+    """In the child before it runs: Ctrl-C's signal as a terminal user's shell leaves it. A test run started in the
+    background (`&`, nohup, some CI runners) ignores SIGINT, children inherit that, and Python then installs no
+    KeyboardInterrupt handler: the Ctrl-C tests would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli_popen(args: list, **kwargs) -> subprocess.Popen:
     """`basal-local ARGS` as its own process (subprocess.Popen's keyword arguments)."""
+    kwargs.setdefault("preexec_fn", _interruptible)
     return subprocess.Popen([sys.executable, "-m", "basal_local.cli", *map(str, args)], **kwargs)
 
 
 def cli_run(args: list, **kwargs) -> subprocess.CompletedProcess:
     """`basal-local ARGS` run to its end (subprocess.run's keyword arguments)."""
+    kwargs.setdefault("preexec_fn", _interruptible)
     return subprocess.run([sys.executable, "-m", "basal_local.cli", *map(str, args)], **kwargs)
 
 
