@@ -267,11 +267,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def quiet_port() -> int:
+    """A free port below the kernel's ephemeral range and above Ray's worker ports (10002-19999): Ray's own
+    processes bind ephemeral ports while the cluster starts, and one of them took the port `free_port()` had just
+    handed out before Ray's proxy bound it (`Address already in use`)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 class RayDaemon:
     """`basal-local serve --ray` as a subprocess; stop() ends it and every process seen below it."""
 
     def __init__(self, args: list[str]) -> None:
-        self.port = free_port()
+        self.port = quiet_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--ray", "--port",
