@@ -207,5 +207,12 @@ MUTATIONS = [
       "                _fail(pending.future, EngineStopped() if self.stopping else self._unavailable(",
       "                _fail(pending.future, EngineStopped() if True else self._unavailable(",
       "tests/test_replica_restart.py", timeout=400),
+    m("front-ignores-documents", "worker processes route a request to the worker that was sent its document",
+      "basal_local/replicas/front.py", "        if shared is None or len(live) == 1:",
+      "        if True or shared is None or len(live) == 1:",
+      "tests/test_prefix_cache.py::test_worker_processes_route_a_request_to_the_worker_that_was_sent_its_document"),
+    m("cache-evicts-held", "an entry a batch reads is never evicted",
+      "basal_local/engine/prefix_cache.py", "e.ready and not e.pinned and e.refs == 0]",
+      "e.ready and not e.pinned]",
+      "tests/test_prefix_cache.py::test_eviction_takes_the_least_recently_used_idle_entry_never_one_in_use_or_pinned"),
 ]
-

@@ -390,3 +390,30 @@ def test_a_known_documents_text_is_not_tokenized_again(tiny_model):
     assert sum(seen[:-1]) > len(doc) and seen[-1] < 200  # the second time only the questions' text
     one = tok.encode_batch([f"<s>{doc} another question? A or B"])  # one prompt starting with the kept text
     assert one == [tok.encode(f"<s>{doc} another question? A or B")]
+
+
+def test_worker_processes_route_a_request_to_the_worker_that_was_sent_its_document(tiny_model):
+    """Two documents at once go to the two workers (the second finds the first busy); the next question about
+    each goes back to the worker that computed it, where routing by queued tokens alone would send both to
+    worker 0 (both idle). The batch records say which worker answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--replicas", "2", "--replica-processes"])
+    try:
+        d.wait_ready(timeout=240)
+        docs = [document(100), document(101)]
+        with ThreadPoolExecutor(2) as pool:
+            first = list(pool.map(lambda doc: http("POST", d.url + "/v1/systemone", body(doc, 1)), docs))
+        assert [status for status, _, _ in first] == [200, 200]
+        _, _, stats = http("GET", d.url + "/api/stats")
+        by_request = {rid: b["replica"] for b in stats["batches"] for rid in b["request_ids"]}
+        owner = [by_request[headers["x-request-id"]] for _, headers, _ in first]
+        assert sorted(owner) == [0, 1], owner  # one document on each worker
+        for doc, worker in zip(docs, owner):
+            status, headers, _ = http("POST", d.url + "/v1/systemone", body(doc, 2))
+            assert status == 200 and int(headers["x-basal-cached-tokens"]) > 250  # the worker's cache had it
+            _, _, stats = http("GET", d.url + "/api/stats")
+            by_request = {rid: b["replica"] for b in stats["batches"] for rid in b["request_ids"]}
+            assert by_request[headers["x-request-id"]] == worker
+    finally:
+        d.stop()

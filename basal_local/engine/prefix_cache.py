@@ -368,6 +368,28 @@ class Lease:
         self.used, self.filled = [], []
 
 
+def shared_prefix(specs: Sequence) -> list[int]:
+    """The tokens all of a request's prompts share (template + state + what its questions share); all but the last
+    token of a one-prompt request: what a batch stores for it, and what routing looks for."""
+    ids0 = specs[0].token_ids if type(specs[0].token_ids) is list else list(specs[0].token_ids)
+    shared = len(ids0) - 1
+    for spec in specs[1:]:
+        ids = spec.token_ids if type(spec.token_ids) is list else list(spec.token_ids)
+        shared = min(shared, common_prefix_len(ids0, ids))
+    return ids0[:max(0, shared)]
+
+
+def document_overlap(known: Sequence[list[int]], shared: list[int]) -> int:
+    """The most tokens `shared` has in common with any of `known` (a replica's recent documents); a quick look at
+    the first tokens first (documents after the same template differ early)."""
+    best = 0
+    head = min(len(shared), 256)
+    for doc in known:
+        if doc[:head] == shared[:head]:
+            best = max(best, common_prefix_len(doc, shared))
+    return best
+
+
 def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]:
     """Hold every entry the packed forwards continue, and reserve an entry for each job's shared prefix (the
     tokens all its prompts share: template + state + what the questions share; all but the last token of a
@@ -402,9 +424,7 @@ def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]
             if first is None:
                 first = (b, bounds[bn], chain, name, used)
         ids0 = list(specs[at].token_ids)
-        shared = len(ids0) - 1
-        for p in range(at + 1, at + n):
-            shared = min(shared, common_prefix_len(ids0, list(specs[p].token_ids)))
+        shared = len(shared_prefix(specs[at:at + n]))
         at += n
         cached.append(best)
         hits += hit

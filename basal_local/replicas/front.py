@@ -3,7 +3,9 @@
 In-process replicas share one Python process, so their lane threads and all HTTP handling share one GIL; on two
 H200s that left each GPU ~20 % idle. Here the front (this module, in the daemon's process) keeps HTTP,
 validation, planning and routing, and each worker process (worker.py) owns one device and runs each request to
-its Outcome. One duplex pipe per worker, the messages of wire.py.
+its Outcome. One duplex pipe per worker, the messages of wire.py. A request goes to the worker where it costs
+least: its queued tokens plus the request's, less the request's document where that worker was sent it recently
+(its state cache likely holds it: cache-aware routing without asking the workers).
 
 A worker whose pipe ends (its process died: killed, a segfault, the OOM killer) leaves the rotation; every request
 it had not answered is sent once to the live worker with the least queued tokens (a decision is a pure function of
@@ -28,6 +30,7 @@ from typing import Any
 
 from ..engine.engine import EngineSettings
 from ..engine.plan import RequestPlan, finish, plan_request
+from ..engine.prefix_cache import FILL_MIN_TOKENS, HIT_MIN_TOKENS, document_overlap, shared_prefix
 from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import EngineStopped
 from ..model.directory import ModelDir
@@ -51,6 +54,9 @@ MAX_DEATHS = 2  # a request on this many workers that died fails (503) instead o
 _SETS: weakref.WeakSet = weakref.WeakSet()
 
 
+REMEMBERED_DOCUMENTS = 64  # per worker: the documents routing looks for
+
+
 @dataclass
 class _Pending:
     token: int
@@ -61,6 +67,7 @@ class _Pending:
     arrival: float
     cancel_sent: bool = False
     deaths: int = 0  # workers that died holding this request
+    shared: list[int] | None = None  # the request's shared prefix (a document), for cache-aware routing
 
     def gone(self) -> bool:
         if self.future.done():
@@ -101,6 +108,8 @@ class RemoteReplica:
         self.send_lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
         self.queued = 0  # packed tokens sent and not answered: the routing cost
+        # the documents recently sent to this worker (its state cache likely holds them): cache-aware routing
+        self.documents: OrderedDict[int, list[int]] = OrderedDict()
         self.alive = False
         self.batches = 0
         self.running_ids: set[str] = set()
@@ -238,7 +247,11 @@ class ProcessReplicaSet:
             self._tokens += 1
             token = self._tokens
         message = wire.Submit(token, request_id, wire.encode_plan(plan))
-        self._dispatch(_Pending(token, message, future, is_cancelled, plan.packed_tokens, plan.arrival))
+        pending = _Pending(token, message, future, is_cancelled, plan.packed_tokens, plan.arrival)
+        if self.settings.prefix_cache != "off" and len(self.replicas) > 1:
+            shared = shared_prefix(plan.prompt_specs())
+            pending.shared = shared if len(shared) >= FILL_MIN_TOKENS else None
+        self._dispatch(pending)
         return future
 
     def describe(self) -> list[dict[str, Any]]:
@@ -282,13 +295,38 @@ class ProcessReplicaSet:
         return EngineUnavailable(why, self.restarts.retry_after_s(loading))
 
     # ---- routing ------------------------------------------------------------------------------------------
-    def _pick(self) -> RemoteReplica | None:
+    def _pick(self, pending: _Pending | None = None) -> RemoteReplica | None:
+        """The live worker where the request costs least: its queued tokens plus the request's, less what its
+        state cache likely holds of the request's document (the documents recently sent to it)."""
         live = self.live()
-        return min(live, key=lambda r: (r.queued, r.replica)) if live else None
+        if not live:
+            return None
+        shared = pending.shared if pending is not None else None
+        if shared is None or len(live) == 1:
+            return min(live, key=lambda r: (r.queued, r.replica))
+
+        def cost(r: RemoteReplica) -> int:
+            saved = document_overlap(list(r.documents.values()), shared)
+            return r.queued + pending.tokens - (saved if saved >= HIT_MIN_TOKENS else 0)
+
+        return min(live, key=lambda r: (cost(r), r.replica))
+
+    def _remember(self, r: RemoteReplica, shared: list[int] | None) -> None:
+        if shared is None:
+            return
+        with self._lock:
+            for key, doc in r.documents.items():
+                if len(doc) == len(shared) and doc == shared:
+                    r.documents.move_to_end(key)
+                    return
+            self._tokens += 1
+            r.documents[self._tokens] = shared
+            while len(r.documents) > REMEMBERED_DOCUMENTS:
+                r.documents.popitem(last=False)
 
     def _dispatch(self, pending: _Pending) -> None:
         while True:
-            target = None if self.stopping else self._pick()
+            target = None if self.stopping else self._pick(pending)
             if target is None:
                 _fail(pending.future, EngineStopped() if self.stopping else self._unavailable(
                     f"no replica of {self.model.name} is serving: its worker processes died and are restarting"))
@@ -299,6 +337,7 @@ class ProcessReplicaSet:
                 target.pending[pending.token] = pending
                 target.queued += pending.tokens
             if target.send(pending.message):
+                self._remember(target, pending.shared)
                 return
             # the pipe broke: its reader will take the worker out; this request goes elsewhere now
             with self._lock:
@@ -358,6 +397,7 @@ class ProcessReplicaSet:
             if ask is not None:
                 ask.set_result(message.tree)
         elif isinstance(message, wire.Ready):
+            r.documents.clear()  # a new process: an empty state cache
             r.info, r.device = message, message.device
             r.last_memory = dict(message.memory)  # the weights show before the first batch
             r.ready_at = time.monotonic()
