@@ -223,7 +223,7 @@ class Forward:
                     pool[f.offset:f.offset + f.parent_len].copy_(pool[src:src + f.parent_len])
             tokens = np.asarray(f.tokens, dtype=np.int64)
             n = int(tokens.shape[0])
-            if n and int(tokens[-1]) - int(tokens[0]) + 1 == n and (n == 1 or bool((np.diff(tokens) == 1).all())):
+            if n and bool((np.diff(tokens) == 1).all()):
                 idx: torch.Tensor | int = int(tokens[0])  # one run of the forward's tokens (a row's shared block)
             else:
                 idx = torch.from_numpy(np.ascontiguousarray(tokens)).to(self.b.device)

@@ -159,13 +159,14 @@ class ModelEngine:
         attach_evidence(plan, self.model, self.backend, self.gate)
 
     def submit_round(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
-                     request_id: str = "") -> Future[RoundResult]:
-        """Queue one round of a request; its future is the lane's answer."""
-        specs = plan.prompt_specs()
+                     request_id: str = "", specs: list | None = None, tokens: int | None = None) -> Future[RoundResult]:
+        """Queue one round of a request; its future is the lane's answer. `specs`, `tokens`: its prompts and
+        `round_cost` here, when the caller already has them (replica routing)."""
+        specs = plan.prompt_specs() if specs is None else specs
         # what this engine's cache leaves to compute now (planned elsewhere, or the cache changed since)
-        tokens = packed_size(specs, self.prefixes) if self.cache is not None else plan.packed_tokens
-        job = Job(plan, tokens, specs, is_cancelled=is_cancelled, arrival=plan.arrival,
-                  request_id=request_id, background=plan.background)
+        tokens = self.round_cost(plan, specs) if tokens is None else tokens
+        job = Job(plan, tokens, specs, is_cancelled=is_cancelled, arrival=plan.arrival, request_id=request_id,
+                  background=plan.background)
         if not plan.questions:  # every question fixed: nothing to compute
             job.resolve(RoundResult(finish(plan, [], self.model.calibration), 0.0, 0.0, 1, 0))
             return job.future

@@ -107,7 +107,8 @@ def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalToken
     ids: list[list[int]] = []
     # where the state ends in the prompts: the tokenizer keeps the ids of template + state of a long document
     state = request.state_text
-    remember = texts[0].find(state) + len(state) if texts and len(state) >= 1024 and state in texts[0] else 0
+    at = texts[0].find(state) if texts and len(state) >= 1024 else -1
+    remember = at + len(state) if at >= 0 else 0
     if units and len(request.state_text) > max_positions:
         # a long state is in every prompt: measure the first unit's prompts alone before the rest
         ids = tokenizer.encode_batch(units[0][3], remember)

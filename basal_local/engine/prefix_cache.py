@@ -423,19 +423,18 @@ def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]
             hit = hit or is_state(name)
             if first is None:
                 first = (b, bounds[bn], chain, name, used)
-        ids0 = list(specs[at].token_ids)
-        shared = len(shared_prefix(specs[at:at + n]))
+        shared = shared_prefix(specs[at:at + n])
         at += n
         cached.append(best)
         hits += hit
         hit_tokens += best if hit else 0
         b, (starts, ends), chain, name, used = first
-        if shared - used < FILL_MIN_TOKENS:
+        if len(shared) - used < FILL_MIN_TOKENS:
             continue
-        entry = lease.fill(ids0[:shared])
+        entry = lease.fill(shared)
         if entry is None:
             continue
-        idx = np.concatenate([np.arange(starts[c], ends[c], dtype=np.int64) for c in chain])[: shared - used]
+        idx = np.concatenate([np.arange(starts[c], ends[c], dtype=np.int64) for c in chain])[: len(shared) - used]
         b.fills.append(Fill(entry.name, entry.offset, name, used, idx))
     lease.count(len(jobs), hits, hit_tokens)
     return cached

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -109,7 +109,7 @@ class RemoteReplica:
         self.pending: dict[int, _Pending] = {}
         self.queued = 0  # packed tokens sent and not answered: the routing cost
         # the documents recently sent to this worker (its state cache likely holds them): cache-aware routing
-        self.documents: OrderedDict[int, list[int]] = OrderedDict()
+        self.documents: deque[list[int]] = deque(maxlen=REMEMBERED_DOCUMENTS)
         self.alive = False
         self.batches = 0
         self.running_ids: set[str] = set()
@@ -306,7 +306,7 @@ class ProcessReplicaSet:
             return min(live, key=lambda r: (r.queued, r.replica))
 
         def cost(r: RemoteReplica) -> int:
-            saved = document_overlap(list(r.documents.values()), shared)
+            saved = document_overlap(list(r.documents), shared)
             return r.queued + pending.tokens - (saved if saved >= HIT_MIN_TOKENS else 0)
 
         return min(live, key=lambda r: (cost(r), r.replica))
@@ -315,14 +315,11 @@ class ProcessReplicaSet:
         if shared is None:
             return
         with self._lock:
-            for key, doc in r.documents.items():
+            for doc in r.documents:
                 if len(doc) == len(shared) and doc == shared:
-                    r.documents.move_to_end(key)
-                    return
-            self._tokens += 1
-            r.documents[self._tokens] = shared
-            while len(r.documents) > REMEMBERED_DOCUMENTS:
-                r.documents.popitem(last=False)
+                    r.documents.remove(doc)  # the most recent again
+                    break
+            r.documents.append(shared)  # the oldest falls out past REMEMBERED_DOCUMENTS
 
     def _dispatch(self, pending: _Pending) -> None:
         while True:

@@ -59,16 +59,22 @@ class ReplicaSet:
         # the replicas share the model directory, so the plan (tokens, cached-prefix split) is the same on each
         return self.replicas[0].plan(request)
 
-    def _pick(self, exclude: ModelEngine | None = None, plan: RequestPlan | None = None) -> ModelEngine | None:
-        """The live replica where the round costs least: its queued tokens plus what the round computes there
-        (its state cache may hold the request's document: cache-aware routing)."""
+    def _pick(self, exclude: ModelEngine | None = None) -> ModelEngine | None:
+        """The live replica with the least queued work."""
         candidates = [e for e in self.live() if e is not exclude]
-        if not candidates:
-            return None
-        if plan is None or len(candidates) == 1:
-            return min(candidates, key=lambda e: (e.queued_tokens(), e.replica))
+        return min(candidates, key=lambda e: (e.queued_tokens(), e.replica)) if candidates else None
+
+    def _route(self, plan: RequestPlan) -> tuple[ModelEngine | None, list, int | None]:
+        """The live replica where the round costs least: its queued tokens plus what the round computes there (its
+        state cache may hold the request's document: cache-aware routing); with the round's prompts and that cost,
+        so the replica does not size them again."""
+        candidates = self.live()
         specs = plan.prompt_specs()
-        return min(candidates, key=lambda e: (e.queued_tokens() + e.round_cost(plan, specs), e.replica))
+        if len(candidates) <= 1:
+            return (candidates[0] if candidates else None), specs, None
+        costs = {e.replica: e.round_cost(plan, specs) for e in candidates}
+        engine = min(candidates, key=lambda e: (e.queued_tokens() + costs[e.replica], e.replica))
+        return engine, specs, costs[engine.replica]
 
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str = "") -> Future[Outcome]:
@@ -79,13 +85,13 @@ class ReplicaSet:
         (live[0] if live else self.replicas[0]).attach_evidence(plan)
 
     def _submit_round(self, plan: RequestPlan, is_cancelled: Callable[[], bool], request_id: str) -> Future[RoundResult]:
-        engine = self._pick(plan=plan)
+        engine, specs, tokens = self._route(plan)
         if engine is None:  # every device failed its probe: nothing here computes again
             future: Future[RoundResult] = Future()
             future.set_exception(EngineUnavailable(f"no replica of {self.model.name} is serving: every device "
                                                    "failed (the daemon's log says why); restart the daemon", 30))
             return future
-        return engine.submit_round(plan, is_cancelled, request_id)
+        return engine.submit_round(plan, is_cancelled, request_id, specs, tokens)
 
     def describe(self) -> list[dict[str, Any]]:
         """Each replica's device, state and work."""

@@ -68,12 +68,12 @@ def request_detail(planned: Any, body: dict[str, Any]) -> Lazy:
 SERVER_ONLY = ("requests", "lanes", "memory")
 
 
-def _queues(state: AppState) -> dict[str, dict[str, Any]]:
+def _queues(state: AppState, described: dict[str, tuple[Any, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
     running = state.telemetry.running
     out: dict[str, dict[str, Any]] = {}
-    for name, engine in state.engines.items():
+    for name, (_, replicas) in described.items():
         lanes = {}
-        for replica in engine.describe():
+        for replica in replicas:
             # several replicas of a model (--devices/--replicas): one entry per replica's lane ("main-r1")
             for label, lane in replica["lanes"].items():
                 lanes[label] = {**lane, "running": dict(running.get(f"{name}/{label}") or {})}
@@ -81,11 +81,11 @@ def _queues(state: AppState) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _models(state: AppState) -> list[dict[str, Any]]:
+def _models(state: AppState, described: dict[str, tuple[Any, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
     from ..model.formats import port_summary
 
     out = []
-    for name, engine in state.engines.items():
+    for name, (engine, replicas) in described.items():
         cfg = engine.model.config
         s = state.engine_settings
         out.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
@@ -95,12 +95,12 @@ def _models(state: AppState) -> list[dict[str, Any]]:
                                     "temperatures": engine.model.calibration.temperatures,
                                     "thresholds": engine.model.calibration.thresholds},
                     "port": port_summary(engine.model),
-                    "prefix_cache": cache_totals(engine.describe(), str(s.prefix_cache)),
+                    "prefix_cache": cache_totals(replicas, str(s.prefix_cache)),
                     "engine": {"max_batch_tokens": s.max_batch_tokens, "schedule": s.schedule,
                                "long_tokens": s.long_tokens, "long_slice_ms": s.long_slice_ms,
                                "max_row_tokens": s.max_row_tokens, "max_forward_tokens": s.max_forward_tokens,
                                "prefix_cache": s.prefix_cache},
-                    "replicas": [_replica(r) for r in engine.describe()]})
+                    "replicas": [_replica(r) for r in replicas]})
     return out
 
 
@@ -131,11 +131,13 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
     """Everything a dashboard needs at start: identity, limits, counters, percentiles, queues, recent history."""
     state.telemetry.device.cuda = str(state.device or "").startswith("cuda")  # replicas may run in workers
     snap = state.telemetry.snapshot()
+    # each engine described once per snapshot (its backend's memory, its cache's counters): models and queues read it
+    described = {name: (engine, engine.describe()) for name, engine in list(state.engines.items())}
     snap.update({"version": __version__, "ready": state.ready, "load_error": state.load_error,
                  "backend": state.backend_name, "device": state.device, "dtype": state.dtype,
-                 "torch_options": state.torch_options, "models": _models(state), "default_model": state.default_model,
+                 "torch_options": state.torch_options, "models": _models(state, described), "default_model": state.default_model,
                  "limits": {"max_inflight": state.max_inflight, "max_body_bytes": MAX_BODY_BYTES},
-                 "inflight": state.inflight, "queues": _queues(state),
+                 "inflight": state.inflight, "queues": _queues(state, described),
                  "subscribers": state.telemetry.bus.subscribers})
     return snap
 

@@ -58,18 +58,28 @@ async def _wait(registry: ModelRegistry, name: str, until: tuple[str, ...], time
         await asyncio.sleep(0.05)
 
 
-def _state_of(registry: ModelRegistry, name: str) -> dict[str, Any]:
-    return next(e for e in registry.snapshot() if e["name"] == name)
-
-
-@post("/api/load", status_code=200)
-async def load_route(request: Request) -> Response:
+async def _registry_and_body(request: Request) -> tuple[ModelRegistry, dict[str, Any]] | Response:
+    """The daemon's model registry and the route's JSON body, or the error answer for either (the registry's
+    first)."""
     registry = _registry(request)
     body = await _body(request)
     if isinstance(registry, Response):
         return registry
     if isinstance(body, Response):
         return body
+    return registry, body
+
+
+def _state_of(registry: ModelRegistry, name: str) -> dict[str, Any]:
+    return next(e for e in registry.snapshot() if e["name"] == name)
+
+
+@post("/api/load", status_code=200)
+async def load_route(request: Request) -> Response:
+    asked = await _registry_and_body(request)
+    if isinstance(asked, Response):
+        return asked
+    registry, body = asked
     try:
         keep: Any = parse_keep_alive(body["keep_alive"]) if "keep_alive" in body else "unchanged"
     except ValueError as exc:
@@ -94,12 +104,10 @@ async def load_route(request: Request) -> Response:
 
 @post("/api/unload", status_code=200)
 async def unload_route(request: Request) -> Response:
-    registry = _registry(request)
-    body = await _body(request)
-    if isinstance(registry, Response):
-        return registry
-    if isinstance(body, Response):
-        return body
+    asked = await _registry_and_body(request)
+    if isinstance(asked, Response):
+        return asked
+    registry, body = asked
     if "keep_alive" in body:
         return _fail(422, "UNKNOWN_FIELD", "unload takes no keep_alive")
     name = body["model"]
