@@ -157,15 +157,6 @@ class PrefixCache:
         m = self.match(ids)
         return (m.entry.name, m.length) if m else (None, 0)
 
-    def uncached(self, ids: Sequence[int]) -> int:
-        m = self.match(ids)
-        return len(ids) - (m.length if m else 0)
-
-    def rows(self, name: str) -> tuple[int, int]:
-        """(pool offset, length) of an entry."""
-        e = self.entries[name]
-        return e.offset, e.length
-
     # ---- the templates ---------------------------------------------------------------------------------------
     def pin(self, name: str, tokens: Sequence[int]) -> Entry | None:
         """Rows for a template (never evicted); the backend computes them, then `publish`. None if no room."""
