@@ -188,27 +188,51 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 @triton.jit
-def _rope_kernel(QKV, POS, COS, SIN, stride_t, N_ROT: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr):
+def _rope_kernel(QKV, POS, COS, SIN, FILL, PK, PV, stride_t, stride_p, N_Q: tl.constexpr, N_KV: tl.constexpr,
+                 HP: tl.constexpr, HKVP: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(POS + t)
     h = tl.arange(0, HP)
     j = tl.arange(0, HALF)
-    mask = (h < N_ROT)[:, None]
+    mask = (h < N_Q + N_KV)[:, None]
     base = QKV + t * stride_t + h[:, None] * (2 * HALF) + j[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     c = tl.load(COS + pos * HALF + j)[None, :]
     s = tl.load(SIN + pos * HALF + j)[None, :]
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base, (a1 * c - a2 * s).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (a2 * c + a1 * s).to(x1.dtype), mask=mask)
+    y1 = (a1 * c - a2 * s).to(x1.dtype)
+    y2 = (a2 * c + a1 * s).to(x1.dtype)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + HALF, y2, mask=mask)
+    # the state cache: a token with a pool row (FILL = row + 1) also stores its K (the values just written) and
+    # its V there, so a forward that fills the cache is the same forward (and the same CUDA graph)
+    row = tl.load(FILL + t) - 1
+    if row >= 0:
+        kmask = ((h >= N_Q) & (h < N_Q + N_KV))[:, None]
+        dest = PK + row * stride_p + (h[:, None] - N_Q) * (2 * HALF) + j[None, :]
+        tl.store(dest, y1, mask=kmask)
+        tl.store(dest + HALF, y2, mask=kmask)
+        hv = tl.arange(0, HKVP)
+        d = tl.arange(0, 2 * HALF)
+        vmask = (hv < N_KV)[:, None]
+        val = tl.load(QKV + t * stride_t + (N_Q + N_KV + hv[:, None]) * (2 * HALF) + d[None, :], mask=vmask)
+        tl.store(PV + row * stride_p + hv[:, None] * (2 * HALF) + d[None, :], val, mask=vmask)
 
 
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-          n_kv: int, head_dim: int) -> torch.Tensor:
-    n_rot = n_heads + n_kv
-    _rope_kernel[(qkv.shape[0],)](qkv, positions, cos, sin, qkv.stride(0), N_ROT=n_rot,
-                                  HP=triton.next_power_of_2(n_rot), HALF=head_dim // 2, num_warps=4)
+          n_kv: int, head_dim: int, fill: torch.Tensor | None = None, pool_k: torch.Tensor | None = None,
+          pool_v: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE in place on the q and k heads; with `fill` (int32 per token: pool row + 1, 0 for none), the tokens'
+    K and V also go to those rows of pool_k / pool_v [rows, Hkv, D]."""
+    if fill is None or pool_k is None or pool_k.shape[0] == 0:  # nothing to store: any valid pointers
+        fill = torch.zeros(qkv.shape[0], dtype=torch.int32, device=qkv.device) if fill is None else fill
+        pool_k = pool_v = qkv
+    else:
+        assert pool_k.stride(0) == pool_v.stride(0) == n_kv * head_dim and pool_k.stride(1) == head_dim
+    _rope_kernel[(qkv.shape[0],)](qkv, positions, cos, sin, fill, pool_k, pool_v, qkv.stride(0), pool_k.stride(0),
+                                  N_Q=n_heads, N_KV=n_kv, HP=triton.next_power_of_2(n_heads + n_kv),
+                                  HKVP=triton.next_power_of_2(n_kv), HALF=head_dim // 2, num_warps=4)
     return qkv
 
 

@@ -64,10 +64,12 @@ def _taller(y: torch.Tensor, out_rows: int | None) -> torch.Tensor:
 
 
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-          n_kv: int, head_dim: int) -> torch.Tensor:
+          n_kv: int, head_dim: int, fill: torch.Tensor | None = None, pool_k: torch.Tensor | None = None,
+          pool_v: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate-half RoPE in place on the q and k heads of a fused qkv [T, (Hq + 2 Hkv) * D] (f32 math).
 
-    cos/sin: [max_position, D/2] f32 tables (computed in f64 on the host)."""
+    cos/sin: [max_position, D/2] f32 tables (computed in f64 on the host). `fill` (int32 per token: pool row + 1,
+    0 for none): those tokens' K (rotated) and V also go to their rows of pool_k / pool_v [rows, Hkv, D]."""
     t = qkv.shape[0]
     heads = qkv.view(t, -1, head_dim)[:, : n_heads + n_kv]
     half = head_dim // 2
@@ -76,6 +78,13 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     x1, x2 = heads[..., :half].float(), heads[..., half:].float()
     rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     heads.copy_(rotated.to(qkv.dtype))
+    if fill is not None and pool_k is not None:
+        tokens = torch.nonzero(fill[:t]).flatten()
+        if tokens.numel():
+            rows = fill[tokens].long() - 1
+            kv = qkv.view(t, -1, head_dim)
+            pool_k[rows] = kv[tokens, n_heads:n_heads + n_kv]
+            pool_v[rows] = kv[tokens, n_heads + n_kv:n_heads + 2 * n_kv]
     return qkv
 
 

@@ -163,6 +163,15 @@ def test_cuda_fused_kernels_match_twins():
         a = kernels.rope_(qkv.clone(), pos, ang.cos().float(), ang.sin().float(), 4, 2, 32)
         b = twins.rope_(qkv.clone(), pos, ang.cos().float(), ang.sin().float(), 4, 2, 32)
         assert (a.float() - b.float()).abs().max().item() <= tol * 8
+        fill = torch.zeros(37, dtype=torch.int32, device="cuda")  # pool row + 1 per token, 0: none
+        fill[[5, 6, 7, 20]] = torch.tensor([1, 2, 3, 8], dtype=torch.int32, device="cuda")
+        pk, pv = (torch.zeros(9, 2, 32, device="cuda", dtype=dtype) for _ in range(2))
+        c = kernels.rope_(qkv.clone(), pos, ang.cos().float(), ang.sin().float(), 4, 2, 32, fill, pk, pv)
+        assert torch.equal(c, a)  # storing the pool rows changes nothing else
+        heads = c.view(37, 8, 32)
+        assert torch.equal(pk[[0, 1, 2, 7]], heads[[5, 6, 7, 20], 4:6])  # the rotated K, bit for bit
+        assert torch.equal(pv[[0, 1, 2, 7]], heads[[5, 6, 7, 20], 6:8])
+        assert not pk[3:7].any() and not pv[3:7].any() and not pk[8].any()
         lm = torch.randn(50, 256, device="cuda", generator=g).to(dtype)
         letters = torch.tensor([1, 7, 49], device="cuda")
         la, lb = kernels.letter_logits(h2, lm, letters), twins.letter_logits(h2, lm, letters)
@@ -354,9 +363,20 @@ def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype):
 
     md = load_model_dir(small_model)
 
+    graphed_fills = []  # per forward that filled the cache: did it run as a CUDA graph
+
     def engine():
         b = TorchBackend(device="cuda")
         b.load(small_model, dtype)
+        found = b.graphs._graph_for
+
+        def graph_for(batch):
+            out = found(batch)
+            if batch.fills:
+                graphed_fills.append(out is not None)
+            return out
+
+        b.graphs._graph_for = graph_for
         e = ModelEngine(md, b, DeviceGate(), Telemetry(), EngineSettings(prefix_cache="2GB"))
         e.start()
         return e
@@ -389,6 +409,7 @@ def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype):
             again, _ = logits(fresh, body(doc, 1))  # fresh computed doc for question 2 first: a hit for 1 now
             assert all(np.array_equal(a, b) for a, b in zip(first, again))
         assert cached.cache_snapshot()["hits"] == 2
+        assert True in graphed_fills  # the short document's fill ran in a graph (RoPE stores the pool rows)
     finally:
         cached.stop(60)
         fresh.stop(60)

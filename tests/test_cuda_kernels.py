@@ -90,6 +90,30 @@ def test_tile_keys_are_the_prompt_positions(tiny_model):
         assert covered >= n_keys
 
 
+def test_rope_twin_stores_the_rotated_k_and_the_v_of_filled_tokens():
+    """The state cache's fill (backends/torch/forward.py `fill_plan`): RoPE writes a token's K after rotation
+    and its V to its pool row; other rows and the rotation itself stay as without a fill."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(11, 8 * 4, generator=g)  # 4 q heads, 2 K/V heads of 4
+    pos = torch.arange(11, dtype=torch.int32)
+    ang = torch.arange(16, dtype=torch.float64)[:, None] * (1e4 ** (-torch.arange(2, dtype=torch.float64) / 2))[None]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    plain = twins.rope_(qkv.clone(), pos, cos, sin, 4, 2, 4)
+    fill = torch.zeros(11, dtype=torch.int32)
+    fill[[2, 3, 9]] = torch.tensor([3, 1, 5], dtype=torch.int32)
+    pk, pv = torch.zeros(6, 2, 4), torch.zeros(6, 2, 4)
+    out = twins.rope_(qkv.clone(), pos, cos, sin, 4, 2, 4, fill, pk, pv)
+    assert torch.equal(out, plain)
+    heads = plain.view(11, 8, 4)
+    assert torch.equal(pk[[2, 0, 4]], heads[[2, 3, 9], 4:6]) and torch.equal(pv[[2, 0, 4]], heads[[2, 3, 9], 6:8])
+    assert not pk[[1, 3, 5]].any() and not pv[[1, 3, 5]].any()
+    # an independent rotation of token 9's first K head (rotate-half, f32)
+    x = qkv.view(11, 8, 4)[9, 4]
+    c, s_ = cos[9], sin[9]
+    want = torch.cat([x[:2] * c - x[2:] * s_, x[2:] * c + x[:2] * s_])
+    assert torch.allclose(pk[4, 0], want, atol=1e-6)
+
+
 def test_fused_twins_match_plain_torch():
     gen = torch.Generator().manual_seed(1)
     x, delta, w = (torch.randn(5, 32, generator=gen) for _ in range(3))

@@ -12,6 +12,7 @@ import threading
 import urllib.request
 
 import numpy as np
+import torch
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -417,3 +418,27 @@ def test_worker_processes_route_a_request_to_the_worker_that_was_sent_its_docume
             assert by_request[headers["x-request-id"]] == worker
     finally:
         d.stop()
+
+
+def test_two_fills_of_one_forward_keeping_the_same_tokens_both_get_their_kv(tiny_model):
+    """A token two fills of a batch keep (one request's state, another's state and more) is stored by RoPE in
+    the first fill's row and copied to the second's after the forward: both entries then hold the K/V a
+    forward of the prefix alone computes."""
+    from basal_local.backends.base import Fill, PackedBatch
+
+    b = TorchBackend(device="cpu")
+    b.load(tiny_model, "f32")
+    b.open_cache(64)
+    ids = list(range(5, 25))
+    batch = PackedBatch.single(ids)
+    batch.fills = [Fill("a", 0, None, 0, np.arange(12)), Fill("b", 20, None, 0, np.arange(20))]
+    for _ in b.forward_steps(batch):
+        pass
+    fwd = b.fwd
+    alone = PackedBatch.single(ids)
+    alone.fills = [Fill("c", 40, None, 0, np.arange(20))]
+    for _ in b.forward_steps(alone):
+        pass
+    for pool in (*fwd.prefix_k, *fwd.prefix_v):
+        assert torch.equal(pool[20:40], pool[40:60])  # "b" whole: 12 rows copied from "a", 8 stored by RoPE
+        assert torch.equal(pool[0:12], pool[40:52])

@@ -209,10 +209,14 @@ class Forward:
         return 2 * len(self.b.layers) * cfg.num_key_value_heads * cfg.head_dim * \
             torch.tensor([], dtype=self.b.dtype).element_size()
 
-    def fill_rows(self, batch: PackedBatch) -> list[tuple[int, int, torch.Tensor]]:
-        """Per fill of the batch: (first pool row the forward writes, rows, the forward's token indices); the
-        parent's rows are copied here, once for every layer (pool to pool, distinct rows)."""
-        out = []
+    def fill_plan(self, batch: PackedBatch) -> tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]]]:
+        """Where the forward stores the K/V its fills keep: per token its pool row + 1 (0: none; RoPE stores it
+        there), and the rows of a token two fills keep, copied pool to pool after the forward (source, dest).
+        Copies each fill's parent rows now (pool to pool, rows no batch in flight reads) and records the rows."""
+        if not batch.fills:
+            return None, []
+        dst = np.zeros(batch.num_tokens, dtype=np.int32)
+        after = []
         for f in batch.fills:
             if f.offset + f.length > self.capacity:
                 raise ValueError(f"cached prefix {f.name!r} ends at row {f.offset + f.length}, past the pool's "
@@ -222,20 +226,26 @@ class Forward:
                 for pool in (*self.prefix_k, *self.prefix_v):
                     pool[f.offset:f.offset + f.parent_len].copy_(pool[src:src + f.parent_len])
             tokens = np.asarray(f.tokens, dtype=np.int64)
-            n = int(tokens.shape[0])
-            if n and bool((np.diff(tokens) == 1).all()):
-                idx: torch.Tensor | int = int(tokens[0])  # one run of the forward's tokens (a row's shared block)
-            else:
-                idx = torch.from_numpy(np.ascontiguousarray(tokens)).to(self.b.device)
-            out.append((f.offset + f.parent_len, n, idx))
+            rows = np.arange(f.offset + f.parent_len, f.offset + f.length, dtype=np.int32) + 1
+            free = dst[tokens] == 0
+            dst[tokens[free]] = rows[free]
+            if not free.all():  # a token an earlier fill of this batch keeps already
+                after.append((dst[tokens[~free]] - 1, rows[~free] - 1))
             self.prefix_rows[f.name] = (f.offset, f.length)
-        return out
+        return dst, after
+
+    def copy_after(self, after: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """The pool-to-pool copies of `fill_plan`, once the forward has stored the sources."""
+        for src, dest in after:
+            s, d = (torch.from_numpy(a.astype(np.int64)).to(self.b.device) for a in (src, dest))
+            for pool in (*self.prefix_k, *self.prefix_v):
+                pool.index_copy_(0, d, pool.index_select(0, s))
 
     # ---- inputs ------------------------------------------------------------------------------------------
     @staticmethod
     def layout(size: int, tile_cap: int, r_cap: int) -> tuple[dict, int]:
         rec = tplan.RECORD
-        fields = {"ids": size, "pos": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
+        fields = {"ids": size, "pos": size, "fill": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
                   "qrows_last": r_cap, "tiles_last": r_cap * rec, "readout": r_cap, "letters": LETTER_CAP}
         layout, offset = {}, 0
         for name, length in fields.items():
@@ -246,8 +256,9 @@ class Forward:
         return layout, offset
 
     def host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int,
-                    buf: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
-        """The forward's int32 inputs laid out in one buffer (`buf`, zeroed here, or a new one)."""
+                    buf: np.ndarray | None = None, fill: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """The forward's int32 inputs laid out in one buffer (`buf`, zeroed here, or a new one); `fill` is
+        `fill_plan`'s pool row + 1 per token."""
         if batch.num_tokens > size:
             raise RuntimeError(f"forward inputs need {batch.num_tokens} slots, the upload buffer has {size}")
         rows = [self.prefix_rows[name] for name in batch.prefixes]
@@ -265,7 +276,8 @@ class Forward:
         letters = np.asarray(batch.letter_ids).ravel()[:LETTER_CAP]
         # every letter slot a valid id: the graph's letter kernel reads all LETTER_CAP of them
         letters = np.concatenate([letters, np.full(LETTER_CAP - letters.size, letters[0] if letters.size else 0)])
-        for name, values in (("ids", batch.token_ids), ("pos", batch.positions), ("nt", [full.num_tiles]),
+        for name, values in (("ids", batch.token_ids), ("pos", batch.positions), ("fill", () if fill is None else fill),
+                             ("nt", [full.num_tiles]),
                              ("qrows", full.q_rows), ("tiles", full.tiles), ("nt_last", [last.num_tiles]),
                              ("qrows_last", last.q_rows), ("tiles_last", last.tiles),
                              ("readout", batch.readout_index), ("letters", letters)):
@@ -318,18 +330,10 @@ class Forward:
                                     self.padded_rows(m, layer.qkv_weight, layer.qkv_bias))
             qkv = self.linear(h, layer.qkv_weight, layer.qkv_bias)[:m]
             ops.rope_(qkv, v["pos"], self.cos, self.sin, cfg.num_attention_heads, cfg.num_key_value_heads,
-                      cfg.head_dim)
+                      cfg.head_dim, v["fill"], self.prefix_k[i], self.prefix_v[i])  # fills the state cache too
             if capture is not None:
                 _, k, val = self._split(qkv)
                 capture.append((k.clone(), val.clone()))
-            for row, n, idx in v.get("fills", ()):  # K/V kept for later batches (the state cache)
-                _, k, val = self._split(qkv)
-                if isinstance(idx, int):  # a run of tokens: one copy each, no gather
-                    self.prefix_k[i][row:row + n].copy_(k[idx:idx + n])
-                    self.prefix_v[i][row:row + n].copy_(val[idx:idx + n])
-                else:
-                    self.prefix_k[i][row:row + n].copy_(k.index_select(0, idx))
-                    self.prefix_v[i][row:row + n].copy_(val.index_select(0, idx))
             attn = self._attention(i, qkv, v, last)
             if last:
                 x = x.index_select(0, v["readout"])
@@ -353,19 +357,19 @@ class Forward:
         return self.ops.letter_logits(h, self.b.lm_head, letters)
 
     # ---- the eager forward ---------------------------------------------------------------------------------
-    def upload(self, batch: PackedBatch) -> dict:
+    def upload(self, batch: PackedBatch, fill: np.ndarray | None = None) -> dict:
         n_tiles = batch.num_tokens // self.block_m(batch.num_tokens) + len(batch.block_parent) + 1
-        buf, layout = self.host_inputs(batch, batch.num_tokens, n_tiles, max(1, len(batch.readout_index)))
+        buf, layout = self.host_inputs(batch, batch.num_tokens, n_tiles, max(1, len(batch.readout_index)), fill=fill)
         return self.views(torch.from_numpy(buf).to(self.b.device), layout)
 
     def steps(self, batch: PackedBatch, capture: list | None = None) -> Iterator[np.ndarray | None]:
-        v = self.upload(batch)
-        if batch.fills:
-            v["fills"] = self.fill_rows(batch)
+        fill, after = self.fill_plan(batch)
+        v = self.upload(batch, fill)
         for h in self.layers(v, capture, sync=True):
             if h is None:
                 yield None
             else:
+                self.copy_after(after)
                 letters = torch.from_numpy(batch.letter_ids.astype(np.int64)).to(self.b.device)
                 yield finite(self.letter_logits(h[:len(batch.readout_index)], letters).cpu().numpy())
 

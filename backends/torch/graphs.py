@@ -111,10 +111,11 @@ class Graphs:
         size = next(s for s in TOKEN_BUCKETS if s >= tokens)
         return -(-size // self.chunk) * self.chunk
 
-    def _graph_for(self, batch: PackedBatch) -> _Graph | None:
-        """The captured graph a batch fits, with its inputs uploaded; None where it runs eagerly."""
+    def _graph_for(self, batch: PackedBatch) -> tuple[_Graph, list] | None:
+        """The captured graph a batch fits, with its inputs uploaded (and the pool copies to make after it,
+        `Forward.fill_plan`); None where it runs eagerly."""
         if batch.num_tokens > TOKEN_BUCKETS[-1] or len(batch.readout_index) > READOUT_BUCKETS[-1] or \
-                len(batch.letter_ids) > LETTER_CAP or batch.fills:  # a forward that fills the state cache: eager
+                len(batch.letter_ids) > LETTER_CAP:
             return None
         size = self.bucket(batch.num_tokens)
         r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))
@@ -129,15 +130,21 @@ class Graphs:
             self.fwd.host_inputs(batch, size, tile_cap(size), r_cap, entry.staging_np)
         except OverflowError:
             return None
+        fill, after = self.fwd.fill_plan(batch)
+        if fill is not None:
+            start = entry.layout["fill"][0]
+            entry.staging_np[start:start + fill.size] = fill
         entry.static.copy_(entry.staging, non_blocking=True)
-        return entry
+        return entry, after
 
     def forward(self, batch: PackedBatch) -> np.ndarray:
-        entry = self._graph_for(batch)
-        if entry is None:
+        found = self._graph_for(batch)
+        if found is None:
             *_, logits = self.fwd.steps(batch)
             return logits
+        entry, after = found
         entry.graph.replay()
+        self.fwd.copy_after(after)
         return finite(entry.logits.cpu().numpy()[:len(batch.readout_index), :len(batch.letter_ids)])
 
     def launch(self, batch: PackedBatch) -> Launched | Ready:
@@ -145,14 +152,16 @@ class Graphs:
         asynchronously; the eager path (no graph fits) runs to the end here."""
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        entry = self._graph_for(batch)
-        if entry is None:
+        found = self._graph_for(batch)
+        if found is None:
             *_, logits = self.fwd.steps(batch)
             return Ready(logits)
+        entry, after = found
         uploaded = torch.cuda.Event()
         uploaded.record()
         entry.uploaded[0] = uploaded
         entry.graph.replay()
+        self.fwd.copy_after(after)
         host = torch.empty(entry.logits.shape, dtype=entry.logits.dtype, pin_memory=True)
         host.copy_(entry.logits, non_blocking=True)
         end = torch.cuda.Event(enable_timing=True)
