@@ -346,6 +346,81 @@ def test_gpu_memory_check_counts_the_weights_as_this_load_holds_them(fmt, dtype,
         assert backend._dtype_label() == "f32 (a gguf-q8_0 checkpoint dequantized at load)"
 
 
+@pytest.mark.parametrize("fmt,dtype", [("bf16", "f32"), ("bf16", "f16"), ("bf16", "q8"), ("bf16", "q4"),
+                                       ("mlx-8bit", "f32"), ("mlx-8bit", "f16"), ("mlx-fp4", "f32"),
+                                       ("gguf-q8_0", "f32"), ("gguf-q4_k_m", "f32")])
+def test_mlx_gpu_memory_check_counts_the_weights_as_this_load_holds_them(fmt, dtype, tmp_path):
+    """The MLX backend plans a load's bytes from the files' headers (packed words and scale bytes as the port
+    holds them, every other tensor in the compute dtype) and the plan equals the bytes of the arrays the loaded
+    backend holds; a quantized port plans well under its dequantized size."""
+    pytest.importorskip("mlx.core")
+    from basal_local.backends.mlx import MLXBackend
+    from basal_local.model.formats import is_projection
+    from basal_local.model.testmodel import make_test_model
+
+    if fmt == "bf16":
+        path = make_test_model(tmp_path / "bf16", preset="tiny64", seed=5, evidence_head=False)
+    else:
+        path = make_port(tmp_path, fmt)
+    backend = MLXBackend("cpu")
+    backend.load(path, dtype)
+    planned = backend.planned_weight_bytes(backend.config)
+    assert planned == backend.memory()["weights_bytes"]
+    shapes = backend.config.weight_shapes()
+    dense = sum(int(np.prod(s)) for s in shapes.values()) * backend.dtype.size
+    projections = sum(int(np.prod(s)) for n, s in shapes.items() if is_projection(n) and n.endswith(".weight")
+                      ) * backend.dtype.size
+    if fmt.startswith("mlx") or fmt == "gguf-q8_0" or dtype in ("q8", "q4"):
+        # 8 bits or fewer a weight against 16 or 32, a few scale bytes per group: at least 40 % saved
+        assert dense - planned > 0.4 * projections, (planned, dense, projections)
+    else:
+        assert planned == dense
+
+
+@pytest.mark.parametrize("fmt,label", [("mlx-8bit", "the checkpoint's 8-bit affine (group 64)"),
+                                       ("mlx-fp4", "the checkpoint's 4-bit nvfp4 (group 16)"),
+                                       ("gguf-q8_0", "the checkpoint's Q8_0"),
+                                       ("gguf-q4_k_m", "f32 (a gguf-q4_k_m checkpoint dequantized at load)")])
+def test_mlx_gpu_memory_refuses_a_port_over_the_limit_in_one_sentence(fmt, label, tmp_path, monkeypatch):
+    """--gpu-memory on Metal (the device's memory faked: no Mac here): a port whose weights as loaded exceed the
+    limit is refused before anything loads, in the torch backend's sentence; one that fits only by its packed
+    size (its dequantized weights would not) loads, answers and reports the limit it set."""
+    pytest.importorskip("mlx.core")
+    import basal_local.backends.mlx.llama as mlx_llama
+    from basal_local.backends.base import PackedBatch
+    from basal_local.backends.mlx import MLXBackend
+
+    port = make_port(tmp_path, fmt)
+    limits = []
+    monkeypatch.setattr(mlx_llama.mx, "device_info", lambda: {"memory_size": 16 * 10 ** 9})
+    monkeypatch.setattr(mlx_llama.mx, "set_memory_limit", limits.append)
+    probe = MLXBackend("cpu")
+    probe.load(port, "f32")
+    held = probe.memory()["weights_bytes"]
+    dense = sum(int(np.prod(s)) for s in probe.config.weight_shapes().values()) * 4
+
+    def on_metal(limit: int):
+        value = f"{limit / 1e6:.6f}MB"
+        backend = MLXBackend("cpu", memory_limit=value)
+        backend.device = "metal"  # the check and the limit as on a Mac; the arrays stay on the CPU
+        return backend, value
+
+    too_small, value = on_metal(held - 1000)
+    with pytest.raises(ValueError) as err:
+        too_small.load(port, "f32")
+    assert str(err.value).startswith(f"the model's weights need {held / 1e9:.1f} GB in {label} on the Metal GPU, "
+                                     f"more than --gpu-memory {value} allows")
+    assert not hasattr(too_small, "layers") and limits == []  # refused before any weight was read
+    if fmt == "gguf-q4_k_m":
+        return  # dequantized at load: nothing smaller to fit
+    assert held < dense
+    fits, value = on_metal((held + dense) // 2)  # the port fits; its weights dequantized to f32 would not
+    fits.load(port, "f32")
+    assert fits.memory()["device_limit_bytes"] == limits[-1] == int(float(value[:-2]) * 1e6)
+    logits = fits.forward(PackedBatch.single([1, 2, 3]))
+    assert logits.shape == (1, 1) and np.isfinite(logits).all()
+
+
 def test_k_quant_blocks_decode_by_the_gguf_package_close_to_their_source():
     """make-test-model's Q4_K / Q6_K quantizer (the gguf package has none) read back by the package's own
     dequantizer: round to nearest at 4 / 6 bits gives an rms error of ~step / sqrt(12), i.e. ~8 % / ~2 % of a

@@ -81,11 +81,11 @@ class MLXBackend:
         self.dtype_name = dtype
         # quantized weights compute in f16 on Metal and f32 on the CPU
         self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
-        self._apply_memory_limit()
         self.format = detect_format(model_dir, raw_config)
         if self.format.family != "safetensors" and dtype in QUANTIZED:
             raise ValueError(f"--dtype {dtype} quantizes bf16 weights; a {self.format.name} checkpoint is "
                              "already quantized (use --dtype auto, f16 or f32)")
+        self._apply_memory_limit(cfg)
         with mx.stream(self.mx_device):
             if self.format.family != "safetensors":
                 from .ported import port_weights
@@ -154,9 +154,11 @@ class MLXBackend:
             out["device_limit_bytes"] = self.memory_limit_bytes
         return out
 
-    def _apply_memory_limit(self) -> None:
-        """--gpu-memory on Metal: MLX's memory limit (a bound on what a computation may hold; beyond it and
-        the machine's memory an allocation fails). The CPU device uses the machine's memory: ignored there."""
+    def _apply_memory_limit(self, cfg) -> None:
+        """--gpu-memory on Metal: refuse weights that cannot fit (as this load will hold them: a port's packed
+        words as the checkpoint has them, not its bf16 size), then set MLX's memory limit (a bound on what a
+        computation may hold; beyond it and the machine's memory an allocation fails). The CPU device uses the
+        machine's memory: ignored there."""
         if self.memory_limit is None:
             return
         from .. import memory
@@ -167,8 +169,30 @@ class MLXBackend:
         total = int(mx.device_info().get("memory_size", 0))
         if total <= 0:
             raise ValueError("--gpu-memory: this MLX build does not report the GPU's memory; drop --gpu-memory")
-        self.memory_limit_bytes = memory.limit_bytes(self.memory_limit, total, "the Metal GPU")
-        mx.set_memory_limit(self.memory_limit_bytes)
+        limit = memory.limit_bytes(self.memory_limit, total, "the Metal GPU")
+        memory.check_weights_fit(self.planned_weight_bytes(cfg), limit, self.memory_limit, "the Metal GPU",
+                                 self._dtype_label())
+        mx.set_memory_limit(limit)
+        self.memory_limit_bytes = limit
+
+    def planned_weight_bytes(self, cfg) -> int:
+        """The bytes of the weights this load holds (`ported.planned_bytes`), before any is read."""
+        from .ported import planned_bytes
+
+        return planned_bytes(self.format, cfg, self.dtype.size, QUANTIZED.get(self.dtype_name))
+
+    def _dtype_label(self) -> str:
+        """How the weights are held, for the --gpu-memory refusal."""
+        from .ported import GGUF_BITS, native_gguf
+
+        fmt = self.format
+        if fmt.family == "mlx":
+            return f"the checkpoint's {fmt.bits}-bit {fmt.mode} (group {fmt.group_size})"
+        if native_gguf(fmt):
+            return f"the checkpoint's {'/'.join(sorted(set(fmt.tensor_types) & set(GGUF_BITS)))}"
+        if fmt.family != "safetensors":
+            return f"{self.dtype_name} (a {fmt.name} checkpoint dequantized at load)"
+        return self.dtype_name
 
     # ---- pieces --------------------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:

@@ -2,7 +2,8 @@
 mode, bits and group size), GGUF is dequantized at load to the compute dtype by the `gguf` package.
 
 `port_weights` returns {Hugging Face name: mx.array | Quantized}; `fuse` joins q/k/v or gate/up row-wise, which
-keeps quantized groups intact (groups run along the input dimension).
+keeps quantized groups intact (groups run along the input dimension). `planned_bytes` is what a load will hold,
+from the files' headers alone (the `--gpu-memory` check before loading).
 """
 
 from __future__ import annotations
@@ -14,6 +15,55 @@ import mlx.core as mx
 from .quantize import Quantized
 
 NATIVE_GGUF = {"Q8_0", "Q4_0", "F32", "F16"}  # the GGUF types mx.load reads as affine groups of 32
+GGUF_BITS = {"Q8_0": 8, "Q4_0": 4}
+GGUF_GROUP = 32
+PACKED = {"U32": 4, "U8": 1}  # the packed words and nvfp4 scale bytes of an MLX port, held as they are on disk
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _packed(numel: int, bits: int, group: int, size: int) -> int:
+    """Bytes of an affine-quantized matrix: its packed words, a scale and a bias per group in the compute dtype."""
+    return numel * bits // 8 + 2 * (numel // group) * size
+
+
+def native_gguf(fmt) -> bool:
+    return fmt.family == "gguf" and set(fmt.tensor_types) <= NATIVE_GGUF
+
+
+def planned_bytes(fmt, config, size: int, quantize_bits: int | None = None, group: int = 64) -> int:
+    """The bytes of the weights a load of `fmt` holds, before any is read, for a compute dtype of `size` bytes.
+
+    An MLX port keeps its packed words and nvfp4 scale bytes as on disk and turns every other tensor (affine
+    scales and biases, embeddings, norms, head) into the compute dtype; a Q8_0 / Q4_0 GGUF keeps its decoder
+    projections packed in groups of 32 (a scale and a bias each in the compute dtype) and decodes the rest; any
+    other GGUF is dequantized whole; bf16 weights under `--dtype q8|q4` (`quantize_bits`) are packed in groups
+    of `group` where the input size allows (quantize.quantized_layers), the rest dense."""
+    from basal_local.model.formats import is_projection, safetensors_header
+
+    if fmt.family == "mlx":
+        return sum(_numel(shape) * PACKED.get(dtype, size) for dtype, shape in
+                   safetensors_header(fmt.weights_file).values())
+    if native_gguf(fmt):
+        import gguf  # the file's header was read by detect_format: it opens
+
+        total = 0
+        for t in gguf.GGUFReader(str(fmt.weights_file)).tensors:
+            n = _numel(t.shape)
+            bits = GGUF_BITS.get(t.tensor_type.name)
+            total += _packed(n, bits, GGUF_GROUP, size) if bits and t.name.startswith("blk.") else n * size
+        return total
+    total = 0
+    for name, shape in config.weight_shapes().items():
+        n = _numel(shape)
+        quantized = quantize_bits and is_projection(name) and name.endswith(".weight") and shape[1] % group == 0
+        total += _packed(n, quantize_bits, group, size) if quantized else n * size
+    return total
 
 
 def _native_gguf(fmt, config, dtype: mx.Dtype) -> dict[str, mx.array | Quantized]:
@@ -56,7 +106,7 @@ def port_weights(fmt, config, dtype: mx.Dtype) -> dict[str, mx.array | Quantized
     from basal_local.model.formats import FormatError, gguf_tensors, is_projection
 
     if fmt.family == "gguf":
-        if set(fmt.tensor_types) <= NATIVE_GGUF:
+        if native_gguf(fmt):
             return _native_gguf(fmt, config, dtype)
         return {name: mx.array(value).astype(dtype) for name, value in gguf_tensors(fmt, config)}
     if fmt.family != "mlx":
