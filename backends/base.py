@@ -53,6 +53,13 @@ class PackedBatch:
                    block_parent=np.array([-1], dtype=np.int32), block_prefix=np.array([-1], dtype=np.int32),
                    readout_index=rows, letter_ids=np.array([0], dtype=np.int64), prefixes=[])
 
+    @classmethod
+    def prefix(cls, key: str, token_ids, offset: int = 0) -> PackedBatch:
+        """One prompt whose K/V the forward keeps under `key` at pool row `offset` (a backend's `add_prefix`)."""
+        batch = cls.single(token_ids)
+        batch.fills = [Fill(key, offset, None, 0, np.arange(batch.num_tokens, dtype=np.int64))]
+        return batch
+
 
 @dataclass
 class Fill:
@@ -135,84 +142,3 @@ class Ready:
 
     def device_s(self) -> float | None:
         return None
-
-
-def ancestor_matrix(block_parent: np.ndarray) -> np.ndarray:
-    """anc[b, a] is True iff block a is b or an ancestor of b (parents precede children)."""
-    n = block_parent.shape[0]
-    anc = np.eye(n, dtype=bool)
-    for b in range(n):
-        parent = block_parent[b]
-        if parent >= 0:
-            anc[b] |= anc[parent]
-    return anc
-
-
-def subtree_groups(batch: PackedBatch, prefix_lengths: list[int]):
-    """Split a forward's queries into independent groups; None unless that at least halves the dense T x S work.
-
-    Tokens of sibling subtrees never see each other, so a subtree can attend alone to its cached prefix, its
-    ancestors' tokens and itself. Starting from the top-level subtrees, the largest subtree is split into its own
-    block plus its children's subtrees while that lowers the padded work (groups x longest queries x longest
-    keys). Pure NumPy: the torch and MLX twins share it. Returns (q_index [G, L], q_valid, k_index [G, S'], k_valid,
-    token_slot [T]: where each token's output lands in the flattened [G * L] result).
-    """
-    n = batch.num_tokens
-    parent = batch.block_parent
-    n_blocks = len(parent)
-    if n_blocks < 2:
-        return None
-    start = np.searchsorted(batch.token_block, np.arange(n_blocks))
-    end = np.append(start[1:], n)
-    subtree_end = end.copy()
-    children: list[list[int]] = [[] for _ in range(n_blocks)]
-    for blk in range(n_blocks - 1, -1, -1):
-        if parent[blk] >= 0:
-            subtree_end[parent[blk]] = max(subtree_end[parent[blk]], subtree_end[blk])
-            children[parent[blk]].insert(0, blk)
-    offsets = np.concatenate([[0], np.cumsum(prefix_lengths)]).astype(np.int64)
-    total_prefix = int(offsets[-1])
-    ancestor_keys: list[np.ndarray] = []
-    for blk in range(n_blocks):
-        if parent[blk] >= 0:
-            p = parent[blk]
-            ancestor_keys.append(np.concatenate([ancestor_keys[p], total_prefix + np.arange(start[p], end[p])]))
-        else:
-            j = int(batch.block_prefix[blk])
-            ancestor_keys.append(np.arange(offsets[j], offsets[j + 1]) if j >= 0 else np.zeros(0, np.int64))
-
-    def group(blk: int, whole: bool) -> tuple[int, int, int, int, bool]:
-        q_end = subtree_end[blk] if whole else end[blk]
-        return (q_end - start[blk], len(ancestor_keys[blk]) + q_end - start[blk], blk, q_end, whole)
-
-    def cost(groups) -> int:
-        return len(groups) * max(g[0] for g in groups) * max(g[1] for g in groups)
-
-    groups = [group(blk, True) for blk in range(n_blocks) if parent[blk] < 0]
-    best, best_cost = list(groups), cost(groups)
-    while len(groups) < 512:
-        splittable = [g for g in groups if g[4] and children[g[2]]]
-        if not splittable:
-            break
-        largest = max(splittable, key=lambda g: g[0])
-        groups.remove(largest)
-        groups.append(group(largest[2], False))
-        groups.extend(group(c, True) for c in children[largest[2]])
-        if cost(groups) < best_cost:
-            best, best_cost = list(groups), cost(groups)
-    if len(best) < 2 or best_cost > 0.5 * n * (total_prefix + n):
-        return None
-    l_max = max(g[0] for g in best)
-    s_max = max(g[1] for g in best)
-    q_index = np.zeros((len(best), l_max), dtype=np.int64)
-    q_valid = np.zeros((len(best), l_max), dtype=bool)
-    k_index = np.zeros((len(best), s_max), dtype=np.int64)
-    k_valid = np.zeros((len(best), s_max), dtype=bool)
-    token_slot = np.zeros(n, dtype=np.int64)
-    for i, (length, keys, blk, q_end, _) in enumerate(best):
-        queries = np.arange(start[blk], q_end)
-        q_index[i, :length], q_valid[i, :length] = queries, True
-        k_index[i, :keys] = np.concatenate([ancestor_keys[blk], total_prefix + queries])
-        k_valid[i, :keys] = True
-        token_slot[queries] = i * l_max + np.arange(length)
-    return q_index, q_valid, k_index, k_valid, token_slot

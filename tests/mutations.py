@@ -189,8 +189,8 @@ MUTATIONS = [
       "tests/test_dashboard_cache.py::test_graph_pool_meter_counts_what_captures_reserve"),
     # MLX (mlx[cpu]) and replica worker processes
     m("mlx-steps-lazy", "the MLX long lane computes each layer before it yields (frees the device when parked)",
-      "backends/mlx/llama.py", "                mx.eval(x, *[a for _, _, kept in fills for a in kept[-1]])",
-      "                mx.async_eval(x, *[a for _, _, kept in fills for a in kept[-1]])",
+      "backends/mlx/llama.py", "                mx.eval(x, delta, *[a for _, _, kept in fills for a in kept[-1]])",
+      "                mx.async_eval(x, delta, *[a for _, _, kept in fills for a in kept[-1]])",
       "tests/test_mlx_lifecycle.py::test_each_step_of_the_long_lane_is_computed_before_it_yields"),
     m("mlx-quant-cache-mtime", "the MLX q8/q4 cache follows the file's content, not its size and mtime",
       "backends/mlx/quantize.py",

@@ -70,7 +70,7 @@ def test_tree_packing_equals_separate_forwards(tiny_pair, seed):
 def test_subtree_groups_equal_the_dense_mask(tiny_model):
     """Independent subtrees attending alone (the twin's default) give the dense-mask result, on random q/k/v of
     real packed batches, with and without cached prefixes."""
-    from basal_local.backends.mlx.tree_attention import TreeAttention
+    from basal_local.backends.mlx.tree_attention import TwinAttention
     from basal_local.model import load_model_dir
 
     md = load_model_dir(tiny_model)
@@ -80,7 +80,7 @@ def test_subtree_groups_equal_the_dense_mask(tiny_model):
     for use_prefix in (True, False):
         batch = pack_prompts(specs, prefixes if use_prefix else None).batches[0]
         lengths = [len(prefixes[name]) for name in batch.prefixes]
-        split, dense = TreeAttention(batch, lengths), TreeAttention(batch, lengths, segment=False)
+        split, dense = TwinAttention(batch, lengths), TwinAttention(batch, lengths, segment=False)
         assert split.grouped and not dense.grouped
         n, s = batch.num_tokens, sum(lengths) + batch.num_tokens
         q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
@@ -176,7 +176,7 @@ def _emulate_tree_attention_kernel(q, keys, values, q_block, q_key, q_pos, range
 
 def test_tree_attention_kernel_algorithm_matches_twin_on_cpu():
     """Runs everywhere: the kernel's key ranges and tiled online softmax (emulated) equal the dense-mask twin."""
-    from basal_local.backends.mlx.tree_attention import TreeAttention, block_key_ranges, random_tree_batch
+    from basal_local.backends.mlx.tree_attention import TwinAttention, block_key_ranges, random_tree_batch
 
     rng = np.random.default_rng(1)
     for prefix_lengths in ([37, 21], []):
@@ -188,14 +188,14 @@ def test_tree_attention_kernel_algorithm_matches_twin_on_cpu():
         ranges, n_ranges = block_key_ranges(batch, prefix_lengths)
         emulated = _emulate_tree_attention_kernel(q, k, v, batch.token_block, sum(prefix_lengths)
                                                   + np.arange(batch.num_tokens), batch.positions, ranges, n_ranges)
-        twin = np.array(TreeAttention(batch, prefix_lengths, "sdpa")(mx.array(q), mx.array(k), mx.array(v)))
+        twin = np.array(TwinAttention(batch, prefix_lengths)(mx.array(q), mx.array(k), mx.array(v)))
         assert np.abs(emulated - twin).max() <= 1e-5
 
 
 @needs_metal
 @pytest.mark.parametrize("heads,kv,dim", [(4, 2, 16), (16, 2, 128), (4, 1, 32)])
 def test_metal_tree_attention_matches_twin(heads, kv, dim):
-    from basal_local.backends.mlx.tree_attention import TreeAttention, random_tree_batch
+    from basal_local.backends.mlx.tree_attention import MetalAttention, TwinAttention, random_tree_batch
 
     rng = np.random.default_rng(heads * dim)
     for prefix_lengths in ([37, 21], []):
@@ -205,10 +205,10 @@ def test_metal_tree_attention_matches_twin(heads, kv, dim):
         k = mx.array(rng.standard_normal((s, kv, dim)).astype(np.float32))
         v = mx.array(rng.standard_normal((s, kv, dim)).astype(np.float32))
         with mx.stream(mx.gpu):
-            kernel = np.array(TreeAttention(batch, prefix_lengths, "metal")(q, k, v))
-            twin = np.array(TreeAttention(batch, prefix_lengths, "sdpa")(q, k, v))
+            kernel = np.array(MetalAttention(batch, prefix_lengths)(q, k, v))
+            twin = np.array(TwinAttention(batch, prefix_lengths)(q, k, v))
             rows = np.array([0, batch.num_tokens // 2, batch.num_tokens - 1])
-            kernel_rows = np.array(TreeAttention(batch, prefix_lengths, "metal")(q, k, v, rows=rows))
+            kernel_rows = np.array(MetalAttention(batch, prefix_lengths)(q, k, v, rows=rows))
         diff = np.abs(kernel - twin)
         print(f"\nkernel vs twin H={heads} Hkv={kv} D={dim}: max {diff.max():.3g}, mean {diff.mean():.3g}")
         assert diff.max() <= 1e-4 and np.array_equal(kernel_rows, kernel[rows])
@@ -217,8 +217,9 @@ def test_metal_tree_attention_matches_twin(heads, kv, dim):
 @needs_metal
 def test_metal_tree_attention_is_bitwise_invariant_alone_vs_packed():
     """Each prompt's attention rows are bit-identical alone and packed with others (position-aligned tiles)."""
-    from basal_local.backends.base import PackedBatch, ancestor_matrix
-    from basal_local.backends.mlx.tree_attention import TreeAttention, random_tree_batch
+    from basal_local.backends.base import PackedBatch
+    from basal_local.backends.host import ancestor_matrix
+    from basal_local.backends.mlx.tree_attention import MetalAttention, random_tree_batch
 
     rng = np.random.default_rng(0)
     heads, kv, dim, lengths = 8, 2, 64, [45]
@@ -228,7 +229,7 @@ def test_metal_tree_attention_is_bitwise_invariant_alone_vs_packed():
     q = rng.standard_normal((batch.num_tokens, heads, dim)).astype(np.float32)
     anc = ancestor_matrix(batch.block_parent)
     with mx.stream(mx.gpu):
-        packed = np.array(TreeAttention(batch, lengths, "metal")(mx.array(q), mx.array(keys), mx.array(values)))
+        packed = np.array(MetalAttention(batch, lengths)(mx.array(q), mx.array(keys), mx.array(values)))
         checked = 0
         for leaf in range(len(batch.block_parent)):
             if leaf in batch.block_parent:
@@ -241,7 +242,7 @@ def test_metal_tree_attention_is_bitwise_invariant_alone_vs_packed():
                                 readout_index=np.array([len(idx) - 1]), letter_ids=np.array([0]),
                                 prefixes=batch.prefixes)
             sel = np.concatenate([np.arange(lengths[0]), lengths[0] + idx])
-            out = np.array(TreeAttention(alone, lengths, "metal")(mx.array(q[idx]), mx.array(keys[sel]),
+            out = np.array(MetalAttention(alone, lengths)(mx.array(q[idx]), mx.array(keys[sel]),
                                                                    mx.array(values[sel])))
             assert np.array_equal(out, packed[idx]), leaf
             checked += 1

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from basal_local.api.systemone import validate_systemone
-from basal_local.backends.base import ancestor_matrix
+from basal_local.backends.host import ancestor_matrix
 from basal_local.engine.packer import MAX_TREE_DEPTH, PromptSpec, pack_prompts
 from basal_local.engine.pretty import format_pack
 from basal_local.protocol.render import render_question

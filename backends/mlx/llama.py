@@ -1,9 +1,11 @@
-"""Llama forward over a packed prefix tree, in MLX (Apple GPU through Metal; CPU with `mlx[cpu]`).
+"""The MLX backend: one Llama forward over a packed prefix tree (Apple GPU through Metal; CPU with `mlx[cpu]`).
 
-The same model as `backends/torch/llama.py`: Hugging Face names, q/k/v and gate/up fused at load, strict
-load, tree attention with per-token RoPE positions (angles in float64 on the host), f32 attention and
-letter logits, the last layer only at the readout rows. f32 on the CPU, f16 by default on Metal, bf16 and
-the quantized q8/q4 (MLX's own format, group size 64) on request.
+The same model as the torch backend (`backends/torch/`): Hugging Face names, q/k/v and gate/up fused at load
+(`host.Checkpoint`), strict load, tree attention with per-token RoPE positions (angles in float64 on the host),
+f32 attention and letter logits, the last layer only at the readout rows. Its ops are chosen once (`ops.py`:
+the Metal kernels on an Apple GPU, their MLX twins elsewhere) and each projection at load (`ops.Dense`, or
+`quantize.Quantized` for the q8/q4 weights and the ports of `ported.py`). f32 on the CPU, f16 by default on
+Metal, bf16 and the quantized q8/q4 (MLX's own format, group size 64) on request.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import mlx.core as mx
 import numpy as np
 
 from .. import host
-from ..base import Fill, ModelInfo, PackedBatch
+from ..base import ModelInfo, PackedBatch
+from . import ops as mlx_ops
 from .ported import fuse
 from .quantize import QUANTIZED, Quantized, quantized_layers
-from .tree_attention import TreeAttention
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +41,19 @@ def resolve_device(device: str) -> str:
     raise ValueError(f"the MLX backend runs on cpu or mps (Metal), not {device!r}")
 
 
-class _Layer:
-    __slots__ = host.LAYER_SLOTS
-
-
-def _linear(x: mx.array, weight: mx.array | Quantized, bias: mx.array | None) -> mx.array:
-    y = weight.matmul(x) if isinstance(weight, Quantized) else x @ weight.T
+def _linear(x: mx.array, weight: mlx_ops.Dense | Quantized, bias: mx.array | None) -> mx.array:
+    y = weight.matmul(x)
     return y if bias is None else y + bias
+
+
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate-half RoPE on [T, H, D] with cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + mx.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
+def _arrays(t) -> list[mx.array]:
+    return t.arrays() if isinstance(t, (mlx_ops.Dense, Quantized)) else [t]
 
 
 class MLXBackend:
@@ -59,15 +67,19 @@ class MLXBackend:
         # --gpu-memory (backends/memory.py): MLX's memory limit on Metal, applied at load
         self.memory_limit = memory_limit
         self.memory_limit_bytes: int | None = None
-        if attention == "auto":
-            # the kernel is packing-invariant by construction; warmup() checks it against the twin first
-            attention = "metal" if self.device == "metal" else "sdpa"
-        if attention not in ("sdpa", "metal"):
-            raise ValueError(f"unknown attention {attention!r} for the MLX backend (sdpa or metal)")
-        if attention == "metal" and self.device != "metal":
-            raise ValueError("the Metal tree-attention kernel needs --device mps")
-        self.attention = attention
+        self.ops = mlx_ops.choose(self.device, attention)
         self.prefix_kv: dict[str, tuple[int, list[tuple[mx.array, mx.array]]]] = {}
+
+    @property
+    def attention(self) -> str:
+        """The tree attention that runs: "metal" (the kernel) or "sdpa" (the twin)."""
+        return self.ops.attention
+
+    def describe(self) -> dict:
+        """What runs (for the bench): the ops and how the projections are held."""
+        layers = getattr(self, "layers", [])
+        quantized = bool(layers) and isinstance(layers[0].qkv_weight, Quantized)
+        return {**self.ops.describe(), "linear": "quantized" if quantized else "dense"}
 
     # ---- loading -------------------------------------------------------------------------------------------
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
@@ -95,59 +107,30 @@ class MLXBackend:
                 weights = mx.load(str(model_dir / "model.safetensors"))
             quantized = quantized_layers(model_dir / "model.safetensors", weights, cfg, QUANTIZED[dtype],
                                          self.dtype) if dtype in QUANTIZED else {}
-
-            def take(key: str) -> mx.array | Quantized:
-                if key not in weights:
-                    raise ValueError(f"model.safetensors: missing tensor {key!r}")
-                value = weights.pop(key)
-                return value if isinstance(value, Quantized) else value.astype(self.dtype)
-
-            self.embed_tokens = take("model.embed_tokens.weight")
-            self.norm = take("model.norm.weight")
-            self.lm_head = take("lm_head.weight")  # only its letter rows are used, as f32 dot products
-            self.layers: list[_Layer] = []
+            checkpoint = host.Checkpoint(weights, lambda t: t if isinstance(t, Quantized) else t.astype(self.dtype))
+            self.embed_tokens, self.norm, self.lm_head = checkpoint.top()  # lm_head: f32 dot products, letter rows
+            self.layers: list[host.Layer] = []
             for i in range(cfg.num_hidden_layers):
-                layer = _Layer()
-                for slot, tensor in host.load_layer(take, fuse, cfg, i).items():
-                    name = slot.removesuffix("_weight")
-                    setattr(layer, slot, quantized.get(f"model.layers.{i}.{name}", tensor)
-                            if slot.endswith("_weight") and name in host.FUSED else tensor)
+                tensors = checkpoint.layer(cfg, i, fuse)
+                for name in host.FUSED:  # each projection's matmul, chosen here once
+                    w = quantized.get(f"model.layers.{i}.{name}", tensors[f"{name}_weight"])
+                    tensors[f"{name}_weight"] = w if isinstance(w, Quantized) else mlx_ops.Dense(w)
+                layer = host.Layer(tensors)
+                mx.eval(*[a for t in layer.tensors() for a in _arrays(t)])  # one layer at a time in memory twice
                 self.layers.append(layer)
-                mx.eval(*self._layer_tensors(layer))  # one layer at a time in memory twice, not the model
-            if weights:
-                raise ValueError(f"model.safetensors: unknown tensor {next(iter(weights))!r}")
+            checkpoint.done()
             mx.eval(self.embed_tokens, self.norm, self.lm_head)
         self.inv_freq = host.inv_freq(cfg)
-        tensors = list(self._tensors())
-        params = sum(t.parameters for t in tensors)
-        return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, dtype, self.device, params,
-                         sum(t.nbytes for t in tensors))
+        weights = self._weights()
+        return ModelInfo(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, dtype, self.device,
+                         sum(t.size for t in weights), sum(t.nbytes for t in weights))
 
-    @staticmethod
-    def _layer_tensors(layer: _Layer) -> list:
-        out = []
-        for name in _Layer.__slots__:
-            t = getattr(layer, name)
-            if isinstance(t, Quantized):
-                out.extend(t.arrays())
-            elif t is not None:
-                out.append(t)
-        return out
-
-    def _tensors(self) -> Iterator:
-        """Every weight, as objects with `nbytes` and `parameters` (quantized ones count their packed size)."""
-        for t in (self.embed_tokens, self.norm, self.lm_head):
-            yield _Sized(t.nbytes, t.size)
-        for layer in self.layers:
-            for name in _Layer.__slots__:
-                t = getattr(layer, name)
-                if isinstance(t, Quantized):
-                    yield _Sized(t.nbytes, t.parameters)
-                elif t is not None:
-                    yield _Sized(t.nbytes, t.size)
+    def _weights(self) -> list:
+        """Every weight: arrays, and `Dense` / `Quantized` matrices (`size` their elements, `nbytes` as held)."""
+        return [self.embed_tokens, self.norm, self.lm_head] + [t for layer in self.layers for t in layer.tensors()]
 
     def memory(self) -> dict[str, int]:
-        out = {"weights_bytes": sum(t.nbytes for t in self._tensors())}
+        out = {"weights_bytes": sum(t.nbytes for t in self._weights())}
         out["device_allocated_bytes"] = int(mx.get_active_memory())
         out["device_peak_bytes"] = int(mx.get_peak_memory())
         if self.memory_limit_bytes is not None:
@@ -194,112 +177,99 @@ class MLXBackend:
             return f"{self.dtype_name} (a {fmt.name} checkpoint dequantized at load)"
         return self.dtype_name
 
-    # ---- pieces --------------------------------------------------------------------------------------------
+    # ---- the forward ---------------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
         cos, sin = host.rope_angles(positions, self.inv_freq)
         return (mx.array(np.concatenate([cos, cos], axis=1))[:, None, :],
                 mx.array(np.concatenate([sin, sin], axis=1))[:, None, :])  # [T, 1, D]
 
-    @staticmethod
-    def _apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        half = x.shape[-1] // 2
-        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos + rotated * sin
+    def _steps(self, batch: PackedBatch, sync: bool = True, hidden: bool = False) -> Iterator[np.ndarray | None]:
+        """The one forward. Per layer: residual + RMSNorm, the q/k/v matmul, RoPE, tree attention in f32 (the
+        cached prefixes' K/V first), o_proj, residual + RMSNorm, gate/up, SwiGLU, down; the last layer leaves
+        the attention at the readout rows only. With `sync`, each layer but the last is computed before it
+        yields None (so a parked long lane frees the device); else the forward is one lazy graph, evaluated
+        once. Last: the letter logits [R, L] f32, or with `hidden` the final hidden states of the readout rows
+        [R, hidden] f32. The K/V of `batch.fills` are kept for later batches (the state cache)."""
+        lengths = batch.prefix_lengths or [self.prefix_kv[name][0] for name in batch.prefixes]
+        prefixes = [[(k[:n], v[:n]) for k, v in self.prefix_kv[name][1]] for name, n in zip(batch.prefixes, lengths)]
+        fills = [(f, mx.array(np.asarray(f.tokens, dtype=np.int32)), []) for f in batch.fills]
+        last = len(self.layers) - 1
+        with mx.stream(self.mx_device):
+            attention = self.ops.tree_attention(batch, lengths)
+            cos, sin = self._rope(batch.positions)
+            x = self.embed_tokens[mx.array(batch.token_ids.astype(np.int32))]  # [T, H]
+        delta = None
+        for i in range(len(self.layers)):
+            with mx.stream(self.mx_device):
+                rows = batch.readout_index if i == last else None
+                x, delta, k, v = self._layer(i, x, delta, cos, sin, [p[i] for p in prefixes], attention, rows)
+                for f, idx, kept in fills:
+                    new_k, new_v = k[idx], v[idx]
+                    if f.parent_len:  # the rows it continues, then its own
+                        pk, pv = self.prefix_kv[f.parent][1][i]
+                        new_k = mx.concatenate([pk[:f.parent_len], new_k], axis=0)
+                        new_v = mx.concatenate([pv[:f.parent_len], new_v], axis=0)
+                    kept.append((new_k, new_v))
+                del k, v  # a parked long lane holds the residual stream and what it keeps, nothing else
+            if sync and i < last:
+                mx.eval(x, delta, *[a for _, _, kept in fills for a in kept[-1]])
+                yield None
+        with mx.stream(self.mx_device):
+            h = self.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[0].astype(mx.float32)
+            kept_arrays = [a for _, _, kept in fills for kv in kept for a in kv]
+            if kept_arrays:
+                mx.eval(h, *kept_arrays)
+            out = np.array(h) if hidden else self._letter_logits(h, batch.letter_ids)
+        for f, _, kept in fills:
+            self.prefix_kv[f.name] = (f.length, kept)
+        yield out
 
-    def _rms_norm(self, x: mx.array, weight: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, weight, self.config.rms_norm_eps)
-
-    def _layer(self, i: int, x: mx.array, cos: mx.array, sin: mx.array, prefixes: list, attention,
-               rows: np.ndarray | None = None, capture: list | None = None) -> mx.array:
-        """One decoder layer; with `rows`, only those rows leave the attention (the last layer)."""
-        cfg = self.config
-        layer = self.layers[i]
-        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    def _layer(self, i: int, x: mx.array, delta: mx.array | None, cos: mx.array, sin: mx.array, cached: list,
+               attention, rows: np.ndarray | None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Decoder layer i on the residual stream x + delta: (its x, its delta, its K, its V); `cached` the
+        cached prefixes' (K, V) of this layer; with `rows`, only those rows leave the attention."""
+        cfg, ops, layer = self.config, self.ops, self.layers[i]
+        n_heads, n_kv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         q_dim, kv_dim = n_heads * d, n_kv * d
-        h = self._rms_norm(x, layer.input_layernorm)
+        h, x = ops.add_rms_norm(x, delta, layer.input_layernorm, eps)
         qkv = _linear(h, layer.qkv_weight, layer.qkv_bias).astype(mx.float32)
-        # attention in f32: q, k, v after RoPE; q/k/v [T, H, D]
-        q = self._apply_rope(qkv[:, :q_dim].reshape(-1, n_heads, d), cos, sin)
-        k = self._apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(-1, n_kv, d), cos, sin)
+        q = _rotate(qkv[:, :q_dim].reshape(-1, n_heads, d), cos, sin)  # q/k/v [T, heads, D]
+        k = _rotate(qkv[:, q_dim:q_dim + kv_dim].reshape(-1, n_kv, d), cos, sin)
         v = qkv[:, q_dim + kv_dim:].reshape(-1, n_kv, d)
-        if capture is not None:
-            capture.append((k, v))
-        keys = mx.concatenate([p[1][i][0] for p in prefixes] + [k], axis=0) if prefixes else k
-        values = mx.concatenate([p[1][i][1] for p in prefixes] + [v], axis=0) if prefixes else v
+        keys = mx.concatenate([c[0] for c in cached] + [k], axis=0) if cached else k
+        values = mx.concatenate([c[1] for c in cached] + [v], axis=0) if cached else v
         attn = attention(q, keys, values, rows=rows)
         if rows is not None:
             x = x[mx.array(rows.astype(np.int32))]
-        x = x + _linear(attn.reshape(-1, q_dim).astype(x.dtype), layer.o_proj_weight, layer.o_proj_bias)
-        h = self._rms_norm(x, layer.post_attention_layernorm)
+        h, x = ops.add_rms_norm(x, _linear(attn.reshape(-1, q_dim).astype(x.dtype), layer.o_proj_weight,
+                                           layer.o_proj_bias), layer.post_attention_layernorm, eps)
         gate_up = _linear(h, layer.gate_up_weight, layer.gate_up_bias)
         gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
-        return x + _linear(gate * mx.sigmoid(gate) * up, layer.down_proj_weight, layer.down_proj_bias)
+        return x, _linear(gate * mx.sigmoid(gate) * up, layer.down_proj_weight, layer.down_proj_bias), k, v
 
-    def _letter_logits(self, x: mx.array, letter_ids: np.ndarray) -> np.ndarray:
-        h = self._rms_norm(x, self.norm).astype(mx.float32)
+    def _letter_logits(self, h: mx.array, letter_ids: np.ndarray) -> np.ndarray:
         letters = self.lm_head[mx.array(letter_ids.astype(np.int32))].astype(mx.float32)
         logits = np.array(h @ letters.T)  # [R, L]; np.array evaluates the graph
         if not np.isfinite(logits).all():
             raise FloatingPointError("non-finite letter logit")
         return logits
 
-    # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, batch: PackedBatch) -> np.ndarray:
-        # one lazy graph for the whole forward, evaluated once (no sync between layers)
-        *_, logits = self.forward_steps(batch, _sync=False)
-        if logits is None:
-            raise RuntimeError("forward_steps ended without logits")
+        *_, logits = self._steps(batch, sync=False)
         return logits
 
-    def forward_steps(self, batch: PackedBatch, _capture: list | None = None,
-                      _sync: bool = True) -> Iterator[np.ndarray | None]:
-        lengths = batch.prefix_lengths or [self.prefix_kv[name][0] for name in batch.prefixes]
-        prefixes = [(n, [(k[:n], v[:n]) for k, v in self.prefix_kv[name][1]])
-                    for name, n in zip(batch.prefixes, lengths)]
-        fills = [(f, mx.array(np.asarray(f.tokens, dtype=np.int32)), []) for f in batch.fills]
-        layer_kv: list | None = [] if fills else _capture
-        with mx.stream(self.mx_device):
-            attention = TreeAttention(batch, [p[0] for p in prefixes], self.attention)
-            cos, sin = self._rope(batch.positions)
-            x = self.embed_tokens[mx.array(batch.token_ids.astype(np.int32))]  # [T, H]
-        last = len(self.layers) - 1
-        for i in range(len(self.layers)):
-            with mx.stream(self.mx_device):
-                x = self._layer(i, x, cos, sin, prefixes, attention, capture=layer_kv,
-                                rows=batch.readout_index if i == last else None)
-                if fills:
-                    k, v = layer_kv.pop()
-                    if _capture is not None:
-                        _capture.append((k, v))
-                    for f, idx, kept in fills:  # K/V kept for later batches (the state cache)
-                        new_k, new_v = k[idx], v[idx]
-                        if f.parent_len:  # the rows it continues, then its own
-                            pk, pv = self.prefix_kv[f.parent][1][i]
-                            new_k = mx.concatenate([pk[:f.parent_len], new_k], axis=0)
-                            new_v = mx.concatenate([pv[:f.parent_len], new_v], axis=0)
-                        kept.append((new_k, new_v))
-            if i == last:
-                break
-            if _sync:
-                # the work of this layer is done at the yield, so a parked long lane frees the device
-                mx.eval(x, *[a for _, _, kept in fills for a in kept[-1]])
-                yield None
-        with mx.stream(self.mx_device):
-            kept_arrays = [a for _, _, kept in fills for kv in kept for a in kv]
-            if kept_arrays:
-                mx.eval(x, *kept_arrays)
-            logits = self._letter_logits(x, batch.letter_ids)
-        for f, _, kept in fills:
-            self.prefix_kv[f.name] = (f.length, kept)
-        yield logits
+    def forward_steps(self, batch: PackedBatch) -> Iterator[np.ndarray | None]:
+        yield from self._steps(batch)
+
+    def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
+        """The hidden states after the final RMSNorm of one prompt (plain causal forward), f32 [T, hidden]."""
+        *_, out = self._steps(PackedBatch.single(token_ids, readout="all"), sync=False, hidden=True)
+        return out
 
     def add_prefix(self, key: str, token_ids: list[int], offset: int | None = None) -> None:
         """Compute and keep a prefix's K/V under `key` (MLX keeps each prefix as its own arrays: `offset`, the
         state cache's pool row, only matters to backends with one pool)."""
-        n = len(token_ids)
-        batch = PackedBatch.single(token_ids)
-        batch.fills = [Fill(key, offset or 0, None, 0, np.arange(n, dtype=np.int64))]
-        for _ in self.forward_steps(batch):
+        for _ in self._steps(PackedBatch.prefix(key, token_ids, offset or 0)):
             pass
 
     def open_cache(self, capacity: int) -> None:
@@ -316,34 +286,8 @@ class MLXBackend:
         """The state cache plans with the RAM here (unified memory on a Mac, the CPU otherwise)."""
         return None
 
-    def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
-        """The hidden states after the final RMSNorm of one prompt (plain causal forward), f32 [T, hidden]."""
-        batch = PackedBatch.single(token_ids)
-        with mx.stream(self.mx_device):
-            attention = TreeAttention(batch, [], "sdpa")
-            cos, sin = self._rope(batch.positions)
-            x = self.embed_tokens[mx.array(batch.token_ids.astype(np.int32))]
-            for i in range(len(self.layers)):
-                x = self._layer(i, x, cos, sin, [], attention)
-            return np.array(self._rms_norm(x, self.norm).astype(mx.float32))
-
     def warmup(self, max_tokens: int = 0) -> None:
-        """On Metal, check the tree-attention kernel against its twin once; fall back to the twin if it fails."""
-        if self.attention == "metal":
-            from .tree_attention import kernel_matches_twin
-
-            ok, why = kernel_matches_twin(self.config.num_attention_heads, self.config.num_key_value_heads,
-                                          self.config.head_dim)
-            if not ok:
-                import logging
-
-                logging.getLogger(__name__).warning("Metal tree-attention kernel not used (%s); using the "
-                                                    "dense-mask twin", why)
-                self.attention = "sdpa"
-
-
-class _Sized:
-    __slots__ = ("nbytes", "parameters")
-
-    def __init__(self, nbytes: int, parameters: int) -> None:
-        self.nbytes, self.parameters = int(nbytes), int(parameters)
+        """On Metal, check each kernel against its twin once; a kernel that fails it gives way to its twin."""
+        cfg = self.config
+        self.ops = mlx_ops.checked(self.ops, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   cfg.hidden_size, self.dtype)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..host import FUSED
+
 QUANTIZED = {"q8": 8, "q4": 4}
 GROUP_SIZE = 64
-FUSED = ("qkv", "o_proj", "gate_up", "down_proj")
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +47,8 @@ class Quantized:
         return sum(a.nbytes for a in self.arrays())
 
     @property
-    def parameters(self) -> int:
+    def size(self) -> int:
+        """The elements of the matrix it stands for (as `mx.array.size`)."""
         return self.shape[0] * self.shape[1]
 
 
@@ -97,9 +99,8 @@ def cache_path(weights_path: Path, bits: int) -> Path:
 
 
 def _fused(weights: dict[str, mx.array], prefix: str, name: str) -> mx.array:
-    parts = {"qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"], "o_proj": ["self_attn.o_proj.weight"],
-             "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down_proj": ["mlp.down_proj.weight"]}[name]
-    return mx.concatenate([weights[prefix + p].astype(mx.float32) for p in parts], axis=0)
+    """The f32 matrix that load fuses for slot `name` (host.FUSED), from the checkpoint's parts."""
+    return mx.concatenate([weights[f"{prefix}{part}.weight"].astype(mx.float32) for part in FUSED[name]], axis=0)
 
 
 def quantized_layers(weights_path: Path, weights: dict[str, mx.array], config, bits: int,

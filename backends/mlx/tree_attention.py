@@ -1,25 +1,23 @@
-"""Tree attention over a packed batch in MLX: the plain twin everywhere, the Metal kernel on Apple GPUs.
+"""Tree attention over a packed batch in MLX: the plain twin everywhere, the Metal kernel on Apple GPUs
+(`ops.choose` picks one per backend).
 
-Visibility (docs/ARCHITECTURE.md): query t of block b sees the cached prefix keys of its row, every key of an ancestor
-block, and the keys of its own block up to itself. The twin evaluates that rule as a boolean mask for
-`mx.fast.scaled_dot_product_attention`: per group of independent subtrees (`subtree_groups`, padded into one
-batched call) where that at least halves the dense [T, S] work, else as one dense [T, S] mask. (On `mlx[cpu]`
-the masked scores' `exp` is most of a forward's time, so scores that are never visible are worth not making.)
-The kernel (`basal_local.metal_shaders`) reads the same rule as a
-short list of key ranges per block, in prompt-position order, so it visits only visible keys.
+Visibility (docs/ARCHITECTURE.md, `backends/host.py`): query t of block b sees the cached prefix keys of its
+row, every key of an ancestor block, and the keys of its own block up to itself. `TwinAttention` evaluates that
+rule as a boolean mask for `mx.fast.scaled_dot_product_attention`: per group of independent subtrees
+(`host.subtree_groups`, padded into one batched call) where that at least halves the dense [T, S] work, else as
+one dense [T, S] mask. (On `mlx[cpu]` the masked scores' `exp` is most of a forward's time, so scores that are
+never visible are worth not making.) `MetalAttention` (`basal_local.metal_shaders`) reads the same rule as a
+short list of key ranges per block, in prompt-position order (`host.block_chains`, as the CUDA tile plan does),
+so it visits only visible keys.
 """
 
 from __future__ import annotations
-
-import logging
 
 import mlx.core as mx
 import numpy as np
 
 from .. import host
-from ..base import PackedBatch, ancestor_matrix, subtree_groups
-
-log = logging.getLogger(__name__)
+from ..base import PackedBatch
 
 
 def block_key_ranges(batch: PackedBatch, prefix_lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -46,39 +44,31 @@ def block_key_ranges(batch: PackedBatch, prefix_lengths: list[int]) -> tuple[np.
     return ranges, np.array([len(c) for c in chains], dtype=np.int32)
 
 
-class TreeAttention:
-    """Built once per forward; called per layer with f32 q [T, Hq, D], keys/values [S, Hkv, D] -> [T', Hq, D].
+class TwinAttention:
+    """The twin, built once per forward; called per layer with f32 q [T, Hq, D], keys/values [S, Hkv, D] ->
+    [T', Hq, D] (T' = len(rows) where given). segment=False keeps one dense mask (the reference its subtree
+    groups are tested against)."""
 
-    impl "sdpa" is the twin; "metal" the kernel (Apple GPU only). segment=False keeps the twin on one dense mask
-    (the reference its subtree groups are tested against)."""
-
-    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], impl: str = "sdpa",
-                 segment: bool = True) -> None:
+    def __init__(self, batch: PackedBatch, prefix_lengths: list[int], segment: bool = True) -> None:
         n_blocks = len(batch.block_parent)
         ext = np.zeros((n_blocks, n_blocks + len(prefix_lengths)), dtype=bool)
-        ext[:, :n_blocks] = ancestor_matrix(batch.block_parent)
+        ext[:, :n_blocks] = host.ancestor_matrix(batch.block_parent)
         for j in range(len(prefix_lengths)):
             ext[:, n_blocks + j] = batch.block_prefix == j
         prefix_blocks = [np.full(n, n_blocks + j, dtype=np.int32) for j, n in enumerate(prefix_lengths)]
         total_prefix = sum(prefix_lengths)
         n = batch.num_tokens
-        self.impl = impl
         self.num_queries = n
-        self.total_prefix = total_prefix
         self.ext = mx.array(ext)
         self.q_block = batch.token_block.astype(np.int32)
-        self.k_block = mx.array(np.concatenate(prefix_blocks + [batch.token_block.astype(np.int32)]))
-        self.k_order = mx.array(np.concatenate([np.full(total_prefix, -1, dtype=np.int32),
-                                                np.arange(n, dtype=np.int32)]))
-        self.positions = batch.positions.astype(np.int32)
+        k_block = np.concatenate(prefix_blocks + [self.q_block])
+        k_order = np.concatenate([np.full(total_prefix, -1, dtype=np.int32), np.arange(n, dtype=np.int32)])
+        self.k_block, self.k_order = mx.array(k_block), mx.array(k_order)
         self._dense: mx.array | None = None
-        self._ranges = block_key_ranges(batch, prefix_lengths) if impl == "metal" else None
         self._segments = None
-        groups = subtree_groups(batch, prefix_lengths) if impl == "sdpa" and segment else None
+        groups = host.subtree_groups(batch, prefix_lengths) if segment else None
         if groups is not None:
             q_index, q_valid, k_index, k_valid, token_slot = groups
-            k_block = np.concatenate(prefix_blocks + [batch.token_block.astype(np.int32)])
-            k_order = np.concatenate([np.full(total_prefix, -1, dtype=np.int64), np.arange(n)])
             mask = ext[self.q_block[q_index][:, :, None], k_block[k_index][:, None, :]]
             mask &= k_order[k_index][:, None, :] <= q_index[:, :, None]
             mask &= k_valid[:, None, :]
@@ -104,24 +94,38 @@ class TreeAttention:
 
     def __call__(self, q: mx.array, keys: mx.array, values: mx.array, rows: np.ndarray | None = None) -> mx.array:
         if rows is not None:
-            q = q[mx.array(rows.astype(np.int32))]
-        if self.impl == "metal":
-            from basal_local.metal_shaders import tree_attention_metal
+            return sdpa_twin(q[mx.array(rows.astype(np.int32))], keys, values, self.dense_mask(rows))
+        if self._segments is None:
+            return sdpa_twin(q, keys, values, self.dense_mask())
+        q_flat, k_index, mask, token_slot = self._segments
+        n_groups, s_max = k_index.shape
+        scale = 1.0 / float(np.sqrt(q.shape[-1]))
+        qs = q[q_flat].reshape(n_groups, -1, *q.shape[1:]).transpose(0, 2, 1, 3)  # [G, Hq, L, D]
+        ks, vs = (t[k_index.reshape(-1)].reshape(n_groups, s_max, *t.shape[1:]).transpose(0, 2, 1, 3)
+                  for t in (keys, values))  # [G, Hkv, S', D]
+        out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=scale, mask=mask)
+        return out.transpose(0, 2, 1, 3).reshape(-1, *q.shape[1:])[token_slot]
 
-            queries = np.arange(self.num_queries, dtype=np.int32) if rows is None else rows.astype(np.int32)
-            ranges, n_ranges = self._ranges
-            return tree_attention_metal(q, keys, values, self.q_block[queries], self.total_prefix + queries,
-                                        self.positions[queries], ranges, n_ranges)
-        if rows is None and self._segments is not None:
-            q_flat, k_index, mask, token_slot = self._segments
-            n_groups, s_max = k_index.shape
-            scale = 1.0 / float(np.sqrt(q.shape[-1]))
-            qs = q[q_flat].reshape(n_groups, -1, *q.shape[1:]).transpose(0, 2, 1, 3)  # [G, Hq, L, D]
-            ks, vs = (t[k_index.reshape(-1)].reshape(n_groups, s_max, *t.shape[1:]).transpose(0, 2, 1, 3)
-                      for t in (keys, values))  # [G, Hkv, S', D]
-            out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=scale, mask=mask)
-            return out.transpose(0, 2, 1, 3).reshape(-1, *q.shape[1:])[token_slot]
-        return sdpa_twin(q, keys, values, self.dense_mask(rows))
+
+class MetalAttention:
+    """The Metal kernel (Apple GPU only), built once per forward and called as the twin is: it reads the rule
+    as each block's key ranges (`block_key_ranges`) and visits only visible keys."""
+
+    def __init__(self, batch: PackedBatch, prefix_lengths: list[int]) -> None:
+        self.num_queries = batch.num_tokens
+        self.total_prefix = sum(prefix_lengths)
+        self.q_block = batch.token_block.astype(np.int32)
+        self.positions = batch.positions.astype(np.int32)
+        self.ranges, self.n_ranges = block_key_ranges(batch, prefix_lengths)
+
+    def __call__(self, q: mx.array, keys: mx.array, values: mx.array, rows: np.ndarray | None = None) -> mx.array:
+        from basal_local.metal_shaders import tree_attention_metal
+
+        queries = np.arange(self.num_queries, dtype=np.int32) if rows is None else rows.astype(np.int32)
+        if rows is not None:
+            q = q[mx.array(queries)]
+        return tree_attention_metal(q, keys, values, self.q_block[queries], self.total_prefix + queries,
+                                    self.positions[queries], self.ranges, self.n_ranges)
 
 
 def sdpa_twin(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
@@ -160,22 +164,3 @@ def random_tree_batch(rng: np.random.Generator, prefix_lengths: list[int], n_roo
                        block_prefix=np.array(prefix_of, dtype=np.int32),
                        readout_index=np.array([n_tokens - 1], dtype=np.int64), letter_ids=np.array([0]),
                        prefixes=[f"p{j}" for j in range(len(prefix_lengths))])
-
-
-def kernel_matches_twin(n_heads: int, n_kv: int, head_dim: int, tolerance: float = 1e-4) -> tuple[bool, str]:
-    """Run the Metal kernel and the twin on one random tree; (agree, why not)."""
-    rng = np.random.default_rng(0)
-    prefix_lengths = [37, 21]
-    batch = random_tree_batch(rng, prefix_lengths)
-    s = sum(prefix_lengths) + batch.num_tokens
-    q = mx.array(rng.standard_normal((batch.num_tokens, n_heads, head_dim)).astype(np.float32))
-    k = mx.array(rng.standard_normal((s, n_kv, head_dim)).astype(np.float32))
-    v = mx.array(rng.standard_normal((s, n_kv, head_dim)).astype(np.float32))
-    try:
-        with mx.stream(mx.gpu):
-            kernel = np.array(TreeAttention(batch, prefix_lengths, "metal")(q, k, v))
-            twin = np.array(TreeAttention(batch, prefix_lengths, "sdpa")(q, k, v))
-    except Exception as exc:  # a compiler failure must not fail requests; the twin is exact
-        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    diff = float(np.abs(kernel - twin).max())
-    return diff <= tolerance, f"max |kernel - twin| = {diff:.3g}"

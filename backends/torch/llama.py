@@ -53,10 +53,6 @@ def _on_device_steps(fn):
     return wrapper
 
 
-class _Layer:
-    __slots__ = host.LAYER_SLOTS
-
-
 class TorchBackend:
     """Backend protocol implementation for torch (see backends/base.py).
 
@@ -134,22 +130,11 @@ class TorchBackend:
                 except torch.OutOfMemoryError as exc:
                     raise self._out_of_memory(exc, "loading the weights") from None
 
-        def take(key: str) -> torch.Tensor:
-            if key not in weights:
-                raise ValueError(f"model.safetensors: missing tensor {key!r}")
-            return weights.pop(key)
-
-        self.embed_tokens = take("model.embed_tokens.weight")
-        self.norm = take("model.norm.weight")
-        self.lm_head = take("lm_head.weight")  # letter logits: f32 dot products with its letter rows
-        self.layers: list[_Layer] = []
-        for i in range(cfg.num_hidden_layers):
-            layer = _Layer()
-            for slot, tensor in host.load_layer(take, lambda ts: torch.cat(ts, 0), cfg, i).items():
-                setattr(layer, slot, tensor)
-            self.layers.append(layer)
-        if weights:
-            raise ValueError(f"model.safetensors: unknown tensor {next(iter(weights))!r}")
+        checkpoint = host.Checkpoint(weights)
+        self.embed_tokens, self.norm, self.lm_head = checkpoint.top()  # lm_head: f32 dot products, letter rows
+        self.layers = [host.Layer(checkpoint.layer(cfg, i, lambda ts: torch.cat(ts, 0)))
+                       for i in range(cfg.num_hidden_layers)]
+        checkpoint.done()
         params = sum(t.numel() for t in self._tensors())
         try:
             self.fwd = Forward(self, self.options, kernels=self.attention == "tree")
@@ -273,10 +258,7 @@ class TorchBackend:
     def _tensors(self) -> Iterator[torch.Tensor]:
         yield from (self.embed_tokens, self.norm, self.lm_head)
         for layer in self.layers:
-            for name in _Layer.__slots__:
-                t = getattr(layer, name)
-                if t is not None:
-                    yield t
+            yield from layer.tensors()
 
     @_on_device
     def memory(self) -> dict[str, int]:
@@ -326,8 +308,6 @@ class TorchBackend:
     @_on_device
     def add_prefix(self, key: str, token_ids: list[int], offset: int | None = None) -> None:
         """Compute a prefix's K/V into the pool: at `offset` (the state cache's rows) or after the last one."""
-        from ..base import Fill
-
         n = len(token_ids)
         if offset is None:
             if self._managed:
@@ -336,9 +316,7 @@ class TorchBackend:
             self._legacy_end += n
             if self._legacy_end > self.fwd.capacity:
                 self._grow(max(self._legacy_end, 2 * self.fwd.capacity))
-        batch = PackedBatch.single(token_ids)
-        batch.fills = [Fill(key, offset, None, 0, np.arange(n, dtype=np.int64))]
-        for _ in self.fwd.steps(batch):
+        for _ in self.fwd.steps(PackedBatch.prefix(key, token_ids, offset)):
             pass
 
     def _grow(self, capacity: int) -> None:
