@@ -11,6 +11,7 @@ turn them into what they read.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -179,6 +180,16 @@ class Checkpoint:
     def done(self) -> None:
         if self.tensors:
             raise ValueError(f"{self.file}: unknown tensor {next(iter(self.tensors))!r}")
+
+
+def read_model(model_dir: Path):
+    """(LlamaConfig, WeightFormat) of a model directory: config.json or a GGUF file's metadata, and the layout of
+    its weights (model/formats.py), before any tensor is read."""
+    from basal_local.model.config import LlamaConfig
+    from basal_local.model.formats import detect_format, read_config
+
+    raw_config = read_config(Path(model_dir))
+    return LlamaConfig.from_dict(raw_config), detect_format(Path(model_dir), raw_config)
 
 
 def resolve_dtype(dtype: str, device_is_cpu: bool, known: tuple[str, ...], backend: str) -> str:

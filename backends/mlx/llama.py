@@ -83,17 +83,12 @@ class MLXBackend:
 
     # ---- loading -------------------------------------------------------------------------------------------
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
-        from basal_local.model.config import LlamaConfig
-        from basal_local.model.formats import detect_format, read_config
-
-        model_dir = Path(model_dir)
-        raw_config = read_config(model_dir)  # config.json, or a GGUF file's metadata
-        cfg = self.config = LlamaConfig.from_dict(raw_config)
+        cfg, self.format = host.read_model(model_dir)  # config.json, or a GGUF file's metadata
+        self.config = cfg
         dtype = host.resolve_dtype(dtype, self.device == "cpu", (*DTYPES, *QUANTIZED), "MLX")
         self.dtype_name = dtype
         # quantized weights compute in f16 on Metal and f32 on the CPU
         self.dtype = DTYPES.get(dtype) or (mx.float16 if self.device == "metal" else mx.float32)
-        self.format = detect_format(model_dir, raw_config)
         if self.format.family != "safetensors" and dtype in QUANTIZED:
             raise ValueError(f"--dtype {dtype} quantizes bf16 weights; a {self.format.name} checkpoint is "
                              "already quantized (use --dtype auto, f16 or f32)")
@@ -104,8 +99,8 @@ class MLXBackend:
 
                 weights = port_weights(self.format, cfg, self.dtype)
             else:
-                weights = mx.load(str(model_dir / "model.safetensors"))
-            quantized = quantized_layers(model_dir / "model.safetensors", weights, cfg, QUANTIZED[dtype],
+                weights = mx.load(str(self.format.weights_file))
+            quantized = quantized_layers(self.format.weights_file, weights, cfg, QUANTIZED[dtype],
                                          self.dtype) if dtype in QUANTIZED else {}
             checkpoint = host.Checkpoint(weights, lambda t: t if isinstance(t, Quantized) else t.astype(self.dtype))
             self.embed_tokens, self.norm, self.lm_head = checkpoint.top()  # lm_head: f32 dot products, letter rows

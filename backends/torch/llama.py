@@ -93,17 +93,13 @@ class TorchBackend:
     # ---- loading -------------------------------------------------------------------------------------------
     @functools.partial(_on_device, inference=False)
     def load(self, model_dir: Path, dtype: str = "auto") -> ModelInfo:
-        from basal_local.model.config import LlamaConfig
-        from basal_local.model.formats import detect_format, read_config, torch_tensors
+        from basal_local.model.formats import torch_tensors
 
         from .forward import Forward
         from .graphs import Graphs
 
-        model_dir = Path(model_dir)
-        raw_config = read_config(model_dir)  # config.json, or a GGUF file's metadata
-        cfg = self.config = LlamaConfig.from_dict(raw_config)
-        weights: dict[str, torch.Tensor] = {}
-        self.format = detect_format(model_dir, raw_config)
+        cfg, self.format = host.read_model(model_dir)  # config.json, or a GGUF file's metadata
+        self.config = cfg
         if dtype == "auto" and self.format.family == "fp8" and self.device.startswith("cuda"):
             dtype = "fp8"  # the checkpoint's own e4m3 GEMMs; the CPU dequantizes it to f32 (the reference)
         self.dtype_name = host.resolve_dtype(dtype, self.device == "cpu", tuple(DTYPES), "torch")
@@ -112,23 +108,19 @@ class TorchBackend:
             self._check_fp8_gpu()
         self.fp8_checkpoint = None
         self._apply_memory_limit(cfg)
-        if self.format.family != "safetensors":
-            try:
-                if self.format.family == "fp8" and self.dtype_name == "fp8":
-                    weights, self.fp8_checkpoint = self._load_fp8_checkpoint(cfg)
-                else:  # GGUF, and ModelOpt FP8 off its route, dequantized at load to the run dtype (model/formats.py)
-                    for key, t in torch_tensors(self.format, cfg):
-                        weights[key] = t.to(device=self.device, dtype=self.dtype)
-            except torch.OutOfMemoryError as exc:
-                raise self._out_of_memory(exc, "loading the weights") from None
-        else:
-            # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
-            with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
-                try:
+        weights: dict[str, torch.Tensor] = {}
+        try:
+            if self.format.family == "fp8" and self.dtype_name == "fp8":
+                weights, self.fp8_checkpoint = self._load_fp8_checkpoint(cfg)
+            elif self.format.family != "safetensors":  # GGUF, and ModelOpt FP8 off its route, dequantized at load
+                for key, t in torch_tensors(self.format, cfg):  # to the run dtype (model/formats.py)
+                    weights[key] = t.to(device=self.device, dtype=self.dtype)
+            else:  # bf16 on disk, converted once to the run dtype (mmap'd reads, one tensor at a time)
+                with safe_open(str(self.format.weights_file), framework="pt") as fh:
                     for key in fh.keys():
                         weights[key] = fh.get_tensor(key).to(device=self.device, dtype=self.dtype)
-                except torch.OutOfMemoryError as exc:
-                    raise self._out_of_memory(exc, "loading the weights") from None
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(exc, "loading the weights") from None
 
         checkpoint = host.Checkpoint(weights)
         self.embed_tokens, self.norm, self.lm_head = checkpoint.top()  # lm_head: f32 dot products, letter rows
