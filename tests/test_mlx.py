@@ -128,6 +128,49 @@ def test_strict_load_names_the_tensor(tiny_model, tmp_path):
         MLXBackend("cpu").load(model_dir, "f32")
 
 
+def test_ops_are_chosen_once_kernels_on_metal_twins_elsewhere(tiny_pair, caplog):
+    """The CPU runs the twins; asking for the Metal kernel there is refused in one sentence; a kernel that fails
+    its warm-up check against the twin (here: no Metal device to run it on) gives way to the twin with a warning;
+    the projections are Dense or Quantized matmuls chosen at load."""
+    import logging
+
+    from basal_local.backends.mlx import ops
+    from basal_local.backends.mlx.quantize import Quantized
+
+    _, _, backend, _ = tiny_pair
+    assert backend.ops.describe() == {"attention": "sdpa", "norm": "twin"} and backend.attention == "sdpa"
+    assert backend.ops.tree_attention is ops.TwinAttention and backend.ops.add_rms_norm is ops.add_rms_norm
+    assert backend.describe()["linear"] == "dense"
+    assert all(isinstance(getattr(layer, f"{name}_weight"), ops.Dense | Quantized)
+               for layer in backend.layers for name in ("qkv", "o_proj", "gate_up", "down_proj"))
+    with pytest.raises(ValueError, match=r"^the Metal tree-attention kernel needs --device mps$"):
+        ops.choose("cpu", "metal")
+    with pytest.raises(ValueError, match=r"^unknown attention 'flex' for the MLX backend \(sdpa or metal\)$"):
+        ops.choose("cpu", "flex")
+    assert ops.choose("metal", "auto").describe() == {"attention": "metal", "norm": "metal"}
+    if not METAL:
+        with caplog.at_level(logging.WARNING):
+            fallback = ops.checked(ops.Ops("metal", "metal"), 4, 2, 16, 64, mx.float32)
+        assert fallback.describe() == {"attention": "sdpa", "norm": "twin"}
+        assert "tree-attention kernel not used" in caplog.text and "RMSNorm kernel not used" in caplog.text
+
+
+def test_add_rms_norm_twin_is_the_residual_sum_then_rms_norm():
+    """The twin's contract, against NumPy in float64: (w * (x + d) / rms(x + d), x + d)."""
+    from basal_local.backends.mlx.ops import add_rms_norm
+
+    rng = np.random.default_rng(3)
+    x, d = rng.standard_normal((5, 64)).astype(np.float32), rng.standard_normal((5, 64)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    out, summed = add_rms_norm(mx.array(x), mx.array(d), mx.array(w), 1e-6)
+    s = x.astype(np.float64) + d
+    ref = w * s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6)
+    assert np.array_equal(np.array(summed), x + d) and np.abs(np.array(out) - ref).max() <= 1e-5
+    alone, _ = add_rms_norm(mx.array(x), None, mx.array(w), 1e-6)
+    assert np.abs(np.array(alone) - w * x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+                  ).max() <= 1e-5
+
+
 # ---- Metal kernels (Apple GPUs) -------------------------------------------------------------------------------
 def test_metal_sources_ship_and_build_kernel_objects():
     """Runs everywhere: the .metal bodies load from the package and name every input the Python side passes."""
@@ -273,7 +316,7 @@ def test_metal_forward_matches_cpu_f32(tiny_model, tiny_pair):
     md, _, cpu, prefixes = tiny_pair
     gpu = load_mlx(tiny_model, "f32", "mps")
     gpu.warmup()
-    assert gpu.attention == "metal"  # the kernel passed its own check
+    assert gpu.ops.describe() == {"attention": "metal", "norm": "metal"}  # the kernels passed their checks
     pack = pack_prompts(random_specs(md, random.Random(2)), prefixes)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(readout_logits(gpu, pack), readout_logits(cpu, pack)))
     assert worst <= 1e-4
