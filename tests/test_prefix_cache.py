@@ -12,8 +12,8 @@ import threading
 import urllib.request
 
 import numpy as np
-import torch
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
