@@ -88,12 +88,12 @@ def _native_gguf(fmt, config, dtype: mx.Dtype) -> dict[str, mx.array | Quantized
             parts = [raw.pop(key), raw.pop(stem + ".scales").astype(dtype), raw.pop(stem + ".biases").astype(dtype)]
             if rows is not None:
                 parts = [p[rows] for p in parts]
-            bits = parts[0].shape[1] * 32 // shape[1]
-            q = Quantized(*parts, bits, shape, 32, "affine")
+            bits = parts[0].shape[1] * 32 // shape[1]  # packed uint32 words per row
+            q = Quantized(*parts, bits, shape, GGUF_GROUP, "affine")
             if is_projection(name):
                 out[name] = q
             else:  # embeddings and head: gathered by row, kept in the compute dtype
-                out[name] = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=bits).astype(dtype)
+                out[name] = mx.dequantize(q.weight, q.scales, q.biases, group_size=GGUF_GROUP, bits=bits).astype(dtype)
         else:
             value = raw.pop(key).astype(dtype)
             out[name] = value[rows] if rows is not None else value
