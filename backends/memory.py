@@ -71,8 +71,8 @@ def check_weights_fit(weights: int, limit: int, value: str | float | int, device
 
 # what a CUDA backend holds at its peak on top of the weights after warm-up (the 4.5B preset: CUDA graphs of every
 # token bucket ~1.3 GB, a ~17k-token document's eager forward ~2.8 GB, the allocator's cache): the first
-# --gpu-memory worth trying when the weights fit but the warm-up does not (session 7: 13 GB failed for 9.5 GB of
-# weights, 12.4 GB peak allocated without a limit)
+# --gpu-memory worth trying when the weights fit but the warm-up does not (on the H200, 13 GB failed for 9.5 GB
+# of weights; 12.4 GB peak allocated without a limit)
 WARM_OVERHEAD = 4 * GB
 
 

@@ -42,7 +42,7 @@ class CallSizes:
     the smallest size that holds them, unless a larger timed one is faster by more than MARGIN. A GEMM timed
     alone differs from the same GEMM inside a whole forward by up to ~20 % (max preset, q/k/v at 320 rows: 35.8 us
     alone, 29.6 in the graph), so only gross outliers count (gate/up at 448 rows: 268 us, at 464: 163; the
-    448-token graph 23.7 -> 20.1 ms; smaller margins padded calls that ran slower in the graph: session 6)."""
+    448-token graph 23.7 -> 20.1 ms; smaller margins padded calls that ran slower in the graph)."""
 
     MARGIN = 0.25
 

@@ -184,9 +184,10 @@ MUTATIONS = [
     m("gpu-split-any-replica", "each GPU's memory split counts only the replicas on it",
       "tui/widgets/device.py", "            and str(r.get(\"device\", \"\")) in", "            or str(r.get(\"device\", \"\")) in",
       "tests/test_dashboard_cache.py"),
-    m("graphs-pool-shrinks", "a capture that frees cached blocks adds no graph memory",
-      "backends/torch/graphs.py", "self.bytes += max(0, self.reserved() - before)", "self.bytes += self.reserved() - before",
-      "tests/test_dashboard_cache.py::test_graph_pool_meter_counts_what_captures_reserve"),
+    m("graphs-pool-other-pools", "the graphs' memory is their own pool's segments, not every pool's",
+      "backends/torch/graphs.py", "if tuple(seg.get(\"segment_pool_id\", ())) == tuple(pool))",
+      "if tuple(seg.get(\"segment_pool_id\", ())) != (0, 0))",
+      "tests/test_dashboard_cache.py::test_graph_pool_meter_counts_the_segments_of_the_graphs_pool"),
     # MLX (mlx[cpu]) and replica worker processes
     m("mlx-steps-lazy", "the MLX long lane computes each layer before it yields (frees the device when parked)",
       "backends/mlx/llama.py", "                mx.eval(x, delta, *[a for _, _, kept in fills for a in kept[-1]])",

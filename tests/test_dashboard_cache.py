@@ -173,22 +173,14 @@ async def test_requests_show_their_cached_tokens():
         assert cells["req-0003"] == "157" and cells["req-0000"] == "57" and cells["req-0005"] == "-"
 
 
-def test_graph_pool_meter_counts_what_captures_reserve():
-    from basal_local.backends.torch.graphs import PoolMeter
+def test_graph_pool_meter_counts_the_segments_of_the_graphs_pool():
+    from basal_local.backends.torch.graphs import pool_bytes
 
-    reserved = [1000]
-    meter = PoolMeter(lambda: reserved[0])
-    with meter.measure():
-        reserved[0] += 300  # the first capture grows the pool
-    with meter.measure():
-        pass  # a capture that reuses the pool's free blocks
-    with meter.measure():
-        reserved[0] -= 200  # the allocator let cached blocks go to make room: no graph memory
-    assert meter.bytes == 300
-    with pytest.raises(RuntimeError), meter.measure():
-        reserved[0] += 50
-        raise RuntimeError("capture failed")  # what it reserved before failing is held until the graphs go
-    assert meter.bytes == 350
+    snapshot = [{"total_size": 2 << 30, "segment_pool_id": (0, 0)},  # the allocator's default pool
+                {"total_size": 300, "segment_pool_id": (0, 1)}, {"total_size": 50, "segment_pool_id": [0, 1]},
+                {"total_size": 999, "segment_pool_id": (0, 2)}]  # another backend's graphs
+    assert pool_bytes(snapshot, (0, 1)) == 350
+    assert pool_bytes(snapshot, None) == 0  # no capture yet
 
 
 async def test_two_gpus_fit_80x24():
