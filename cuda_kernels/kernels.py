@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -58,11 +57,8 @@ def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
     visible = p[None, :] <= q_pos[:, None]
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # a row that has seen no key yet (a chunk that starts past its position): exponents of 0, not NaN; where
-    # m_new is finite this is m_new itself, so no other row's arithmetic changes
-    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_exp)
-    pr = tl.math.exp2(s - m_exp[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    pr = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
     acc = acc * alpha[:, None]
     if IEEE:
@@ -73,18 +69,17 @@ def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, WORK, NW, PACC, PML,
+def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
                       stride_qt, stride_kt, stride_vt, stride_pt, stride_ot, qk_scale,
                       N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr, KEY_CHUNK: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
                       COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr):
     pid = tl.program_id(0)
-    # one work item per (work entry, K/V head): its rows are (query, head) pairs of the REP query heads that read
-    # that K/V head, so each key tile is loaded once for all of them (GQA); a row's arithmetic is the same either
-    # way. A work entry is a whole tile, or one KEY_CHUNK of a split tile's keys (plan.py `split_work`).
+    # one work item per (tile, K/V head): its rows are (query, head) pairs of the REP query heads that read that
+    # K/V head, so each key tile is loaded once for all of them (GQA); a row's arithmetic is the same either way
     n_kv = N_HEADS // REP
     QPT = BLOCK_M // REP  # queries per tile (plan.py tiles hold at most this many)
-    n_work = tl.load(NW) * n_kv
+    n_work = tl.load(NT) * n_kv
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -92,12 +87,8 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, WORK, NW, PACC, P
     in_rec = 10 + 3 * offs_r < REC  # range slots that lie inside a record
     query = offs_m // REP
     for w in range(pid, n_work, NPROG):
-        entry = WORK + (w // n_kv) * 4
+        tile = w // n_kv
         kvh = w % n_kv
-        tile = tl.load(entry)
-        chunk = tl.load(entry + 1)
-        n_ch = tl.load(entry + 2)
-        unit0 = tl.load(entry + 3)
         head = kvh * REP + offs_m % REP
         rec = TILES + tile * REC
         q_off = tl.load(rec)
@@ -119,73 +110,15 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, WORK, NW, PACC, P
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        lo = tl.where(chunk < 0, 0, chunk * KEY_CHUNK)
-        hi = tl.where(chunk < 0, n_keys, tl.minimum(lo + KEY_CHUNK, n_keys))
-        for start in range(lo, hi, BLOCK_N):
+        for start in range(0, n_keys, BLOCK_N):
             k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
                             stride_kt, stride_vt, stride_pt, HEAD_DIM)
             m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
-        if chunk < 0:
-            out = acc / l_i[:, None]
-            if COMPACT:
-                dest = q_off + query
-            else:
-                dest = rows
-            tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + offs_d[None, :],
-                     out.to(OUT.dtype.element_ty), mask=m_valid[:, None])
-        else:  # this chunk's partial, for _merge_kernel
-            unit = ((unit0 + query * n_ch + chunk) * N_HEADS + head).to(tl.int64)
-            tl.store(PACC + unit[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_valid[:, None])
-            tl.store(PML + unit * 2, m_i, mask=m_valid)
-            tl.store(PML + unit * 2 + 1, l_i, mask=m_valid)
-
-
-@triton.jit
-def _merge_kernel(OUT, QROWS, TILES, MERGE, NM, PACC, PML, stride_ot,
-                  N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  NPROG: tl.constexpr, COMPACT: tl.constexpr, REC: tl.constexpr):
-    """The chunks of each split tile's rows merged in chunk order: (m, l, acc) of chunk 0, then for each next
-    chunk c: m' = max(m, m_c), acc = acc 2^(m - m') + acc_c 2^(m_c - m'), l likewise; out = acc / l. A chunk
-    a row sees no key of adds exactly zero, so a row with one chunk of keys gets the unsplit bits."""
-    pid = tl.program_id(0)
-    n_kv = N_HEADS // REP
-    QPT = BLOCK_M // REP
-    n_items = tl.load(NM) * n_kv
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    query = offs_m // REP
-    for w in range(pid, n_items, NPROG):
-        entry = MERGE + (w // n_kv) * 4
-        kvh = w % n_kv
-        tile = tl.load(entry)
-        n_ch = tl.load(entry + 1)
-        unit0 = tl.load(entry + 2)
-        head = kvh * REP + offs_m % REP
-        rec = TILES + tile * REC
-        q_off = tl.load(rec)
-        n_q = tl.load(rec + 1)
-        m_valid = (query < n_q) & (offs_m < QPT * REP)
-        base = (unit0 + query * n_ch).to(tl.int64)
-        unit = base * N_HEADS + head
-        m = tl.load(PML + unit * 2, mask=m_valid, other=0.0)
-        l_i = tl.load(PML + unit * 2 + 1, mask=m_valid, other=1.0)
-        acc = tl.load(PACC + unit[:, None] * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-        for c in range(1, n_ch):
-            unit = (base + c) * N_HEADS + head
-            m_c = tl.load(PML + unit * 2, mask=m_valid, other=0.0)
-            l_c = tl.load(PML + unit * 2 + 1, mask=m_valid, other=0.0)
-            acc_c = tl.load(PACC + unit[:, None] * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-            m_new = tl.maximum(m, m_c)
-            alpha = tl.math.exp2(m - m_new)
-            beta = tl.math.exp2(m_c - m_new)
-            acc = acc * alpha[:, None] + acc_c * beta[:, None]
-            l_i = l_i * alpha + l_c * beta
-            m = m_new
         out = acc / l_i[:, None]
         if COMPACT:
             dest = q_off + query
         else:
-            dest = tl.load(QROWS + q_off + query, mask=m_valid, other=0)
+            dest = rows
         tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=m_valid[:, None])
 
@@ -196,53 +129,31 @@ def queries_per_tile(block_m: int, n_heads: int, n_kv: int) -> int:
     return max(1, block_m // (n_heads // n_kv))
 
 
-def scratch(units: int, n_heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk partials of `units` units: acc [units, Hq, D] and (m, l) [units, Hq, 2], f32."""
-    units = max(units, 1)
-    return (torch.empty(units * n_heads * head_dim, dtype=torch.float32, device=device),
-            torch.empty(units * n_heads * 2, dtype=torch.float32, device=device))
-
-
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
                    prefix_v: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, q_rows: torch.Tensor,
-                   work: torch.Tensor, n_work: torch.Tensor, merge: torch.Tensor, n_merge: torch.Tensor,
-                   partials: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, compact: bool,
-                   tiling: tuple[int, int, int, int], key_chunk: int, nprog: int | None = None) -> torch.Tensor:
+                   n_tiles: torch.Tensor, out: torch.Tensor, compact: bool,
+                   tiling: tuple[int, int, int, int], nprog: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] and k/v [T, Hkv, D] (row-strided views of the fused qkv), prefix_k/v [P, Hkv, D].
 
-    tiles [>= n, RECORD] int32 and q_rows int32 (plan.py), work / merge [>= n, WORK] int32 with their counts
-    n_work / n_merge [1] int32 (device: the counts may change between replays of a CUDA graph); `partials`
-    (`scratch`) holds at least the plan's units; out [T or n_queries, Hq * D]. A persistent grid of `nprog`
-    programs walks the work, then the merges. `tiling`: (block_m, block_n, warps, stages), the tiles planned
-    with `queries_per_tile(block_m, ...)` queries at most (the forward's options)."""
+    tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
+    of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work.
+    `tiling`: (block_m, block_n, warps, stages), the tiles planned with `queries_per_tile(block_m, ...)` queries
+    at most (the forward's options)."""
     block_m, block_n, warps, stages = tiling
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     assert q.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d and q.stride(1) == d
-    assert prefix_k.stride(0) == prefix_v.stride(0) and out.stride(1) == 1 and key_chunk % block_n == 0
+    assert prefix_k.stride(0) == prefix_v.stride(0) and out.stride(1) == 1
     if prefix_k.shape[0] == 0:  # no cached prefix: any valid pointer (never read)
         prefix_k, prefix_v = k, v
     nprog = nprog or 4 * num_sms(q.device.index or 0)
     ieee = q.dtype == torch.float32
-    acc, ml = partials
     _tree_attn_kernel[(nprog,)](
-        q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, work, n_work, acc, ml,
+        q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles,
         q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
         N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        NPROG=nprog, KEY_CHUNK=key_chunk, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS,
+        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS,
         num_warps=warps, num_stages=1 if ieee else stages)
-    _merge_kernel[(nprog,)](out, q_rows, tiles, merge, n_merge, acc, ml, out.stride(0), N_HEADS=n_heads,
-                            REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, NPROG=nprog, COMPACT=compact,
-                            REC=RECORD, num_warps=warps)
     return out
-
-
-def plan_inputs(p, device) -> dict:
-    """A TilePlan's tables on the device, as `tree_attention` takes them (eager calls and tests)."""
-    up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    return {"tiles": up(p.tiles), "q_rows": up(p.q_rows), "work": up(p.work),
-            "n_work": torch.tensor([p.work.shape[0]], dtype=torch.int32, device=device), "merge": up(p.merge),
-            "n_merge": torch.tensor([p.merge.shape[0]], dtype=torch.int32, device=device),
-            "key_chunk": p.key_chunk}
 
 
 # ---- residual + RMSNorm, RoPE, SwiGLU, letter logits -------------------------------------------------------

@@ -7,13 +7,6 @@ one block needs only its key *ranges* in position order; visibility is `key posi
 and no mask tensor exists. Keys are visited in fixed tiles of key *position* (0..BLOCK_N-1, BLOCK_N.., ...),
 so the reduction order of a query never depends on what else is packed beside it (bitwise batch invariance).
 
-Long key ranges are reduced in chunks of KEY_CHUNK key *positions* (0..KEY_CHUNK-1, KEY_CHUNK.., ...): every
-query's keys, whatever else is in its batch and whether its prefix came from the state cache or not. Each chunk is
-an online softmax of its own, and the chunks of a query are merged in chunk order (kernels.py `_merge_kernel`). A
-query before KEY_CHUNK has one chunk, and its result is the plain online softmax's. So a tile whose keys span
-several chunks becomes a work entry per chunk (which run side by side: a few queries over a long cached document
-fill the GPU) plus a merge; each chunk's partial (m, l, acc) per (query, head) goes to a scratch "unit".
-
 One record of `RECORD` int32 per tile:
   [0] q_off   first entry of the tile in the query-row list
   [1] n_q     queries in the tile (<= BLOCK_M)
@@ -34,49 +27,16 @@ from basal_local.backends.host import block_bounds, block_chains
 
 RECORD = 64
 MAX_RANGES = (RECORD - 8) // 3  # 18 blocks deep (the packer stops at 8)
-# key positions per chunk: part of the numerics contract (like the key tile), a multiple of every BLOCK_N
-KEY_CHUNK = 4096
-# int32 per work entry: tile, chunk (-1: the whole tile, written straight to the output), the tile's chunks,
-# the scratch unit of its first query (a unit: one query's partial of one chunk, every head)
-WORK = 4
 
 
 @dataclass
 class TilePlan:
     tiles: np.ndarray  # [n_tiles, RECORD] int32
     q_rows: np.ndarray  # [n_queries] int32 token index of each query, tile after tile
-    work: np.ndarray | None = None  # [n_work, WORK] int32, the longest first
-    merge: np.ndarray | None = None  # [n_split, WORK] int32: (tile, chunks, first unit, 0) per split tile
-    units: int = 0  # scratch units the chunks of split tiles write
-    key_chunk: int = KEY_CHUNK
 
     @property
     def num_tiles(self) -> int:
         return int(self.tiles.shape[0])
-
-
-def split_work(tiles: np.ndarray, key_chunk: int = KEY_CHUNK) -> tuple[np.ndarray, np.ndarray, int]:
-    """The work entries of a tile table: one per tile whose keys fit one chunk, one per chunk of the others;
-    the merges of the split tiles; the scratch units their chunks write."""
-    n = tiles.shape[0]
-    n_keys = tiles[:, 2].astype(np.int64)
-    n_q = tiles[:, 1].astype(np.int64)
-    chunks = np.maximum(1, -(-n_keys // key_chunk))
-    split = chunks > 1
-    per_tile = np.where(split, n_q * chunks, 0)
-    base = np.concatenate([[0], np.cumsum(per_tile)[:-1]]) if n else np.zeros(0, np.int64)
-    reps = np.where(split, chunks, 1)
-    tile_of = np.repeat(np.arange(n, dtype=np.int64), reps)
-    first = np.concatenate([[0], np.cumsum(reps)[:-1]]) if n else np.zeros(0, np.int64)
-    chunk_of = np.arange(tile_of.size, dtype=np.int64) - np.repeat(first, reps)
-    is_split = split[tile_of]
-    keys = np.where(is_split, np.minimum(key_chunk, n_keys[tile_of] - chunk_of * key_chunk), n_keys[tile_of])
-    work = np.stack([tile_of, np.where(is_split, chunk_of, -1), reps[tile_of], base[tile_of]], 1)
-    work = work[np.argsort(-keys, kind="stable")]  # the longest first: a persistent grid then ends evenly
-    idx = np.flatnonzero(split)
-    merge = np.stack([idx, chunks[idx], base[idx], np.zeros_like(idx)], 1)
-    return (np.ascontiguousarray(work, dtype=np.int32).reshape(-1, WORK),
-            np.ascontiguousarray(merge, dtype=np.int32).reshape(-1, WORK), int(per_tile.sum()))
 
 
 def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.ndarray,
@@ -120,14 +80,13 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
         tile_block = np.asarray(token_block)[q_rows].tolist() if q_rows.size else []
         n_q = [1] * len(tile_block)
     if not tile_block:
-        empty = np.zeros((0, WORK), dtype=np.int32)
-        return TilePlan(np.zeros((0, RECORD), dtype=np.int32), np.zeros(0, dtype=np.int32), empty, empty, 0)
+        return TilePlan(np.zeros((0, RECORD), dtype=np.int32), np.zeros(0, dtype=np.int32))
     n_q_arr = np.asarray(n_q, dtype=np.int64)
     q_off = np.concatenate([[0], np.cumsum(n_q_arr)[:-1]])
     tiles = np.array(heads, dtype=np.int32)[np.asarray(tile_block)]
     tiles[:, 0] = q_off
     tiles[:, 1] = n_q_arr
     tiles[:, 2] = np.maximum.reduceat(pos[q_rows], q_off) + 1
-    tiles = np.ascontiguousarray(tiles[np.argsort(-tiles[:, 2], kind="stable")])
-    work, merge, units = split_work(tiles, KEY_CHUNK)
-    return TilePlan(tiles, q_rows.astype(np.int32), work, merge, units, KEY_CHUNK)
+    # the longest tiles first: a persistent grid then ends evenly (the order never changes a result)
+    tiles = tiles[np.argsort(-tiles[:, 2], kind="stable")]
+    return TilePlan(np.ascontiguousarray(tiles), q_rows.astype(np.int32))

@@ -127,8 +127,9 @@ def test_cuda_tree_kernel_matches_twin(small_model):
                                 kernels.queries_per_tile(DEFAULT_TILING[0], hq, hkv), rows=readout)
             n_out = t if readout is None else len(readout)
             out = torch.full((n_out, hq * d), float("nan"), dtype=dtype, device="cuda")
-            kernels.tree_attention(q, k, v, pk, pv, pos, **kernels.plan_inputs(p, "cuda"),
-                                   partials=kernels.scratch(p.units, hq, d, "cuda"), out=out,
+            kernels.tree_attention(q, k, v, pk, pv, pos, torch.from_numpy(p.tiles).cuda(),
+                                   torch.from_numpy(p.q_rows).cuda(),
+                                   torch.tensor([p.num_tiles], dtype=torch.int32, device="cuda"), out,
                                    compact=readout is not None, tiling=DEFAULT_TILING)
             want = twins.tree_attention(q.float(), k.float(), v.float(), pk.float(), pv.float(), pos, p, n_out,
                                         compact=readout is not None).view(n_out, -1)
@@ -136,52 +137,6 @@ def test_cuda_tree_kernel_matches_twin(small_model):
             err = ((out.float() - want).norm() / want.norm()).item()
             print(f"tree kernel vs twin {dtype} rows={'readout' if readout is not None else 'all'}: rel {err:.3g}")
             assert err <= bound
-
-
-def test_cuda_split_key_chunks_match_the_twin_and_keep_the_bits_of_short_rows(monkeypatch):
-    """Tiles whose keys span several KEY_CHUNKs run a work entry per chunk and a merge (plan.py, kernels.py):
-    every row equals the twin (within the dtype's tolerance), and a row whose keys all lie in the first chunk
-    gets bit for bit what it gets with no split at all (its tile split or not)."""
-    from basal_local.cuda_kernels import plan as tplan
-    from basal_local.cuda_kernels import triton_kernels, twins
-
-    kernels = triton_kernels()
-    n_pre, sizes = 200, (400, 300, 120)
-    parents, prefix_of = np.array([-1, 0, 0], np.int32), np.array([0, -1, -1], np.int32)
-    token_block = np.repeat(np.arange(3, dtype=np.int32), sizes)
-    positions = np.concatenate([np.arange(n_pre, n_pre + 400), np.arange(n_pre + 400, n_pre + 700),
-                                np.arange(n_pre + 400, n_pre + 520)]).astype(np.int64)
-    t, hq, hkv, d = len(positions), 8, 2, 64
-    pos = torch.from_numpy(positions.astype(np.int32)).cuda()
-    readout = np.cumsum(sizes) - 1
-    for dtype, bound in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
-        g = torch.Generator(device="cuda").manual_seed(7)
-        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", generator=g).to(dtype)
-        pk, pv = (torch.randn(n_pre, hkv, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-        q = qkv[:, :hq * d].view(t, hq, d)
-        k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-        outs = {}
-        for chunk in (4096, 256):
-            monkeypatch.setattr(tplan, "KEY_CHUNK", chunk)
-            for rows in (None, readout):
-                p = tplan.tile_plan(positions, token_block, parents, prefix_of, [(0, n_pre)],
-                                    kernels.queries_per_tile(DEFAULT_TILING[0], hq, hkv), rows=rows)
-                assert (p.merge.shape[0] > 0) == (chunk == 256)
-                n_out = t if rows is None else len(rows)
-                out = torch.full((n_out, hq * d), float("nan"), dtype=dtype, device="cuda")
-                kernels.tree_attention(q, k, v, pk, pv, pos, **kernels.plan_inputs(p, "cuda"),
-                                       partials=kernels.scratch(p.units, hq, d, "cuda"), out=out,
-                                       compact=rows is not None, tiling=DEFAULT_TILING)
-                want = twins.tree_attention(q.float(), k.float(), v.float(), pk.float(), pv.float(), pos, p, n_out,
-                                            compact=rows is not None).view(n_out, -1)
-                assert not torch.isnan(out).any(), "a row was not written"
-                err = ((out.float() - want).norm() / want.norm()).item()
-                print(f"split chunks {chunk} {dtype} rows={'readout' if rows is not None else 'all'}: rel {err:.3g}")
-                assert err <= bound
-                outs[(chunk, rows is None)] = out
-        short = torch.from_numpy(positions < 256).cuda()
-        assert short.any() and torch.equal(outs[(256, True)][short], outs[(4096, True)][short])
 
 
 def test_cuda_fused_kernels_match_twins():
@@ -394,16 +349,12 @@ def test_cuda_gpu_memory_limit_refuses_and_is_enforced(small_model):
         torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
-@pytest.mark.parametrize("dtype,key_chunk", [("f16", 4096), ("bf16", 4096), ("f16", 512)])
-def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype, key_chunk, monkeypatch):
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype):
     """The numerics contract of the state cache (engine/prefix_cache.py): a new question about a cached document,
     answered from the pool (CUDA graphs for the short one, the long lane for the long one), gives bitwise the
-    logits of the same request on an engine that never saw the document; the document's first request too.
-    With a short key chunk every prompt's keys span several chunks (split tiles and their merge)."""
+    logits of the same request on an engine that never saw the document; the document's first request too."""
     from basal_local.backends.torch import TorchBackend
-    from basal_local.cuda_kernels import plan as tplan
-
-    monkeypatch.setattr(tplan, "KEY_CHUNK", key_chunk)
     from basal_local.engine.engine import EngineSettings, ModelEngine
     from basal_local.engine.gate import DeviceGate
     from basal_local.telemetry import Telemetry

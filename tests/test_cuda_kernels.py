@@ -241,7 +241,7 @@ def test_fast_forward_alternative_attention_tiling(tiny_model):
     assert pack.batches[0].num_tokens <= ALT_MAX_TOKENS
 
     def tile_sizes(n: int) -> list[int]:  # queries per tile of a one-block forward of n tokens, as uploaded
-        buf, layout, _ = fast.host_inputs(dummy(n, 4), n, n, 4)
+        buf, layout = fast.host_inputs(dummy(n, 4), n, n, 4)
         o, size = layout["tiles"]
         return sorted(buf[o:o + size].reshape(-1, 64)[:buf[layout["nt"][0]], 1].tolist())
     assert tile_sizes(300) == [44, 128, 128] and tile_sizes(1100) == [12] + [64] * 17

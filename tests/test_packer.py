@@ -126,7 +126,7 @@ def test_padding_for_cuda_graphs_changes_nothing(engine_parts):
         batch = pack_prompts(specs, prefixes if use_prefix else None).batches[0]
         *_, plain = backend.forward_steps(batch)
         size = batch.num_tokens + 37
-        buf, layout, _ = fwd.host_inputs(batch, size, size, 64)
+        buf, layout = fwd.host_inputs(batch, size, size, 64)
         with torch.inference_mode():
             v = fwd.views(torch.from_numpy(buf), layout)
             *_, h = fwd.layers(v)

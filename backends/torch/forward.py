@@ -42,9 +42,6 @@ LT_SIZES = tuple(sorted({s for s in TOKEN_BUCKETS if s <= TIMED_MAX} | set(READO
 # where it is faster (docs/CUDA_NOTES.md); used only where it gives the default tiling's bits on this device
 ALT_TILING = (128, 64, 8, 3)
 ALT_MAX_TOKENS = 1024
-# the most chunk partials (plan.py: a query's share of one KEY_CHUNK of keys, every head) a CUDA graph holds room
-# for: 16k of them are 136 MB for the 4.5B preset, enough for ~3k new tokens over a 17.9k-token cached document
-UNIT_CAP = 16384
 # letter columns of the logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
 
@@ -77,7 +74,6 @@ class Forward:
         self.prefix_k: list[torch.Tensor] = []
         self.prefix_v: list[torch.Tensor] = []
         self.capacity = 0
-        self.max_chunks = max(1, -(-backend.config.max_position_embeddings // tplan.KEY_CHUNK))
         self.open_pool(0)
         cos, sin = host.rope_tables(backend.config)
         self.cos, self.sin = torch.from_numpy(cos).to(backend.device), torch.from_numpy(sin).to(backend.device)
@@ -161,12 +157,10 @@ class Forward:
 
     def _alt_tiling_agrees(self, tiling: tuple[int, int, int, int]) -> bool:
         """Tree attention of one random tree (a cached prefix, a root, children and a grandchild) with the
-        default tiling and with `tiling`, every row and the readout rows: bit for bit the same? The prefix is
-        longer than a key chunk where the model's context allows, so split tiles and their merge count too."""
+        default tiling and with `tiling`, every row and the readout rows: bit for bit the same?"""
         cfg, dev, dt = self.b.config, self.b.device, self.b.dtype
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        n_pre = tplan.KEY_CHUNK - 100 if cfg.max_position_embeddings > tplan.KEY_CHUNK + 500 else 40
-        sizes, parents = (200, 70, 70, 50), (-1, 0, 0, 1)
+        n_pre, sizes, parents = 40, (200, 70, 70, 50), (-1, 0, 0, 1)
         token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
         starts, pos = {}, []
         for b, (n, par) in enumerate(zip(sizes, parents)):
@@ -187,8 +181,9 @@ class Forward:
                                     np.array([0, -1, -1, -1], np.int32), [(0, n_pre)],
                                     max(1, til[0] // (hq // hkv)), rows=rows)
                 out = torch.zeros(t if rows is None else len(rows), hq * d, dtype=dt, device=dev)
-                self.ops.tree_attention(q, k, v, pk, pv, pos_d, **self.ops.plan_inputs(p, dev),
-                                        partials=self.ops.scratch(p.units, hq, d, dev), out=out,
+                self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
+                                        torch.from_numpy(p.q_rows).to(dev),
+                                        torch.tensor([p.num_tiles], dtype=torch.int32, device=dev), out,
                                         compact=rows is not None, tiling=til)
                 outs[(rows is None, name)] = out
         return all(torch.equal(outs[(full, "default")], outs[(full, "alt")]) for full in (True, False))
@@ -247,13 +242,11 @@ class Forward:
                 pool.index_copy_(0, d, pool.index_select(0, s))
 
     # ---- inputs ------------------------------------------------------------------------------------------
-    def layout(self, size: int, tile_cap: int, r_cap: int) -> tuple[dict, int]:
-        rec, w = tplan.RECORD, tplan.WORK
-        c = self.max_chunks
-        fields = {"ids": size, "pos": size, "fill": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec,
-                  "nw": 1, "work": tile_cap * c * w, "nm": 1, "merge": tile_cap * w, "nt_last": 1,
-                  "qrows_last": r_cap, "tiles_last": r_cap * rec, "nw_last": 1, "work_last": r_cap * c * w,
-                  "nm_last": 1, "merge_last": r_cap * w, "readout": r_cap, "letters": LETTER_CAP}
+    @staticmethod
+    def layout(size: int, tile_cap: int, r_cap: int) -> tuple[dict, int]:
+        rec = tplan.RECORD
+        fields = {"ids": size, "pos": size, "fill": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
+                  "qrows_last": r_cap, "tiles_last": r_cap * rec, "readout": r_cap, "letters": LETTER_CAP}
         layout, offset = {}, 0
         for name, length in fields.items():
             layout[name] = (offset, length)
@@ -262,15 +255,10 @@ class Forward:
             offset += -(-length // 4) * 4
         return layout, offset
 
-    def units_cap(self, size: int) -> int:
-        """The chunk partials a CUDA graph of `size` tokens has room for (more: the forward runs eagerly)."""
-        return min(size * self.max_chunks, UNIT_CAP)
-
     def host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int,
-                    buf: np.ndarray | None = None, fill: np.ndarray | None = None,
-                    units_cap: int | None = None) -> tuple[np.ndarray, dict, int]:
+                    buf: np.ndarray | None = None, fill: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
         """The forward's int32 inputs laid out in one buffer (`buf`, zeroed here, or a new one); `fill` is
-        `fill_plan`'s pool row + 1 per token. Also returns the chunk partials the attention needs room for."""
+        `fill_plan`'s pool row + 1 per token."""
         if batch.num_tokens > size:
             raise RuntimeError(f"forward inputs need {batch.num_tokens} slots, the upload buffer has {size}")
         rows = [self.prefix_rows[name] for name in batch.prefixes]
@@ -278,8 +266,7 @@ class Forward:
             rows = [(offset, used) for (offset, _), used in zip(rows, batch.prefix_lengths)]
         args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, self.block_m(size))
         full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
-        units = max(full.units, last.units)
-        if full.num_tiles > tile_cap or last.num_tiles > r_cap or (units_cap is not None and units > units_cap):
+        if full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
         layout, total = self.layout(size, tile_cap, r_cap)
         if buf is None:
@@ -290,23 +277,19 @@ class Forward:
         # every letter slot a valid id: the graph's letter kernel reads all LETTER_CAP of them
         letters = np.concatenate([letters, np.full(LETTER_CAP - letters.size, letters[0] if letters.size else 0)])
         for name, values in (("ids", batch.token_ids), ("pos", batch.positions), ("fill", () if fill is None else fill),
-                             ("nt", [full.num_tiles]), ("qrows", full.q_rows), ("tiles", full.tiles),
-                             ("nw", [full.work.shape[0]]), ("work", full.work), ("nm", [full.merge.shape[0]]),
-                             ("merge", full.merge), ("nt_last", [last.num_tiles]), ("qrows_last", last.q_rows),
-                             ("tiles_last", last.tiles), ("nw_last", [last.work.shape[0]]),
-                             ("work_last", last.work), ("nm_last", [last.merge.shape[0]]),
-                             ("merge_last", last.merge), ("readout", batch.readout_index), ("letters", letters)):
+                             ("nt", [full.num_tiles]),
+                             ("qrows", full.q_rows), ("tiles", full.tiles), ("nt_last", [last.num_tiles]),
+                             ("qrows_last", last.q_rows), ("tiles_last", last.tiles),
+                             ("readout", batch.readout_index), ("letters", letters)):
             flat = np.asarray(values).ravel()
             buf[layout[name][0]:layout[name][0] + flat.size] = flat
-        return buf, layout, units
+        return buf, layout
 
     @staticmethod
     def views(dev_buf: torch.Tensor, layout: dict) -> dict:
         v = {name: dev_buf[o:o + n] for name, (o, n) in layout.items()}
-        for name in ("tiles", "tiles_last"):
-            v[name] = v[name].view(-1, tplan.RECORD)
-        for name in ("work", "merge", "work_last", "merge_last"):
-            v[name] = v[name].view(-1, tplan.WORK)
+        v["tiles"] = v["tiles"].view(-1, tplan.RECORD)
+        v["tiles_last"] = v["tiles_last"].view(-1, tplan.RECORD)
         return v
 
     # ---- the layers ------------------------------------------------------------------------------------------
@@ -320,8 +303,8 @@ class Forward:
     def _attention(self, i: int, qkv: torch.Tensor, v: dict, last: bool) -> torch.Tensor:
         q, k, val = self._split(qkv)
         t, width = qkv.shape[0], q.shape[1] * q.shape[2]
-        x = "_last" if last else ""
-        tiles, q_rows, nt = v["tiles" + x], v["qrows" + x], v["nt" + x]
+        tiles, q_rows, nt = (v["tiles_last"], v["qrows_last"], v["nt_last"]) if last else \
+            (v["tiles"], v["qrows"], v["nt"])
         rows = q_rows.shape[0] if last else t
         if self.use_triton:
             # as tall as the o projection's library call (padded_rows): the rows past `rows` are never read back
@@ -329,9 +312,7 @@ class Forward:
             out = torch.empty(self.padded_rows(rows, layer.o_proj_weight, layer.o_proj_bias), width,
                               dtype=qkv.dtype, device=qkv.device)
             return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
-                                           v["work" + x], v["nw" + x], v["merge" + x], v["nm" + x], v["partials"],
-                                           out, compact=last, tiling=self.alt_tiling if self.alt(t) else self.tiling,
-                                           key_chunk=tplan.KEY_CHUNK)
+                                           nt, out, compact=last, tiling=self.alt_tiling if self.alt(t) else self.tiling)
         p = tplan.TilePlan(tiles[:int(nt[0])].cpu().numpy(), q_rows.cpu().numpy())
         out = twins.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], p, rows, compact=last)
         return out.view(rows, width)
@@ -341,8 +322,6 @@ class Forward:
         b, ops, eps = self.b, self.ops, self.b.config.rms_norm_eps
         cfg = b.config
         x = b.embed_tokens.index_select(0, v["ids"])
-        if self.use_triton:  # room for the chunk partials of long key ranges (one buffer for every layer)
-            v["partials"] = self.ops.scratch(v["units"], cfg.num_attention_heads, cfg.head_dim, x.device)
         delta = None
         for i, layer in enumerate(b.layers):
             last = i == len(b.layers) - 1
@@ -380,11 +359,8 @@ class Forward:
     # ---- the eager forward ---------------------------------------------------------------------------------
     def upload(self, batch: PackedBatch, fill: np.ndarray | None = None) -> dict:
         n_tiles = batch.num_tokens // self.block_m(batch.num_tokens) + len(batch.block_parent) + 1
-        buf, layout, units = self.host_inputs(batch, batch.num_tokens, n_tiles, max(1, len(batch.readout_index)),
-                                              fill=fill)
-        v = self.views(torch.from_numpy(buf).to(self.b.device), layout)
-        v["units"] = units
-        return v
+        buf, layout = self.host_inputs(batch, batch.num_tokens, n_tiles, max(1, len(batch.readout_index)), fill=fill)
+        return self.views(torch.from_numpy(buf).to(self.b.device), layout)
 
     def steps(self, batch: PackedBatch, capture: list | None = None) -> Iterator[np.ndarray | None]:
         fill, after = self.fill_plan(batch)

@@ -115,8 +115,7 @@ class Graphs:
             if entry.uploaded[0] is not None:
                 entry.uploaded[0].synchronize()
                 entry.uploaded[0] = None
-            self.fwd.host_inputs(batch, size, tile_cap(size), r_cap, entry.staging_np,
-                                 units_cap=self.fwd.units_cap(size))
+            self.fwd.host_inputs(batch, size, tile_cap(size), r_cap, entry.staging_np)
         except OverflowError:
             return None
         fill, after = self.fwd.fill_plan(batch)
@@ -164,10 +163,9 @@ class Graphs:
     def _graph(self, size: int, r_cap: int) -> _Graph:
         key = (size, r_cap)
         if key not in self.graphs:
-            buf, layout, _ = self.fwd.host_inputs(dummy(size, r_cap), size, tile_cap(size), r_cap)
+            buf, layout = self.fwd.host_inputs(dummy(size, r_cap), size, tile_cap(size), r_cap)
             static = torch.from_numpy(buf).to(self.fwd.b.device)
             v = self.fwd.views(static, layout)
-            v["units"] = self.fwd.units_cap(size)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, cuBLAS handles)
