@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -442,3 +443,67 @@ def test_two_fills_of_one_forward_keeping_the_same_tokens_both_get_their_kv(tiny
     for pool in (*fwd.prefix_k, *fwd.prefix_v):
         assert torch.equal(pool[20:40], pool[40:60])  # "b" whole: 12 rows copied from "a", 8 stored by RoPE
         assert torch.equal(pool[0:12], pool[40:52])
+
+
+class _Pipelined:
+    """A torch backend whose launches return before their logits exist (as CUDA's do), each reporting
+    DEVICE_S of device time, so a lane forms its next batch while one is in flight; closing `gate` holds
+    every launched forward unfinished."""
+
+    DEVICE_S = 0.05
+
+    def __init__(self, backend):
+        self.backend, self.gate, self.launched = backend, threading.Event(), threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def launch(self, batch):
+        self.launched.set()
+        outer = self
+
+        class Handle:
+            def done(self):
+                return outer.gate.is_set()
+
+            def result(self):
+                outer.gate.wait(WAIT)
+                return outer.backend.forward(batch)
+
+            def device_s(self):
+                return outer.DEVICE_S
+
+        return Handle()
+
+
+def test_a_request_about_a_document_a_batch_in_flight_is_storing_waits_for_it(tiny_model, reference):
+    """Two requests about one new document, the second formed into a batch while the first's batch is still
+    on the device: the second waits for that batch and continues the document from the cache (a hit) instead
+    of computing it again beside it; its answers are the reference's."""
+    b = TorchBackend(device="cpu")
+    b.load(tiny_model, "f32")
+    pipe = _Pipelined(b)
+    engine = ModelEngine(load_model_dir(tiny_model), pipe, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
+    engine.start()
+    try:
+        for seed in (40, 41):  # the lane learns the device time of batches this size: the next ones overlap
+            ask(engine, body(document(seed), 0))
+        doc = document(42)
+        hits = engine.cache_snapshot()["hits"]
+        pipe.gate.clear()
+        pipe.launched.clear()
+        first = engine.submit(engine.plan(validate_systemone(body(doc, 1), M)))
+        assert pipe.launched.wait(WAIT)  # the first request's batch is on the device, its document pending
+        second = engine.submit(engine.plan(validate_systemone(body(doc, 2), M)))
+        time.sleep(4 * _Pipelined.DEVICE_S)  # past the flight's expected end: the lane looks at its queue
+        pipe.gate.set()
+        first.result(WAIT)
+        outcome = second.result(WAIT)
+        assert engine.cache_snapshot()["hits"] == hits + 1  # the second request continued the stored document
+        assert outcome.cached_tokens > 250
+        want, _ = ask(reference, body(doc, 2))
+        assert np.abs(probs(response_body(outcome, "systemone", 0.0)["answers"]) - want).max() <= 1e-6
+    finally:
+        pipe.gate.set()
+        engine.stop(WAIT)

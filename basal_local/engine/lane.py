@@ -21,6 +21,10 @@ log = logging.getLogger("basal_local.engine.engine")
 # a flight expected to take the device less than this is answered before the next batch forms: overlapping its
 # host work would gain little, and waiting on an estimate would add latency to lone requests
 PIPELINE_MIN_S = 0.015
+# a job whose document a batch in flight is storing waits for that batch (Lane._hold_documents_in_flight), looking
+# again every HOLD_POLL_S, for at most HOLD_MAX_S (a long document on a CPU takes tens of seconds)
+HOLD_POLL_S = 0.002
+HOLD_MAX_S = 30.0
 
 
 @dataclass
@@ -126,11 +130,29 @@ class Lane:
                     job.fail(Cancelled())
                 else:
                     live.append(job)
+            live, held = self._hold_documents_in_flight(live)
             settings = self.engine.settings
             budget = settings.max_batch_tokens if self.urgent else 0  # the long lane runs one request at a time
             batch, rest = form_batch(live, budget, self.engine.prefixes, settings.schedule, self.rate)
-            self.queue = rest
+            self.queue = rest + held
+            if not batch and held and block:
+                self._cond.wait(HOLD_POLL_S)  # until the batch storing their document completes
             return batch
+
+    def _hold_documents_in_flight(self, live: list[Job]) -> tuple[list[Job], list[Job]]:
+        """The jobs whose document a batch in flight is storing in the state cache wait for it (then they
+        continue it as a hit instead of computing it again), for at most HOLD_MAX_S."""
+        cache = self.engine.cache
+        if cache is None or not live:
+            return live, []
+        now = time.perf_counter()
+        keep, held = [], []
+        for job in live:
+            if job.specs and now - job.arrival < HOLD_MAX_S and cache.in_flight(job.specs[0].token_ids):
+                held.append(job)
+            else:
+                keep.append(job)
+        return keep, held
 
     def _coalesce(self) -> None:
         """Hold a small queue briefly after a big batch (EngineSettings.coalesce_ms); called with _cond held."""

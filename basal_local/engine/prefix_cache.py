@@ -152,6 +152,19 @@ class PrefixCache:
                 return Match(pinned, min(pinned_at, limit))
             return Match(holder, min(i, limit))
 
+    def in_flight(self, ids: Sequence[int]) -> bool:
+        """Whether a batch in flight is storing at least FILL_MIN_TOKENS more of `ids` than a lookup finds now:
+        a request about a document another batch is computing waits for it (`Lane._admit`) rather than
+        computing it a second time beside it."""
+        with self.lock:
+            pending = [e for e in self.entries.values() if not e.ready]
+            if not pending:
+                return False
+            ids = ids if type(ids) is list else list(ids)
+            m = self.match(ids)
+            have = m.length if m else 0
+            return any(common_prefix_len(e.tokens, ids) - have >= FILL_MIN_TOKENS for e in pending)
+
     def split(self, ids: Sequence[int], lang: str = "") -> tuple[str | None, int]:
         """(name of the entry a prompt continues, or None; how many of its tokens): the packer's view."""
         m = self.match(ids)
