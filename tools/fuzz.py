@@ -14,7 +14,6 @@ import gzip
 import json
 import random
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -23,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netkit import Daemon, exchange, request, sample_requests  # noqa: E402
+from loadtest import Daemon, exchange, request, sample_bodies  # noqa: E402
 
 PATHS = ("/v1/systemone", "/v1/basal")
 TYPES = ["choice", "noul", "score", "multi", "act", "rank", "", None, 5, [], {}]
@@ -76,7 +75,7 @@ class Inputs:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.samples = [json.dumps({**s, "model": model}).encode() for s in sample_requests()]
+        self.samples = sample_bodies(model)
         bomb = zlib.compressobj(9, zlib.DEFLATED, 31)
         self.gzip_bomb = b"".join(bomb.compress(bytes(1 << 20)) for _ in range(64)) + bomb.flush()
 
@@ -146,22 +145,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=0, help="stop sending new inputs after this long "
                         "(0: send them all) and report what was sent")
     args = parser.parse_args()
-    daemon = None
-    model_name = "basal-test-tiny"
-    if args.port is None:
-        model_dir = args.model
-        if model_dir is None:
-            from basal_local.model.testmodel import make_test_model
-
-            model_dir = str(make_test_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=1))
-        from basal_local.model import load_model_dir
-
-        model_name = load_model_dir(model_dir, check_weights=False).name
-        daemon = Daemon(["--model", model_dir, "--device", "cpu", "--body-timeout", "1"])
-        daemon.wait_ready()
-        port = daemon.port
-    else:
-        port = args.port
+    daemon, port, model_name = None, args.port, "basal-test-tiny"
+    if port is None:
+        daemon = Daemon([*(["--model", args.model] if args.model else []), "--device", "cpu", "--body-timeout", "1"])
+        port, model_name = daemon.port, daemon.model
     inputs = Inputs(model_name)
     counts: Counter = Counter()
     problems: list[str] = []
