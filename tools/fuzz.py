@@ -1,8 +1,8 @@
 """Fuzz a daemon with hostile and odd requests over raw sockets; print the counts by kind and status.
 
-    python tools/fuzz.py [--inputs 10000] [--threads 8] [--seed 0] [--model DIR | --url-port PORT]
+    python tools/fuzz.py [--inputs 10000] [--threads 8] [--seed 0] [--seconds N] [--model DIR | --port PORT]
 
-Starts `basal-local serve` on a generated tiny model (or uses a running daemon on --url-port), sends each
+Starts `basal-local serve` on a generated tiny model (or uses a running daemon on --port), sends each
 input on a fresh connection with a deadline, and fails (exit 1) on any 5xx, any hang, any connection closed
 without an answer where one was due, or a daemon that stops answering /health.
 """
@@ -150,10 +150,7 @@ def main() -> int:
         daemon = Daemon([*(["--model", args.model] if args.model else []), "--device", "cpu", "--body-timeout", "1"])
         port, model_name = daemon.port, daemon.model
     inputs = Inputs(model_name)
-    counts: Counter = Counter()
-    problems: list[str] = []
-    lock = threading.Lock()
-    started = time.time()
+    counts, problems, lock, started = Counter(), [], threading.Lock(), time.time()
 
     def one(i: int) -> None:
         if args.seconds and time.time() - started > args.seconds:
@@ -184,12 +181,9 @@ def main() -> int:
     print(f"{sent} inputs in {elapsed:.0f} s ({sent / elapsed:.0f}/s), {args.threads} threads, seed {args.seed}")
     print(f"{'kind':<17}{'inputs':>7}  outcomes (HTTP status: count)")
     for kind in KINDS:
-        if kind in by_kind:
-            c = by_kind[kind]
+        if c := by_kind.get(kind):
             print(f"{kind:<17}{sum(c.values()):>7}  " + ", ".join(f"{o}: {n}" for o, n in sorted(c.items())))
-    total = Counter()
-    for c in by_kind.values():
-        total.update(c)
+    total = sum(by_kind.values(), Counter())
     print("all statuses:", ", ".join(f"{o}: {n}" for o, n in sorted(total.items())))
     print(f"daemon still answering /health: {alive}")
     if daemon is not None:

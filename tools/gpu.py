@@ -21,9 +21,9 @@ import urllib.error
 import urllib.request
 
 
-def call(url: str, body: dict | None = None, method: str | None = None, timeout: float = 600) -> tuple[int, dict]:
+def call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int, dict]:
     req = urllib.request.Request(url, None if body is None else json.dumps(body).encode(),
-                                 {"content-type": "application/json"}, method=method)
+                                 {"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -33,26 +33,19 @@ def call(url: str, body: dict | None = None, method: str | None = None, timeout:
 
 def summary(*paths: str) -> None:
     for path in paths:
-        try:
-            r = json.load(open(path))
-        except (OSError, ValueError) as exc:
-            print(os.path.basename(path), "unreadable:", exc)
-            continue
+        r, name = json.load(open(path)) if os.path.getsize(path) else {}, os.path.basename(path)
+        s, t, x, mem, lat = (r.get(k) or {} for k in ("single_ms", "throughput", "extras", "memory", "latency_ms"))
         if "req_per_s" in r:  # bench --http
-            lat = r.get("latency_ms", {})
-            print(os.path.basename(path), f"{r['req_per_s']} req/s, p50 {lat.get('p50')} p99 {lat.get('p99')} ms,",
-                  f"errors {r.get('errors', 0)}", r.get("invariance_alone_vs_amid_31") or "")
+            print(name, f"{r['req_per_s']} req/s, p50 {lat.get('p50')} p99 {lat.get('p99')} ms, errors",
+                  r.get("errors", 0), r.get("invariance_alone_vs_amid_31") or "")
         elif "per_document" in r:  # bench --cache
-            print(os.path.basename(path), {k: r.get(k) for k in ("first_ms", "second_ms", "second_speedup",
-                                                                 "first_ratio_cached_vs_templates_only", "bitwise_equal")})
+            print(name, {k: r.get(k) for k in ("first_ms", "second_ms", "second_speedup", "bitwise_equal")})
         else:
-            s, t, x = r.get("single_ms") or {}, r.get("throughput", {}), r.get("extras", {})
-            mem = r.get("memory") or {}
-            print(os.path.basename(path), f"single {s.get('median')} ms (p95 {s.get('p95')}),",
-                  f"b16 {t.get('batch16', {}).get('decisions_per_s')}, b32 {t.get('batch32', {}).get('decisions_per_s')}/s,",
-                  f"weights {mem.get('weights_bytes', 0) / 1e9:.2f} GB, invariance",
-                  x.get("invariance_alone_vs_amid_31"), f"speedup vs {r['baseline']['mode']}: single "
-                  f"{r['speedup_single_median']}, b32 {r['speedup_batch32']}" if "baseline" in r else "")
+            b16, b32 = (t.get(f"batch{n}", {}).get("decisions_per_s") for n in (16, 32))
+            print(name, f"single {s.get('median')} ms (p95 {s.get('p95')}), b16 {b16}, b32 {b32}/s, weights "
+                  f"{mem.get('weights_bytes', 0) / 1e9:.2f} GB, invariance", x.get("invariance_alone_vs_amid_31"),
+                  f"speedup vs {r['baseline']['mode']}: single {r['speedup_single_median']}, b32 "
+                  f"{r['speedup_batch32']}" if "baseline" in r else "")
 
 
 def answers(url: str, out: str, clients: str = "64") -> None:
@@ -92,10 +85,9 @@ def compare(a_path: str, b_path: str) -> int:
 def _gpu_mib() -> int:
     import subprocess
 
+    smi = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30).stdout
-        return int(out.split()[0])
+        return int(subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.split()[0])
     except (OSError, ValueError, IndexError):
         return 0  # no GPU
 
@@ -103,26 +95,23 @@ def _gpu_mib() -> int:
 def unload(url: str) -> int:
     from basal_local.samples import single_question_requests
 
-    (model,) = [m for m in call(url + "/api/ps")[1]["models"] if m.get("default")]
-    bodies = single_question_requests(model["name"])[:32]
+    (model,) = [m["name"] for m in call(url + "/api/ps")[1]["models"] if m.get("default")]
+    bodies = single_question_requests(model)[:32]
     ask = lambda: [call(url + "/v1/systemone", b)[1].get("answers") for b in bodies]  # noqa: E731
     first, loaded, rows = ask(), _gpu_mib(), []
     for cycle in range(5):
         t0 = time.perf_counter()
-        s1, _ = call(url + "/api/unload", {"model": model["name"], "wait": True})
-        t1 = time.perf_counter()
+        row = {"cycle": cycle + 1, "unload": call(url + "/api/unload", {"model": model, "wait": True})[0],
+               "unload_s": round(time.perf_counter() - t0, 2)}
         time.sleep(1.0)
-        gone = _gpu_mib()
-        t2 = time.perf_counter()
-        s2, _ = call(url + "/api/load", {"model": model["name"], "wait": True})
-        rows.append({"cycle": cycle + 1, "unload": s1, "unload_s": round(t1 - t0, 2), "mib_unloaded": gone,
-                     "load": s2, "load_s": round(time.perf_counter() - t2, 2), "mib_reloaded": _gpu_mib(),
-                     "bitwise": ask() == first})
-        print(json.dumps(rows[-1]), flush=True)
+        row["mib_unloaded"], t0 = _gpu_mib(), time.perf_counter()
+        row.update(load=call(url + "/api/load", {"model": model, "wait": True})[0],
+                   load_s=round(time.perf_counter() - t0, 2), mib_reloaded=_gpu_mib(), bitwise=ask() == first)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     ok = all(r["unload"] == r["load"] == 200 and r["bitwise"] for r in rows)
-    print(f"unload/load x5: {'ok' if ok else 'FAILED'} (200s and answers bitwise every cycle), GPU MiB loaded "
-          f"{loaded}, freed at least {loaded - max(r['mib_unloaded'] for r in rows)}, "
-          f"growth {max(r['mib_reloaded'] for r in rows) - loaded}")
+    print(f"{'ok' if ok else 'FAILED'} (5 cycles, 200s, answers bitwise), GPU MiB {loaded} loaded, freed >= "
+          f"{loaded - max(r['mib_unloaded'] for r in rows)}, regrown {max(r['mib_reloaded'] for r in rows) - loaded}")
     return 0 if ok else 1
 
 
@@ -164,7 +153,9 @@ def dashboard(url: str, device: str, gpus: str) -> int:
             check(0 <= g.get("util_percent", -1) <= 100 and g.get("power_w", 0) > 0 and g.get("clock_mhz", 0) > 0
                   and 0 < g["memory_used_bytes"] <= g["memory_total_bytes"], f"GPU{g['index']}: {json.dumps(g)}")
         for r in [r for m in stats["models"] for r in m.get("replicas", [])]:
-            mem = r.get("memory") or {}
+            if not (mem := r.get("memory")):  # a worker replica reports the figures of its last batch
+                print(f"note: replica {r['replica']} on {r['device']} ran no batch, no memory figures")
+                continue
             parts = sum(mem.get(k, 0) for k in ("weights_bytes", "graphs_bytes", "prefix_cache_bytes"))
             dev = "cuda:0" if r["device"] == "cuda" else r["device"]
             used = next((g["memory_used_bytes"] for g in seen if f"cuda:{g['index']}" == dev), 0)
@@ -215,10 +206,11 @@ def profile(model_dir: str, out: str, *configs: str) -> None:
     from basal_local.protocol.render import render_question
     from basal_local.samples import single_question_requests
 
-    families = (("attention", ("attn", "fmha", "flash")), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
-                ("copy/cast", ("copy", "cat", "convert")), ("index/gather", ("index", "gather", "embedding")),
+    families = (("attention", ("attn", "fmha", "flash", "attention")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "ampere", "cublas")), ("copy/cast", ("copy", "cat", "convert")),
                 ("norm/rope/swiglu/elementwise", ("rms", "rope", "silu", "elementwise", "vectorized", "mul", "add",
-                                                  "reduce", "pow", "mean", "rsqrt", "letter")))
+                                                  "reduce", "pow", "mean", "rsqrt", "letter")),
+                ("index/gather", ("index", "gather", "embedding")))  # the first family that matches a kernel's name
     md = load_model_dir(model_dir)
     requests = [validate_systemone(r, md.name) for r in single_question_requests(md.name)]
     prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # Build, check and time everything on a GPU host in one call (docs/PERFORMANCE.md, docs/SCALING.md).
-#
 # 1. Here, with the project's venv active (a package index reachable):
 #      bash tools/gpu.sh prepare [OLD]    # dist/gpu/: new/ (a wheel of this working tree), whl/ (the daemon's
 #                                         # dependency closure for PYVER, default 3.12, manylinux x86-64, checked
 #                                         # complete against the GPU image), old/ (a wheel of commit OLD, for `ab`)
 # 2. On the GPU host, from the repository root, carrying dist/gpu (run tool: carry=["dist/gpu"]):
 #      STAGES="tests bench http" bash tools/gpu.sh
-#    Each stage prints one line, "STAGE: ok (N s) SUMMARY" or "STAGE: FAILED (N s)" with the tail of its log (a
-#    daemon that did not start shows its own log's tail); the next stage still runs. Every record (bench and HTTP
-#    JSON, answers, logs, STAGE.log with the stage's whole output) lands in $OUT (default /tmp/out).
-#    A stage that does not fit in what is left of BUDGET (default 570 s) is skipped and says so.
-# Stages (in the order given):
+#    One line per stage: "STAGE: ok (N s) SUMMARY", "STAGE: skipped: WHY" (no second GPU, no CUDA, no old wheel,
+#    or not enough of BUDGET, default 570 s, left), or "STAGE: FAILED (N s)" and the tail of its log (a daemon that
+#    did not start: its own log's tail); the next stage still runs. Records (bench and HTTP JSON, answers, daemon
+#    logs, STAGE.log with the stage's whole output, summary.txt with these lines) land in $OUT (default /tmp/out).
+# Stages (run in the order given):
 #   tests      tests/test_cuda.py, test_cuda_kernels.py, test_fp8.py from a copy of tests/ ($TESTS to choose)
 #   bench      per preset of PRESETS (default "mini 4.5B max"): in-process bench at f16 (--repeat 2 --invariance 8,
 #              $BENCH_ARGS; PRESET also --long-doc --baseline $BASELINE), then for FP8_PRESETS (default "4.5B max")
@@ -19,25 +18,27 @@
 #   cache      bench --cache (a 17.8k-token document), then the mixed HTTP stream with the state cache off and on
 #   http       a daemon on one GPU: 1, 32 (+ invariance 8) and 64 clients; the answers saved
 #   proc2      2 replica processes on one GPU, 32 clients; answers compared with http's
-#   gpu2       two GPUs, one process and a worker process per GPU, 64 clients; answers compared (needs 2 GPUs)
+#   gpu2       two GPUs, one process and a worker process per GPU, 64 clients; answers compared with http's
 #   dashboard  NVML telemetry in /api/stats and the event stream, the GPU memory split, the dashboard headless
 #   unload     5 unload/load cycles, in process and in a worker process: memory back, answers bit for bit
 #   kill       tools/loadtest.py --kill-every: worker processes (one per GPU) killed under load
 #   ab         dist/gpu/old against dist/gpu/new: bench pairs, HTTP 1/32 clients, proc2, answers compared
 #   profile    kernel time per family of a single decision and of 32 (tools/gpu.py profile)
-# PRESET (default 4.5B) is the model of every stage after bench. DEV=cpu PRESET=tiny rehearses the stages that need
-# no CUDA here (profile and gpu2 say why they skip); without dist/gpu/new the installed basal_local runs.
+# PRESET (default 4.5B) is the model of the stages after bench. DEV=cpu PRESET=tiny rehearses every stage but
+# profile and gpu2 here; without dist/gpu/new the installed basal_local runs.
 set -uo pipefail
 ROOT=$PWD; D=$ROOT/dist/gpu; R=${R:-/tmp/gpu}; OUT=${OUT:-/tmp/out}; PY=${PY:-python3}
 DEV=${DEV:-cuda}; PRESET=${PRESET:-4.5B}; BUDGET=${BUDGET:-570}; M=$R/m-$PRESET
 export PYTHONUNBUFFERED=1 BASAL_LOCAL_HOME=$R/home PYVER=${PYVER:-3.12}
 if [ "${1:-}" = prepare ]; then
-  set -e; rm -rf "$D"; mkdir -p "$D/new" "$D/whl"
-  $PY -m pip wheel -q --no-deps --no-build-isolation -w "$D/new" .
-  if [ -n "${2:-}" ]; then
-    src=$(mktemp -d); git archive "$2" | tar x -C "$src"
-    $PY -m pip wheel -q --no-deps --no-build-isolation -w "$D/old" "$src"; rm -rf "$src"
-  fi
+  set -e; rm -rf "$D"; mkdir -p "$D/whl"
+  wheel() {  # DIR [REF]: a wheel of commit REF, or of the working tree's files that git does not ignore
+    local src; src=$(mktemp -d)
+    if [ -n "${2:-}" ]; then git archive "$2" | tar x -C "$src"
+    else git ls-files -co --exclude-standard | tar c --ignore-failed-read -T - 2> /dev/null | tar x -C "$src"; fi
+    $PY -m pip wheel -q --no-deps --no-build-isolation -w "$1" "$src"; rm -rf "$src"
+  }
+  wheel "$D/new"; [ -z "${2:-}" ] || wheel "$D/old" "$2"
   $PY -m pip freeze --exclude-editable > "$D/constraints.txt"  # this venv's versions where it has them
   # shellcheck disable=SC2046
   $PY -m pip download -q --only-binary=:all: --python-version "$PYVER" --implementation cp --abi "cp${PYVER/./}" \
@@ -147,7 +148,7 @@ st_proc2() {
   say "c32 $(field "$OUT/http-proc2-c32.json" "['req_per_s']") req/s; vs 1gpu: $(cat "$OUT/compare-proc2.json" 2> /dev/null)"
 }
 st_gpu2() {
-  [ "$GPUS" -ge 2 ] || { say "needs 2 GPUs, $GPUS here"; return 1; }
+  [ "$GPUS" -ge 2 ] || { say "needs 2 GPUs, $GPUS here"; return 3; }
   served 2gpu "64:2560" --devices cuda:0,cuda:1 --no-replica-processes &&
     served 2gpu-proc "64:2560" --devices cuda:0,cuda:1 --replica-processes || return 1
   say "c64: one process $(field "$OUT/http-2gpu-c64.json" "['req_per_s']"), worker processes" \
@@ -160,7 +161,7 @@ st_dashboard() {
     serve dash2 --model "$M" --devices cuda:0,cuda:1 --replica-processes || return 1
     tool gpu.py dashboard "$U" cuda 2 > "$OUT/dashboard-2.txt" || rc=1; halt; cat "$OUT/dashboard-2.txt"
   fi
-  say "$(grep -c "^ok" "$OUT"/dashboard-*.txt | paste -sd' ') checks ok, $(cat "$OUT"/dashboard-*.txt | grep -c "^FAIL") failed"
+  say "$(cat "$OUT"/dashboard-*.txt | grep -c "^ok") checks ok, $(cat "$OUT"/dashboard-*.txt | grep -c "^FAIL") failed"
   return $rc
 }
 st_unload() {
@@ -171,7 +172,7 @@ st_unload() {
     serve "unload-$how" --model "$M" "${where[@]}" || return 1
     tool gpu.py unload "$U" | tee "$OUT/unload-$how.jsonl"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1; halt
   done
-  say "$(tail -qn1 "$OUT"/unload-*.jsonl | cut -c1-120 | paste -sd';')"; return $rc
+  say "in process: $(tail -1 "$OUT/unload-inprocess.jsonl"); worker: $(tail -1 "$OUT/unload-worker.jsonl")"; return $rc
 }
 st_kill() {
   local devs=cpu per=2
@@ -181,7 +182,7 @@ st_kill() {
   say "$(grep -E "requests|outcomes|recovery_s_median" "$OUT/kill.txt" | tr -s ' ' | paste -sd' ')"; return "$rc"
 }
 st_ab() {
-  ls "$D"/old/*.whl > /dev/null 2>&1 || { say "no wheel in $D/old: bash tools/gpu.sh prepare OLD"; return 1; }
+  ls "$D"/old/*.whl > /dev/null 2>&1 || { say "no wheel in $D/old: bash tools/gpu.sh prepare OLD"; return 3; }
   site old || return 1; model "$M" "$PRESET" || return 1
   local v order=${ORDER:-old new}; local again; again=$(echo "$order" | awk '{print $2, $1}')
   for v in $order; do PYTHONPATH=$R/$v bench "ab-$v" "$M" || return 1; done
@@ -196,7 +197,7 @@ st_ab() {
     "$OUT/http-ab-new-c32.json" "['req_per_s']"); answers $(cat "$OUT/compare-ab.json")"
 }
 st_profile() {
-  [ "$DEV" = cuda ] || { say "needs CUDA"; return 1; }
+  [ "$DEV" = cuda ] || { say "needs CUDA"; return 3; }
   model "$M" "$PRESET" && tool gpu.py profile "$M" "$OUT/profile.txt" ${PROFILE_CONFIGS:-} || return 1
   say "$(grep -m1 "single decision" "$OUT/profile.txt")"
 }
@@ -207,7 +208,8 @@ for s in ${STAGES:-tests bench http}; do
   [ -n "${NEED[$s]:-}" ] || { echo "$s: unknown stage (see the header of tools/gpu.sh)"; continue; }
   t=$(date +%s); : > "$R/line"
   if [ "$(left)" -lt "${NEED[$s]}" ]; then echo "$s: skipped (needs ~${NEED[$s]} s, $(left) s of BUDGET left)"
-  elif (trap halt EXIT; st_"$s") > "$OUT/$s.log" 2>&1; then echo "$s: ok ($(( $(date +%s) - t )) s) $(cat "$R/line")"
-  else echo "$s: FAILED ($(( $(date +%s) - t )) s) $(cat "$R/line"); $OUT/$s.log ends:"; tail -15 "$OUT/$s.log" | sed 's/^/    /'
+  else (trap halt EXIT; st_"$s") > "$OUT/$s.log" 2>&1; rc=$?; took="($(( $(date +%s) - t )) s) $(cat "$R/line")"
+    case $rc in 0) echo "$s: ok $took";; 3) echo "$s: skipped: $(cat "$R/line")";;
+      *) echo "$s: FAILED $took; $OUT/$s.log ends:"; tail -15 "$OUT/$s.log" | sed 's/^/    /';; esac
   fi | tee -a "$OUT/summary.txt"
 done

@@ -3,15 +3,12 @@
     python tools/loadtest.py [--clients 64] [--seconds 120] [--model DIR] [--device cpu]
     python tools/loadtest.py --kill-every 6 [--clients 16] [--seconds 90] [--replicas 2] [--devices cuda:0,cuda:1]
 
-Starts `basal-local serve` on a free port (a generated tiny model on the CPU unless --model), asks each sample
-request of both dialects alone for its reference answer, then runs the clients, each on fresh connections, and
-compares every answer with its reference: text exactly, numbers within --tolerance (batching may move the last
-float bits). Prints the counts, the worst |difference|, latency percentiles and the daemon's RSS over time.
-With --kill-every S the daemon runs --replicas N worker processes per device and a killer sends SIGKILL to one
-worker, then to every worker, in turn, S seconds after each recovery: a 503 must then carry an integer
-Retry-After in the dialect's shape, and the recovery times (kill -> every worker back) are printed.
-Exit 1 on any other status, a hang, a dropped connection, a mismatch, a traceback in the daemon's log, or an RSS
-that grew by more than --rss-growth-mb. Not part of CI; tools/fuzz.py shares the daemon and socket helpers.
+A daemon on a free port (a generated tiny model unless --model); each sample request of both dialects asked alone
+gives the reference; then the clients (fresh connections), every 200 compared with it (text exactly, numbers
+within --tolerance), and the daemon's RSS each second. --kill-every S: --replicas worker processes per device; one
+worker, then every worker, in turn, gets SIGKILL S seconds after each recovery; a 503 must carry an integer
+Retry-After in the dialect's shape. Exit 1 on any other status, a hang, a dropped connection, a mismatch, a
+traceback in the daemon's log, or RSS growth above --rss-growth-mb. tools/fuzz.py shares the daemon and sockets.
 """
 
 from __future__ import annotations
@@ -67,8 +64,8 @@ class Daemon:
         return json.loads(exchange(self.port, request("GET", path), 10)[2])
 
     def rss_mb(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return next((int(x.split()[1]) / 1024 for x in status.splitlines() if x.startswith("VmRSS:")), 0.0)
+        lines = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+        return next((int(x.split()[1]) / 1024 for x in lines if x.startswith("VmRSS:")), 0.0)
 
     def stop(self) -> int:
         self.proc.terminate()
@@ -228,10 +225,8 @@ def main() -> int:
     threads = [threading.Thread(target=client, args=(n,)) for n in range(args.clients)]
     threads += [threading.Thread(target=killer if args.kill_every else sample_rss)]
     started = time.time()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    [t.start() for t in threads]
+    [t.join() for t in threads]
     elapsed, stats, health = time.time() - started, daemon.get("/api/stats"), daemon.get("/health")
     rc = daemon.stop()
     lat = sorted(latencies) or [0.0]
