@@ -22,9 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadtest import Daemon, exchange, request, sample_bodies  # noqa: E402
+from loadtest import PATHS, Daemon, exchange, request, sample_bodies  # noqa: E402
 
-PATHS = ("/v1/systemone", "/v1/basal")
 TYPES = ["choice", "noul", "score", "multi", "act", "rank", "", None, 5, [], {}]
 
 

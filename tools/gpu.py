@@ -7,6 +7,7 @@
     python tools/gpu.py dashboard URL DEVICE GPUS  NVML telemetry, the memory split, a `device` event, the TUI
     python tools/gpu.py profile MODEL OUT [attention:gemm ...]   kernel time per family (CUDA graphs off)
     python tools/gpu.py closure DIR                every requirement of every wheel in DIR met (carried or image)
+    python tools/gpu.py deps WHEEL                 the wheel's requirements the GPU image lacks (prepare fetches them)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def summary(*paths: str) -> None:
                   f"{r['speedup_batch32']}" if "baseline" in r else "")
 
 
-def answers(url: str, out: str, clients: str = "64") -> None:
+def answers(url: str, out: str, clients: str = "64") -> int:
     from basal_local.samples import single_question_requests
 
     url = url.rstrip("/")
@@ -73,7 +74,7 @@ def compare(a_path: str, b_path: str) -> int:
     a, b = (json.load(open(p)) for p in (a_path, b_path))
     same_bits = sum(x == y for x, y in zip(a, b))
     same, worst = 0, 0.0
-    for x, y in zip(a, b):  # one question per request: its probabilities (every question type has them)
+    for x, y in [(x, y) for x, y in zip(a, b) if x and y]:  # one question each; every type has probabilities
         px, py = (next(iter(v.values()))["probabilities"] for v in (x, y))
         same += max(px, key=px.get) == max(py, key=py.get)
         worst = max([worst] + [abs(px[k] - py[k]) for k in px])
@@ -253,13 +254,9 @@ def profile(model_dir: str, out: str, *configs: str) -> None:
     open(out, "w").write("\n".join(lines) + "\n")
 
 
-# the Python packages preinstalled on the GPU machines (their image's package list; names only, versions unknown)
-IMAGE = set("""accelerate aiohttp anyio attrs certifi charset-normalizer click cloudpickle colorama filelock fsspec
-h11 hf-xet httpcore httpx huggingface-hub hypothesis idna iniconfig jinja2 markdown-it-py markupsafe mdurl ml-dtypes
-msgpack networkx ninja numpy nvidia-ml-py packaging pillow pip pluggy prometheus-client protobuf psutil pygments
-pytest pytest-xdist python-dateutil pyyaml regex requests rich safetensors setuptools shellingham six sympy
-tokenizers torch tqdm transformers triton typer typing-extensions urllib3 uvloop wheel zipp""".split())
-ON_IMAGE = IMAGE & {"torch", "numpy", "tokenizers", "safetensors", "huggingface-hub", "prometheus-client"}
+# what the GPU image holds and the carried folder leaves out: the daemon's heavy requirements (every other
+# requirement, direct or not, is downloaded into dist/gpu/whl)
+ON_IMAGE = {"torch", "numpy", "tokenizers", "safetensors", "huggingface-hub", "prometheus-client"}
 
 
 def _requirements(wheel: str, pyver: str):
@@ -298,7 +295,7 @@ def closure(root: str) -> int:
         carried.setdefault(re.sub(r"[-_.]+", "-", name.lower()), Version(version))
     missing = [f"{w.name} needs {req}" + ("" if name in carried else ": neither carried nor on the image")
                for w in wheels for name, req in _requirements(str(w), os.environ.get("PYVER", "3.12"))
-               if (carried[name] not in req.specifier if name in carried else name not in IMAGE)]
+               if (carried[name] not in req.specifier if name in carried else name not in ON_IMAGE)]
     if missing:
         sys.exit("\n".join(missing))
     size = sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())

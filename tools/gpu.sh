@@ -79,10 +79,6 @@ serve() {  # NAME SERVE-ARGS...: a daemon on a free port in the background (U, D
 }
 halt() { [ -n "$DPID" ] && { kill $DPID 2> /dev/null; wait $DPID 2> /dev/null; }; DPID=""; }
 trap halt EXIT
-http() {  # NAME CLIENTS REQUESTS [bench args]: bench --http against $U into $OUT/http-NAME-cCLIENTS.json
-  cli bench --http "$U" --json --clients "$2" --requests "$3" "${@:4}" > "$OUT/http-$1-c$2.json" &&
-    tool gpu.py summary "$OUT/http-$1-c$2.json"
-}
 bench() {  # NAME MODEL-DIR [bench args]: in-process bench into $OUT/bench-NAME.json
   cli bench --model "$2" --device "$DEV" --json "${@:3}" > "$OUT/bench-$1.json" 2> "$OUT/bench-$1.err" \
     || { tail -5 "$OUT/bench-$1.err"; return 1; }
@@ -131,8 +127,9 @@ st_cache() {
 served() {  # NAME "CLIENTS:REQUESTS[:i] ..." SERVE-ARGS...: HTTP runs and the answers of one daemon
   local name=$1 runs=$2 r; shift 2
   model "$M" "$PRESET" && serve "$name" --model "$M" "$@" || return 1
-  for r in $runs; do
-    IFS=: read -r c q i <<< "$r"; http "$name" "$c" "$q" ${i:+--invariance 8} || { halt; return 1; }
+  for r in $runs; do IFS=: read -r c q i <<< "$r"
+    cli bench --http "$U" --json --clients "$c" --requests "$q" ${i:+--invariance 8} > "$OUT/http-$name-c$c.json" &&
+      tool gpu.py summary "$OUT/http-$name-c$c.json" || { halt; return 1; }
   done
   tool gpu.py answers "$U" "$OUT/answers-$name.json" 64; curl -s "$U/api/stats" > "$OUT/stats-$name.json"; halt
   [ "$name" = 1gpu ] || [ ! -f "$OUT/answers-1gpu.json" ] ||
