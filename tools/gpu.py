@@ -208,7 +208,8 @@ def profile(model_dir: str, out: str, *configs: str) -> None:
     from basal_local.samples import single_question_requests
 
     families = (("attention", ("attn", "fmha", "flash", "attention")),
-                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "ampere", "cublas")), ("copy/cast", ("copy", "cat", "convert")),
+                ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "ampere", "cublas")),
+                ("copy/cast", ("copy", "cat", "convert")),
                 ("norm/rope/swiglu/elementwise", ("rms", "rope", "silu", "elementwise", "vectorized", "mul", "add",
                                                   "reduce", "pow", "mean", "rsqrt", "letter")),
                 ("index/gather", ("index", "gather", "embedding")))  # the first family that matches a kernel's name

@@ -54,14 +54,15 @@ cli() { (cd "$R" && T $PY -m basal_local.cli "$@"); }               # from $R: t
 tool() { (cd "$R" && T $PY "$ROOT/tools/$1" "${@:2}"); }
 say() { echo "$*" > "$R/line"; echo "$*"; }
 site() {  # install dist/gpu/$1 (new or old) with the carried dependencies into $R/$1
-  [ -d "$R/$1" ] || $PY -m pip install -q --no-index --no-deps --no-compile --target "$R/$1" "$D"/whl/*.whl "$D/$1"/*.whl
+  [ -d "$R/$1" ] || $PY -m pip install -q --no-index --no-deps --no-compile --target "$R/$1" "$D"/whl/*.whl \
+    "$D/$1"/*.whl
 }
 if ls "$D"/new/*.whl > /dev/null 2>&1; then site new || exit 1; export PYTHONPATH=$R/new
 else echo "no wheel in $D/new (bash tools/gpu.sh prepare): the installed basal_local runs"; fi
-(cd "$R" && $PY -c "import basal_local.server.daemon, litestar, uvicorn" && $PY -m basal_local.cli serve -h > /dev/null) \
-  || { echo "the daemon does not import: see bash tools/gpu.sh prepare"; exit 1; }
+(cd "$R" && $PY -c "import basal_local.server.daemon, litestar, uvicorn" && $PY -m basal_local.cli serve -h) \
+  > /dev/null || { echo "the daemon does not import: see bash tools/gpu.sh prepare"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-  $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
+  $PY -c "import torch, sys; print('torch', torch.__version__, torch.version.cuda, 'python', sys.version.split()[0])"
   nproc; } | tee "$OUT/machine.txt"
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 
@@ -88,8 +89,9 @@ field() { $PY -c "import json, sys; print(json.load(open(sys.argv[1]))$2)" "$1";
 
 st_tests() {
   rm -rf "$R/tests" && cp -r tests "$R/tests"
-  (cd "$R" && T $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_cuda.py tests/test_cuda_kernels.py tests/test_fp8.py}) \
-    | grep -v "it/s" | tee "$OUT/tests.txt"; local rc=${PIPESTATUS[0]}
+  local sel=${TESTS:-tests/test_cuda.py tests/test_cuda_kernels.py tests/test_fp8.py}
+  (cd "$R" && T $PY -m pytest -q -p no:cacheprovider -p no:faker $sel) | grep -v "it/s" | tee "$OUT/tests.txt"
+  local rc=${PIPESTATUS[0]}
   say "$(tail -1 "$OUT/tests.txt")"; return "$rc"
 }
 st_bench() {
@@ -118,7 +120,8 @@ st_cache() {
   model "$M" "$PRESET" && bench cache "$M" --cache --documents "${DOCS:-3}" || return 1
   for c in off auto; do
     serve "cache-$c" --model "$M" --device "$DEV" --prefix-cache $c || return 1
-    cli bench --http "$U" --documents "${HTTP_DOCS:-20}" --per-document 10 --clients 32 --json > "$OUT/http-cache-$c.json"
+    cli bench --http "$U" --documents "${HTTP_DOCS:-20}" --per-document 10 --clients 32 --json \
+      > "$OUT/http-cache-$c.json"
     tool gpu.py summary "$OUT/http-cache-$c.json"; halt
   done
   say "second request $(field "$OUT/bench-cache.json" "['second_speedup']")x faster; mixed stream" \
@@ -142,14 +145,14 @@ st_http() {
 }
 st_proc2() {
   served proc2 "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1
-  say "c32 $(field "$OUT/http-proc2-c32.json" "['req_per_s']") req/s; vs 1gpu: $(cat "$OUT/compare-proc2.json" 2> /dev/null)"
+  say "c32 $(field "$OUT/http-proc2-c32.json" "['req_per_s']") req/s; vs 1gpu: $(cat "$OUT"/compare-proc2.json)"
 }
 st_gpu2() {
   [ "$GPUS" -ge 2 ] || { say "needs 2 GPUs, $GPUS here"; return 3; }
   served 2gpu "64:2560" --devices cuda:0,cuda:1 --no-replica-processes &&
     served 2gpu-proc "64:2560" --devices cuda:0,cuda:1 --replica-processes || return 1
   say "c64: one process $(field "$OUT/http-2gpu-c64.json" "['req_per_s']"), worker processes" \
-    "$(field "$OUT/http-2gpu-proc-c64.json" "['req_per_s']") req/s; answers vs 1gpu: $(cat "$OUT"/compare-2gpu*.json 2> /dev/null)"
+    "$(field "$OUT/http-2gpu-proc-c64.json" "['req_per_s']") req/s; answers vs 1gpu: $(cat "$OUT"/compare-2gpu*.json)"
 }
 st_dashboard() {
   model "$M" "$PRESET" && serve dash --model "$M" --device "$DEV" || return 1
@@ -184,8 +187,8 @@ st_ab() {
   local v order=${ORDER:-old new}; local again; again=$(echo "$order" | awk '{print $2, $1}')
   for v in $order; do PYTHONPATH=$R/$v bench "ab-$v" "$M" || return 1; done
   for v in $order; do PYTHONPATH=$R/$v served "ab-$v" "1:268 32:1280" --device "$DEV" || return 1; done
-  for v in $order; do
-    [ "$(left)" -gt 120 ] && { PYTHONPATH=$R/$v served "ab-proc2-$v" "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1; }
+  for v in $order; do [ "$(left)" -gt 120 ] &&
+    { PYTHONPATH=$R/$v served "ab-proc2-$v" "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1; }
   done
   for v in $again; do [ "$(left)" -gt 100 ] && { PYTHONPATH=$R/$v bench "ab-$v-2" "$M" || return 1; }; done
   tool gpu.py compare "$OUT/answers-ab-old.json" "$OUT/answers-ab-new.json" | tee "$OUT/compare-ab.json"
