@@ -145,14 +145,14 @@ st_http() {
 }
 st_proc2() {
   served proc2 "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1
-  say "c32 $(field "$OUT/http-proc2-c32.json" "['req_per_s']") req/s; vs 1gpu: $(cat "$OUT"/compare-proc2.json)"
+  say "c32 $(field "$OUT/http-proc2-c32.json" "['req_per_s']") req/s; vs 1gpu: $(cat "$OUT"/compare-proc2.json || echo none)"
 }
 st_gpu2() {
   [ "$GPUS" -ge 2 ] || { say "needs 2 GPUs, $GPUS here"; return 3; }
   served 2gpu "64:2560" --devices cuda:0,cuda:1 --no-replica-processes &&
     served 2gpu-proc "64:2560" --devices cuda:0,cuda:1 --replica-processes || return 1
   say "c64: one process $(field "$OUT/http-2gpu-c64.json" "['req_per_s']"), worker processes" \
-    "$(field "$OUT/http-2gpu-proc-c64.json" "['req_per_s']") req/s; answers vs 1gpu: $(cat "$OUT"/compare-2gpu*.json)"
+    "$(field "$OUT/http-2gpu-proc-c64.json" "['req_per_s']") req/s; answers vs 1gpu: $(cat "$OUT"/compare-2gpu*.json || echo none)"
 }
 st_dashboard() {
   model "$M" "$PRESET" && serve dash --model "$M" --device "$DEV" || return 1
@@ -207,9 +207,9 @@ declare -A NEED=([tests]=150 [bench]=240 [cache]=200 [http]=120 [proc2]=90 [gpu2
 for s in ${STAGES:-tests bench http}; do
   [ -n "${NEED[$s]:-}" ] || { echo "$s: unknown stage (see the header of tools/gpu.sh)"; continue; }
   t=$(date +%s); : > "$R/line"
-  if [ "$(left)" -lt "${NEED[$s]}" ]; then echo "$s: skipped (needs ~${NEED[$s]} s, $(left) s of BUDGET left)"
-  else (trap halt EXIT; st_"$s") > "$OUT/$s.log" 2>&1; rc=$?; took="($(( $(date +%s) - t )) s) $(cat "$R/line")"
-    case $rc in 0) echo "$s: ok $took";; 3) echo "$s: skipped: $(cat "$R/line")";;
-      *) echo "$s: FAILED $took; $OUT/$s.log ends:"; tail -15 "$OUT/$s.log" | sed 's/^/    /';; esac
+  if [ "$(left)" -lt "${NEED[$s]}" ]; then echo "$s: skipped: needs ~${NEED[$s]} s, $(left) s of BUDGET left"
+  else (trap halt EXIT; st_"$s") > "$OUT/$s.log" 2>&1; rc=$?; took="($(( $(date +%s) - t )) s)"; line=$(cat "$R/line")
+    case $rc in 0) echo "$s: ok $took $line";; 3) echo "$s: skipped: $line";;
+      *) echo "$s: FAILED $took${line:+ $line}; $OUT/$s.log ends:"; tail -15 "$OUT/$s.log" | sed 's/^/    /';; esac
   fi | tee -a "$OUT/summary.txt"
 done
