@@ -14,6 +14,7 @@ traceback in the daemon's log, or RSS growth above --rss-growth-mb. tools/fuzz.p
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -49,6 +50,7 @@ class Daemon:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        atexit.register(self.stop)  # never left running, whatever ends the tool
         deadline = time.time() + 600
         while self.proc.poll() is None and time.time() < deadline:
             try:
