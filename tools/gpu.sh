@@ -24,8 +24,9 @@
 #   kill       tools/loadtest.py --kill-every: worker processes (one per GPU) killed under load
 #   ab         dist/gpu/old against dist/gpu/new: bench pairs, HTTP 1/32 clients, proc2, answers compared
 #   profile    kernel time per family of a single decision and of 32 (tools/gpu.py profile)
-# PRESET (default 4.5B) is the model of the stages after bench. DEV=cpu PRESET=tiny rehearses every stage but
-# profile and gpu2 here; without dist/gpu/new the installed basal_local runs.
+# PRESET (default 4.5B) is the model of the stages after bench. R (default /tmp/gpu) is the scratch folder: the
+# installed wheels and the models, built once per preset (rm -rf it to rebuild). DEV=cpu PRESET=tiny rehearses
+# every stage but profile and gpu2 here; without dist/gpu/new the installed basal_local runs.
 set -uo pipefail
 ROOT=$PWD; D=$ROOT/dist/gpu; R=${R:-/tmp/gpu}; OUT=${OUT:-/tmp/out}; PY=${PY:-python3}
 DEV=${DEV:-cuda}; PRESET=${PRESET:-4.5B}; BUDGET=${BUDGET:-570}; M=$R/m-$PRESET
@@ -53,9 +54,8 @@ T() { local l; l=$(left); timeout $(( l > 10 ? l : 10 )) "$@"; }  # a step ends 
 cli() { (cd "$R" && T $PY -m basal_local.cli "$@"); }               # from $R: the installed wheel, not the checkout
 tool() { (cd "$R" && T $PY "$ROOT/tools/$1" "${@:2}"); }
 say() { echo "$*" > "$R/line"; echo "$*"; }
-site() {  # install dist/gpu/$1 (new or old) with the carried dependencies into $R/$1
-  [ -d "$R/$1" ] || $PY -m pip install -q --no-index --no-deps --no-compile --target "$R/$1" "$D"/whl/*.whl \
-    "$D/$1"/*.whl
+site() {  # install dist/gpu/$1 (new or old) with the carried dependencies into $R/$1 (afresh: a warm host keeps $R)
+  rm -rf "${R:?}/$1" && $PY -m pip install -q --no-index --no-deps --no-compile --target "$R/$1" "$D"/whl/*.whl "$D/$1"/*.whl
 }
 if ls "$D"/new/*.whl > /dev/null 2>&1; then site new || exit 1; export PYTHONPATH=$R/new
 else echo "no wheel in $D/new (bash tools/gpu.sh prepare): the installed basal_local runs"; fi
@@ -66,7 +66,10 @@ else echo "no wheel in $D/new (bash tools/gpu.sh prepare): the installed basal_l
   nproc; } | tee "$OUT/machine.txt"
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 
-model() { [ -d "$1" ] || cli make-test-model "$1" --preset "$2" --device "$DEV" "${@:3}" > /dev/null; }
+model() {  # DIR PRESET [ARGS]: built once per scratch folder; a build cut short leaves only DIR.part
+  [ -d "$1" ] || { rm -rf "$1.part" && cli make-test-model "$1.part" --preset "$2" --device "$DEV" "${@:3}" > /dev/null &&
+    mv "$1.part" "$1"; }
+}
 serve() {  # NAME SERVE-ARGS...: a daemon on a free port in the background (U, DPID); its log's tail if it fails
   local name=$1 log=$OUT/serve-$1.log port; shift
   port=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
