@@ -33,20 +33,26 @@ def call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int,
 
 
 def summary(*paths: str) -> None:
+    """One line for the bench JSON files (in process, --http or --cache): their headline figures, `; ` between."""
+    out = []
     for path in paths:
-        r, name = json.load(open(path)) if os.path.getsize(path) else {}, os.path.basename(path)
-        s, t, x, mem, lat = (r.get(k) or {} for k in ("single_ms", "throughput", "extras", "memory", "latency_ms"))
+        r, name = json.load(open(path)) if os.path.getsize(path) else {}, os.path.basename(path)[:-5]
+        inv = (r.get("extras") or r).get("invariance_alone_vs_amid_31")
+        inv = f", alone vs amid 31 {inv['bitwise_equal']}/{inv['trials']}" if inv else ""
         if "req_per_s" in r:  # bench --http
-            print(name, f"{r['req_per_s']} req/s, p50 {lat.get('p50')} p99 {lat.get('p99')} ms, errors",
-                  r.get("errors", 0), r.get("invariance_alone_vs_amid_31") or "")
+            out.append(f"{name} {r['req_per_s']} req/s, p50 {r['latency_ms']['p50']} p99 {r['latency_ms']['p99']} ms, "
+                       f"errors {r.get('errors', 0)}{inv}")
         elif "per_document" in r:  # bench --cache
-            print(name, {k: r.get(k) for k in ("first_ms", "second_ms", "second_speedup", "bitwise_equal")})
+            out.append(f"{name} second request {r['second_speedup']}x faster ({r['second_ms']}), first "
+                       f"{r['first_ratio_cached_vs_templates_only']}x, documents bitwise equal {r['bitwise_equal']}")
+        elif "single_ms" in r:
+            base = (f", vs {r['baseline']['mode']} {r['speedup_single_median']}x single, {r['speedup_batch32']}x b32"
+                    if "baseline" in r else "")
+            out.append(f"{name} {r['single_ms']['median']} ms (p95 {r['single_ms']['p95']}), b32 "
+                       f"{r['throughput']['batch32']['decisions_per_s']}/s{inv}{base}")
         else:
-            b16, b32 = (t.get(f"batch{n}", {}).get("decisions_per_s") for n in (16, 32))
-            print(name, f"single {s.get('median')} ms (p95 {s.get('p95')}), b16 {b16}, b32 {b32}/s, weights "
-                  f"{mem.get('weights_bytes', 0) / 1e9:.2f} GB, invariance", x.get("invariance_alone_vs_amid_31"),
-                  f"speedup vs {r['baseline']['mode']}: single {r['speedup_single_median']}, b32 "
-                  f"{r['speedup_batch32']}" if "baseline" in r else "")
+            out.append(f"{name} no figures")
+    print("; ".join(out))
 
 
 def answers(url: str, out: str, clients: str = "64") -> int:

@@ -86,9 +86,8 @@ trap halt EXIT
 bench() {  # NAME MODEL-DIR [bench args]: in-process bench into $OUT/bench-NAME.json
   cli bench --model "$2" --device "$DEV" --json "${@:3}" > "$OUT/bench-$1.json" 2> "$OUT/bench-$1.err" \
     || { tail -5 "$OUT/bench-$1.err"; return 1; }
-  tool gpu.py summary "$OUT/bench-$1.json"
 }
-field() { $PY -c "import json, sys; print(json.load(open(sys.argv[1]))$2)" "$1"; }
+figures() { tool gpu.py summary "$@"; }
 
 st_tests() {
   rm -rf "$R/tests" && cp -r tests "$R/tests"
@@ -103,21 +102,19 @@ st_bench() {
     m=$R/m-$P; model "$m" "$P" || return 1
     local more=(); [ "$P" = "$PRESET" ] && more=(--long-doc --baseline "${BASELINE:-transformers-compiled}")
     bench "$P-f16" "$m" --dtype f16 --repeat 2 --invariance 8 ${BENCH_ARGS:-} "${more[@]}" || return 1
-    line="$line $P f16 $(field "$OUT/bench-$P-f16.json" "['single_ms']['median']") ms"
     [[ " ${FP8_PRESETS-4.5B max} " == *" $P "* ]] || { [ "$m" = "$M" ] || rm -rf "$m"; continue; }
     model "$m-fp8" "$P" --format fp8 || return 1
     bench "$P-fp8" "$m-fp8" --dtype auto --repeat 2 --invariance 8 ${BENCH_ARGS:-} || return 1
-    line="$line / fp8 $(field "$OUT/bench-$P-fp8.json" "['single_ms']['median']") ms"
     for v in f16 fp8; do
       local dir=$m; [ $v = fp8 ] && dir=$m-fp8
       serve "$P-$v" --model "$dir" --device "$DEV" --dtype "${v/fp8/auto}" || return 1
       tool gpu.py answers "$U" "$OUT/answers-$P-$v.json" 32; halt
     done
     tool gpu.py compare "$OUT/answers-$P-f16.json" "$OUT/answers-$P-fp8.json" | tee "$OUT/compare-$P-fp8.json"
-    line="$line, same decision $(field "$OUT/compare-$P-fp8.json" "['same_decision']")/67"
+    line="$line; $P fp8 vs f16: $(cat "$OUT/compare-$P-fp8.json")"
     rm -rf "$m-fp8"; [ "$m" = "$M" ] || rm -rf "$m"
   done
-  say "${line# }"
+  say "$(figures "$OUT"/bench-*-f16.json $(ls "$OUT"/bench-*-fp8.json 2> /dev/null))$line"
 }
 st_cache() {
   model "$M" "$PRESET" && bench cache "$M" --cache --documents "${DOCS:-3}" || return 1
@@ -125,17 +122,16 @@ st_cache() {
     serve "cache-$c" --model "$M" --device "$DEV" --prefix-cache $c || return 1
     cli bench --http "$U" --documents "${HTTP_DOCS:-20}" --per-document 10 --clients 32 --json \
       > "$OUT/http-cache-$c.json"
-    tool gpu.py summary "$OUT/http-cache-$c.json"; halt
+    halt
   done
-  say "second request $(field "$OUT/bench-cache.json" "['second_speedup']")x faster; mixed stream" \
-    "$(field "$OUT/http-cache-off.json" "['req_per_s']") -> $(field "$OUT/http-cache-auto.json" "['req_per_s']") req/s"
+  say "$(figures "$OUT"/bench-cache.json "$OUT"/http-cache-{off,auto}.json)"
 }
 served() {  # NAME "CLIENTS:REQUESTS[:i] ..." SERVE-ARGS...: HTTP runs and the answers of one daemon
   local name=$1 runs=$2 r; shift 2
   model "$M" "$PRESET" && serve "$name" --model "$M" "$@" || return 1
   for r in $runs; do IFS=: read -r c q i <<< "$r"
-    cli bench --http "$U" --json --clients "$c" --requests "$q" ${i:+--invariance 8} > "$OUT/http-$name-c$c.json" &&
-      tool gpu.py summary "$OUT/http-$name-c$c.json" || { halt; return 1; }
+    cli bench --http "$U" --json --clients "$c" --requests "$q" ${i:+--invariance 8} > "$OUT/http-$name-c$c.json" ||
+      { halt; return 1; }
   done
   tool gpu.py answers "$U" "$OUT/answers-$name.json" 64; curl -s "$U/api/stats" > "$OUT/stats-$name.json"; halt
   [ "$name" = 1gpu ] || [ ! -f "$OUT/answers-1gpu.json" ] ||
@@ -143,19 +139,17 @@ served() {  # NAME "CLIENTS:REQUESTS[:i] ..." SERVE-ARGS...: HTTP runs and the a
 }
 st_http() {
   served 1gpu "1:268 32:1280:i 64:2560" --device "$DEV" || return 1
-  say "c1 p50 $(field "$OUT/http-1gpu-c1.json" "['latency_ms']['p50']") ms, c32 $(field "$OUT/http-1gpu-c32.json" \
-    "['req_per_s']") req/s, c64 $(field "$OUT/http-1gpu-c64.json" "['req_per_s']") req/s"
+  say "$(figures "$OUT"/http-1gpu-c{1,32,64}.json)"
 }
 st_proc2() {
   served proc2 "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1
-  say "c32 $(field "$OUT/http-proc2-c32.json" "['req_per_s']") req/s; vs 1gpu: $(cat "$OUT"/compare-proc2.json || echo none)"
+  say "$(figures "$OUT"/http-proc2-c32.json); answers vs 1gpu: $(cat "$OUT"/compare-proc2.json || echo none)"
 }
 st_gpu2() {
   [ "$GPUS" -ge 2 ] || { say "needs 2 GPUs, $GPUS here"; return 3; }
   served 2gpu "64:2560" --devices cuda:0,cuda:1 --no-replica-processes &&
     served 2gpu-proc "64:2560" --devices cuda:0,cuda:1 --replica-processes || return 1
-  say "c64: one process $(field "$OUT/http-2gpu-c64.json" "['req_per_s']"), worker processes" \
-    "$(field "$OUT/http-2gpu-proc-c64.json" "['req_per_s']") req/s; answers vs 1gpu: $(cat "$OUT"/compare-2gpu*.json || echo none)"
+  say "$(figures "$OUT"/http-2gpu{,-proc}-c64.json); answers vs 1gpu: $(cat "$OUT"/compare-2gpu*.json || echo none)"
 }
 st_dashboard() {
   model "$M" "$PRESET" && serve dash --model "$M" --device "$DEV" || return 1
@@ -195,9 +189,7 @@ st_ab() {
   done
   for v in $again; do [ "$(left)" -gt 100 ] && { PYTHONPATH=$R/$v bench "ab-$v-2" "$M" || return 1; }; done
   tool gpu.py compare "$OUT/answers-ab-old.json" "$OUT/answers-ab-new.json" | tee "$OUT/compare-ab.json"
-  say "single ms old/new $(field "$OUT/bench-ab-old.json" "['single_ms']['median']") / $(field "$OUT/bench-ab-new.json" \
-    "['single_ms']['median']"), c32 req/s $(field "$OUT/http-ab-old-c32.json" "['req_per_s']") / $(field \
-    "$OUT/http-ab-new-c32.json" "['req_per_s']"); answers $(cat "$OUT/compare-ab.json")"
+  say "$(figures "$OUT"/bench-ab-{old,new}.json "$OUT"/http-ab-{old,new}-c32.json); answers $(cat "$OUT/compare-ab.json")"
 }
 st_profile() {
   [ "$DEV" = cuda ] || { say "needs CUDA"; return 3; }

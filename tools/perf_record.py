@@ -42,8 +42,7 @@ def _http(raw: dict) -> dict:
     out = {k: raw.get(k, 0) for k in ("clients", "requests", "errors", "req_per_s")}
     out.update(p50_ms=raw["latency_ms"]["p50"], p99_ms=raw["latency_ms"]["p99"],
                mean_batch_requests=raw.get("mean_batch_requests"))
-    if raw.get("invariance_alone_vs_amid_31"):
-        inv = raw["invariance_alone_vs_amid_31"]
+    if inv := raw.get("invariance_alone_vs_amid_31"):
         out["alone_vs_amid_bitwise"] = f"{inv['bitwise_equal']}/{inv['trials']}"
     return out
 
@@ -58,10 +57,8 @@ def _pairs(pairs: list[str], flag: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("record", type=Path, help="the docs/perf/*.json file to write")
-    parser.add_argument("--commit", required=True)
-    parser.add_argument("--machine", required=True)
-    parser.add_argument("--versions", required=True)
-    parser.add_argument("--command", required=True, help="the command that reproduces the figures")
+    for key in ("commit", "machine", "versions", "command"):
+        parser.add_argument(f"--{key}", required=True, help={"command": "the command that reproduces the figures"}.get(key))
     parser.add_argument("--bench", help="`basal-local bench --json` output (in process)")
     parser.add_argument("--http", action="append", default=[], metavar="NAME=FILE")
     parser.add_argument("--baseline", action="append", default=[], metavar="NAME=FILE",
@@ -69,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fact", action="append", default=[], metavar="KEY=VALUE",
                         help="a recorded result that no bench JSON holds (e.g. the GPU tests' summary line)")
     args = parser.parse_args(argv)
-    record: dict = {"commit": args.commit, "machine": args.machine, "versions": args.versions,
-                    "command": args.command}
+    record: dict = {key: getattr(args, key) for key in ("commit", "machine", "versions", "command")}
     if args.bench:
         record["in_process"] = _in_process(json.loads(Path(args.bench).read_text()))
     for name, path in _pairs(args.http, "--http").items():
@@ -80,12 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         ours = _in_process(raw)
         theirs = next(v for k, v in raw.items() if k.startswith("baseline") and isinstance(v, dict))
         record.setdefault("baselines", {})[name] = {
-            "ours_single_ms": ours["single_ms_median"],
-            "ours_batch32_decisions_per_s": ours.get("batch32_decisions_per_s"),
-            "theirs_mode": theirs.get("mode"),
-            "theirs_single_ms": theirs["single_ms"]["median"],
-            "theirs_batch32_decisions_per_s": theirs["throughput"]["batch32"]["decisions_per_s"],
-        }
+            "ours_single_ms": ours["single_ms_median"], "ours_batch32_decisions_per_s": ours.get("batch32_decisions_per_s"),
+            "theirs_mode": theirs.get("mode"), "theirs_single_ms": theirs["single_ms"]["median"],
+            "theirs_batch32_decisions_per_s": theirs["throughput"]["batch32"]["decisions_per_s"]}
     if args.fact:
         record["facts"] = _pairs(args.fact, "--fact")
     args.record.parent.mkdir(parents=True, exist_ok=True)
