@@ -16,10 +16,10 @@ import json
 import os
 import re
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 
 def call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int, dict]:
@@ -60,16 +60,8 @@ def answers(url: str, out: str, clients: str = "64") -> int:
 
     url = url.rstrip("/")
     bodies = single_question_requests(call(url + "/v1/models")[1]["models"][0]["name"])
-    got: list = [None] * len(bodies)
-    todo = iter(range(len(bodies)))  # a builtin iterator: next() is atomic under the GIL
-
-    def client() -> None:
-        for i in todo:
-            got[i] = call(url + "/v1/basal", bodies[i])
-
-    threads = [threading.Thread(target=client) for _ in range(int(clients))]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    with ThreadPoolExecutor(int(clients)) as pool:  # answers in sample order
+        got = list(pool.map(lambda body: call(url + "/v1/basal", body), bodies))
     json.dump([body.get("answers") for _, body in got], open(out, "w"))
     failed = [f"{status} {body}" for status, body in got if status != 200]
     print(f"{len(got) - len(failed)}/{len(got)} answered -> {out}", *failed[:3], sep="\n")
@@ -125,7 +117,6 @@ def unload(url: str) -> int:
 def dashboard(url: str, device: str, gpus: str) -> int:
     import asyncio
     import io
-    from concurrent.futures import ThreadPoolExecutor
 
     failed = []
 
