@@ -121,8 +121,7 @@ st_cache() {
   for c in off auto; do
     serve "cache-$c" --model "$M" --device "$DEV" --prefix-cache $c || return 1
     cli bench --http "$U" --documents "${HTTP_DOCS:-20}" --per-document 10 --clients 32 --json \
-      > "$OUT/http-cache-$c.json"
-    halt
+      > "$OUT/http-cache-$c.json"; halt
   done
   say "$(figures "$OUT"/bench-cache.json "$OUT"/http-cache-{off,auto}.json)"
 }
