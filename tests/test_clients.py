@@ -218,7 +218,8 @@ def test_529_headers(tiny_model):
 
 # Slow (out of the default run): a measurement of the machine as much as of the daemon. The daemon's side, slots
 # kept for the retries that come in them, is tests/test_admission.py (fake clock); the 529 headers are
-# test_529_headers; 50 bursts and an integer-only client: tools/retry_bursts.py (docs/RELIABILITY.md "Retries").
+# test_529_headers; 50 bursts and an integer-only client: `git show 3dda548:tools/retry_bursts.py` (docs/RELIABILITY.md
+# "Retries").
 # Run it alone: `pytest -n 0 -m slow tests/test_clients.py`.
 BURSTS = 5
 

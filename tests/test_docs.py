@@ -74,3 +74,15 @@ def test_architecture_map_names_only_paths_that_exist():
         if not found:
             missing.append(name)
     assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {sorted(missing)}"
+
+
+def test_documents_name_only_tools_that_exist():
+    """A tool a document names is in tools/, or the paragraph says which commit still has it (`git show C:tools/X`,
+    "a checkout of `C`")."""
+    missing = []
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for paragraph in page.read_text().split("\n\n"):
+            for name in set(re.findall(r"(?<![\w:/])tools/([\w.-]+\.(?:py|sh))", paragraph)):
+                if not (ROOT / "tools" / name).is_file() and not re.search(r"git show|checkout of `", paragraph):
+                    missing.append(f"{page.name}: tools/{name}")
+    assert not missing, f"documents name tools that are gone: {sorted(missing)}"

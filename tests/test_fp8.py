@@ -331,7 +331,7 @@ def test_make_test_model_calibrates_the_input_scales(fp8_port):
     assert len(set(s.values())) > 4  # really measured per projection, not one constant
 
 
-# ---- the same on a GPU (skipped without CUDA; tools/fp8_h200.sh runs them) -----------------------------------
+# ---- the same on a GPU (skipped without CUDA; the tests stage of tools/gpu.sh runs them) ---------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

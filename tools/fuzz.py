@@ -1,8 +1,8 @@
 """Fuzz a daemon with hostile and odd requests over raw sockets; print the counts by kind and status.
 
-    python tools/fuzz.py [--inputs 10000] [--threads 8] [--seed 0] [--model DIR | --url-port PORT]
+    python tools/fuzz.py [--inputs 10000] [--threads 8] [--seed 0] [--seconds N] [--model DIR | --port PORT]
 
-Starts `basal-local serve` on a generated tiny model (or uses a running daemon on --url-port), sends each
+Starts `basal-local serve` on a generated tiny model (or uses a running daemon on --port), sends each
 input on a fresh connection with a deadline, and fails (exit 1) on any 5xx, any hang, any connection closed
 without an answer where one was due, or a daemon that stops answering /health.
 """
@@ -14,7 +14,6 @@ import gzip
 import json
 import random
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -23,9 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netkit import Daemon, exchange, request, sample_requests  # noqa: E402
+from loadtest import PATHS, Daemon, exchange, request, sample_bodies  # noqa: E402
 
-PATHS = ("/v1/systemone", "/v1/basal")
 TYPES = ["choice", "noul", "score", "multi", "act", "rank", "", None, 5, [], {}]
 
 
@@ -76,7 +74,7 @@ class Inputs:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.samples = [json.dumps({**s, "model": model}).encode() for s in sample_requests()]
+        self.samples = sample_bodies(model)
         bomb = zlib.compressobj(9, zlib.DEFLATED, 31)
         self.gzip_bomb = b"".join(bomb.compress(bytes(1 << 20)) for _ in range(64)) + bomb.flush()
 
@@ -146,27 +144,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=0, help="stop sending new inputs after this long "
                         "(0: send them all) and report what was sent")
     args = parser.parse_args()
-    daemon = None
-    model_name = "basal-test-tiny"
-    if args.port is None:
-        model_dir = args.model
-        if model_dir is None:
-            from basal_local.model.testmodel import make_test_model
-
-            model_dir = str(make_test_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=1))
-        from basal_local.model import load_model_dir
-
-        model_name = load_model_dir(model_dir, check_weights=False).name
-        daemon = Daemon(["--model", model_dir, "--device", "cpu", "--body-timeout", "1"])
-        daemon.wait_ready()
-        port = daemon.port
-    else:
-        port = args.port
+    daemon, port, model_name = None, args.port, "basal-test-tiny"
+    if port is None:
+        daemon = Daemon([*(["--model", args.model] if args.model else []), "--device", "cpu", "--body-timeout", "1"])
+        port, model_name = daemon.port, daemon.model
     inputs = Inputs(model_name)
-    counts: Counter = Counter()
-    problems: list[str] = []
-    lock = threading.Lock()
-    started = time.time()
+    counts, problems, lock, started = Counter(), [], threading.Lock(), time.time()
 
     def one(i: int) -> None:
         if args.seconds and time.time() - started > args.seconds:
@@ -197,12 +180,9 @@ def main() -> int:
     print(f"{sent} inputs in {elapsed:.0f} s ({sent / elapsed:.0f}/s), {args.threads} threads, seed {args.seed}")
     print(f"{'kind':<17}{'inputs':>7}  outcomes (HTTP status: count)")
     for kind in KINDS:
-        if kind in by_kind:
-            c = by_kind[kind]
+        if c := by_kind.get(kind):
             print(f"{kind:<17}{sum(c.values()):>7}  " + ", ".join(f"{o}: {n}" for o, n in sorted(c.items())))
-    total = Counter()
-    for c in by_kind.values():
-        total.update(c)
+    total = sum(by_kind.values(), Counter())
     print("all statuses:", ", ".join(f"{o}: {n}" for o, n in sorted(total.items())))
     print(f"daemon still answering /health: {alive}")
     if daemon is not None:

@@ -1,17 +1,13 @@
 """Plant known bugs one at a time in a temporary copy of the repository and check that the tests catch each.
 
-    .venv/bin/python tools/mutate.py                 # every mutation, a table at the end
-    .venv/bin/python tools/mutate.py --list          # the mutations, without running anything
-    .venv/bin/python tools/mutate.py --only NAME ... # some of them (names from --list)
-    .venv/bin/python tools/mutate.py --baseline      # the same test selections on the unmutated copy
-    .venv/bin/python tools/mutate.py --markdown      # print the table as docs/TESTING.md shows it
+    .venv/bin/python tools/mutate.py [--list | --only NAME ... | --baseline | --markdown | -v]
 
-Each mutation (tests/mutations.py) names a file, an exact snippet (found exactly once, or the mutation is
-reported STALE), its replacement, and the narrow set of tests that must fail. A fresh copy per mutation keeps them independent;
-the copy imports its own package (`basal_local/backends`, `cuda_kernels`, `metal_shaders`, `assets` and `tui` are
-linked in, as the wheel installs them), never the editable install of the source tree. The result is "caught" only when pytest
-ran and reported failing tests (exit code 1) or the selection ran past its timeout; an import or collection
-error (exit code 2-4) is an ERROR, not a catch.
+Each mutation (tests/mutations.py) names a file, an exact snippet (found exactly once, or the mutation is STALE),
+its replacement, and the narrow set of tests that must fail. A fresh copy per mutation keeps them independent; the
+copy imports its own package, laid out as the wheel installs it, never the source tree's editable install. The
+result is "caught" only when pytest reported failing tests (exit 1) or ran past its timeout; an import or
+collection error (exit 2-4) is an ERROR. --baseline runs the same selections on the unmutated copy; --markdown
+prints the table as docs/TESTING.md shows it.
 """
 
 from __future__ import annotations
@@ -28,8 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 IGNORE = shutil.ignore_patterns(".git", ".venv", ".test-cache", "build", "dist", "*.egg-info", "__pycache__",
                                 ".*_cache", "*.whl")
-
-
 sys.path.insert(0, str(ROOT))
 from tests.mutations import MUTATIONS, Mutation  # noqa: E402
 
@@ -70,9 +64,7 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: int, models: Path | N
 
 
 def verdict(rc: int | None) -> str:
-    if rc is None:
-        return "caught (timeout)"
-    return {0: "MISSED", 1: "caught"}.get(rc, f"ERROR (pytest exit {rc})")
+    return "caught (timeout)" if rc is None else {0: "MISSED", 1: "caught"}.get(rc, f"ERROR (pytest exit {rc})")
 
 
 def main(argv: list[str] | None = None) -> int:
