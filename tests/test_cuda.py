@@ -275,7 +275,7 @@ def test_cuda_fp8_quantizer_matches_twin_and_gemm_matches_dequantized():
 
 def test_cuda_fp8_accuracy_envelope_vs_f32_reference(small_model):
     """dtype fp8 vs the CPU f32 reference on the sample set. fp8 does NOT meet the issue's bar for the default
-    path (identical decisions, |dp_cal| <= 2e-3): on this random-weight model gpu5 call 1 measured 131/134 same
+    path (identical decisions, |dp_cal| <= 2e-3): on this random-weight model the H200 measured 131/134 same
     decisions and max |dp_cal| 0.040, which is why fp8 is opt-in (--dtype fp8). This guards that envelope."""
     specs = sample_prompt_specs(small_model, 48)
     _, ref_backend, prefixes = loaded(small_model, "cpu", "f32")

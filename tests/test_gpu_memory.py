@@ -77,7 +77,7 @@ def test_cpu_backend_ignores_gpu_memory_with_a_warning(tiny_model, caplog):
 
 
 def test_out_of_memory_under_a_limit_reads_as_a_sentence_with_a_value_to_try():
-    """The warm-up running out under --gpu-memory (session 7 call 5: 4.5B, 13GB) is reported in one sentence with
+    """The warm-up running out under --gpu-memory (on the H200: 4.5B, 13GB) is reported in one sentence with
     what the limit allowed and a value to try, not torch's paragraph."""
     torch_text = ("CUDA out of memory. Tried to allocate 172.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
                   "127.03 GiB is free. Including non-PyTorch memory, this process has 12.76 GiB memory in use.")
