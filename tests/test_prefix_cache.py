@@ -507,3 +507,19 @@ def test_a_request_about_a_document_a_batch_in_flight_is_storing_waits_for_it(ti
     finally:
         pipe.gate.set()
         engine.stop(WAIT)
+
+
+def test_a_document_is_in_flight_from_its_reservation_until_its_batch_completes_or_fails():
+    cache = _cache(4000)
+    doc = list(range(1000, 1600))
+    assert not cache.in_flight(doc + [7])
+    entry = cache.reserve(doc)
+    assert cache.in_flight(doc + [7]) and cache.in_flight(doc[:300] + [7])  # shares 300 of its tokens
+    assert not cache.in_flight(doc[:200] + [7])  # too little of it to wait for (FILL_MIN_TOKENS)
+    cache.publish(entry)
+    assert not cache.in_flight(doc + [7])  # stored: a lookup finds it
+    assert cache.match(doc + [7]).length == len(doc)
+    failed = cache.reserve(list(range(5000, 5400)))
+    assert cache.in_flight(list(range(5000, 5400)) + [1])
+    cache.drop(failed)  # the batch failed
+    assert not cache.in_flight(list(range(5000, 5400)) + [1])

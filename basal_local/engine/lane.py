@@ -130,11 +130,14 @@ class Lane:
                     job.fail(Cancelled())
                 else:
                     live.append(job)
-            live, held = self._hold_documents_in_flight(live)
+            ready, held = self._hold_documents_in_flight(live)
             settings = self.engine.settings
             budget = settings.max_batch_tokens if self.urgent else 0  # the long lane runs one request at a time
-            batch, rest = form_batch(live, budget, self.engine.prefixes, settings.schedule, self.rate)
-            self.queue = rest + held
+            batch, rest = form_batch(ready, budget, self.engine.prefixes, settings.schedule, self.rate)
+            if held:  # the queue keeps its order: the held jobs stay where they were
+                taken = {id(job) for job in batch}
+                rest = [job for job in live if id(job) not in taken]
+            self.queue = rest
             if not batch and held and block:
                 self._cond.wait(HOLD_POLL_S)  # until the batch storing their document completes
             return batch

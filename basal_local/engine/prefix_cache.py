@@ -117,6 +117,7 @@ class PrefixCache:
         self.lock = threading.RLock()
         self.root = _Node([])
         self.entries: dict[str, Entry] = {}  # every entry holding rows (pending and ready)
+        self.pending: dict[str, Entry] = {}  # the entries a batch in flight is writing
         self.free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (start, length), sorted
         self._names = itertools.count(1)
         self.generation = 0  # bumped whenever what a lookup can find changes
@@ -157,7 +158,7 @@ class PrefixCache:
         a request about a document another batch is computing waits for it (`Lane._admit`) rather than
         computing it a second time beside it."""
         with self.lock:
-            pending = [e for e in self.entries.values() if not e.ready]
+            pending = list(self.pending.values())
             if not pending:
                 return False
             ids = ids if type(ids) is list else list(ids)
@@ -189,6 +190,7 @@ class PrefixCache:
             if entry.name not in self.entries or entry.ready:
                 return
             entry.ready = True
+            self.pending.pop(entry.name, None)
             entry.last_used = time.monotonic()
             self._insert(entry)
             self.generation += 1
@@ -211,6 +213,7 @@ class PrefixCache:
                 return None
             entry = Entry(f"{STATE}{next(self._names)}", list(tokens), offset)
             self.entries[entry.name] = entry
+            self.pending[entry.name] = entry
             return entry
 
     def drop(self, entry: Entry) -> None:
@@ -219,6 +222,7 @@ class PrefixCache:
             if self.entries.get(entry.name) is not entry:
                 return
             del self.entries[entry.name]
+            self.pending.pop(entry.name, None)
             for node in entry.nodes:
                 node.entries.pop(entry.name, None)
             self._prune(entry.nodes)
@@ -234,6 +238,7 @@ class PrefixCache:
         with self.lock:
             self.root = _Node([])
             self.entries.clear()
+            self.pending.clear()
             self.free = [(0, self.capacity)] if self.capacity else []
             self.generation += 1
 
