@@ -238,14 +238,14 @@ def serve_command(args: argparse.Namespace) -> int:
     if settings.port == 0:  # an ephemeral port: bound now, so the banner names the port the daemon listens on
         sock = bind_ephemeral(settings.host)
         settings.port = sock.getsockname()[1]
-        if ray_mode or getattr(args, "tui", False):
-            sock.close()  # those bind it themselves; the port was free a moment ago
+        if getattr(args, "tui", False):
+            sock.close()  # it binds the port itself; the port was free a moment ago
             sock = None
-    elif not port_free(settings.host, settings.port) and not getattr(args, "ray_address", None):
+    elif not port_free(settings.host, settings.port):
         raise UserError(f"port {settings.port} on {settings.host} is already in use (another program, or a "
                         "basal-local already running: `basal-local ps`)",
                         f"choose another with --port, e.g. --port {settings.port + 1}")
-    if args.demo and not ray_mode:  # with --ray each replica prepares the demo model on its own node
+    if args.demo:  # with --ray each replica also prepares the demo model on its own node
         dirs.insert(0, demo_model_dir(on_generate=lambda path: print(
             f"basal-local: preparing the demo model in {path} (generated once, a few seconds)...", flush=True)))
     cfg = args.config or config_path()
@@ -259,7 +259,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.demo:  # the "try it" text once the demo model answers; a failed start shows only the error
         ready_text = DEMO_BANNER.format(host=settings.host, port=settings.port, version=__version__)
     if ray_mode:
-        return serve_ray_command(args, settings, banner)
+        return serve_ray_command(args, settings, dirs, banner, ready_text, sock)
     if getattr(args, "tui", False) or getattr(args, "demo_traffic", False):
         from ..server.tuimode import serve_with_options
 
@@ -290,7 +290,7 @@ def _without_port(argv: list[str]) -> list[str]:
 def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
     """The Ray flags go with --ray, and --ray with none of the one-host options; Ray itself must import."""
     given = [flag for flag, key in (("--ray-address", "ray_address"), ("--min-replicas", "min_replicas"),
-                                    ("--max-replicas", "max_replicas"), ("--ray-fronts", "ray_fronts"))
+                                    ("--max-replicas", "max_replicas"))
              if getattr(args, key, None) is not None]
     if not ray_mode:
         if given:
@@ -310,13 +310,14 @@ def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
         raise UserError(exc.cause, exc.fix) from None
 
 
-def serve_ray_command(args: argparse.Namespace, settings, banner: str) -> int:
+def serve_ray_command(args: argparse.Namespace, settings, dirs: list[Path], banner: str, ready_text: str,
+                      sock) -> int:
     from ..server.rayserve import RayOptions, RayUnavailable, serve_ray
 
     options = RayOptions(address=args.ray_address, min_replicas=args.min_replicas or 1,
-                         max_replicas=args.max_replicas, fronts=getattr(args, "ray_fronts", None))
+                         max_replicas=args.max_replicas)
     try:
-        code = serve_ray(settings, settings.models, options, demo=args.demo, banner=banner)
+        code = serve_ray(settings, dirs, options, demo=args.demo, banner=banner, ready_text=ready_text, sock=sock)
     except RayUnavailable as exc:
         print("\n".join(UserError(exc.cause, exc.fix).lines()), file=sys.stderr)
         code = 1
