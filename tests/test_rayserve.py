@@ -364,8 +364,13 @@ class RayDaemon:
 
 
 def _post(url: str, body: dict):
-    status, headers, out = http("POST", url, body, timeout=120)
-    return status, headers.get(rayserve().REPLICA_HEADER.decode()) or headers.get("X-Basal-Local-Replica"), out
+    status, _, out = http("POST", url, body, timeout=120)
+    return status, out
+
+
+def _ray_replicas(url: str) -> dict[str, dict]:
+    """Ray's replica id -> the daemon's /api/stats entry for it."""
+    return {r["ray_replica"]: r for r in http("GET", url + "/api/stats", timeout=30)[2]["replicas"]}
 
 
 def test_two_ray_replicas_answer_like_the_daemon_share_the_work_and_survive_a_killed_one(daemon, tiny_model):
@@ -381,31 +386,37 @@ def test_two_ray_replicas_answer_like_the_daemon_share_the_work_and_survive_a_ki
         jobs = [(path, i) for path in want for i in range(len(work))] * 2
         with ThreadPoolExecutor(16) as pool:
             got = list(pool.map(lambda job: _post(served.url + job[0], work[job[1]]), jobs))
-        seen = set()
-        for (path, i), (status, replica_id, out) in zip(jobs, got):
+        for (path, i), (status, out) in zip(jobs, got):
             assert status == 200, out
             assert np.abs(probabilities(out["answers"]) - probabilities(want[path][i])).max() <= 1e-6
-            seen.add(replica_id)
-        assert len(seen) == 2, seen  # both replicas answered
+        # both replicas computed (the daemon's /api/stats lists the deployment's replicas)
+        deadline = time.monotonic() + 10
+        while len(seen := _ray_replicas(served.url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(seen) == 2 and all(r["batches"] > 0 and r["alive"] for r in seen.values()), seen
         # kill one engine replica's process while requests are in flight: every request is still answered
         victims = served.engine_pids()
         assert len(victims) == 2, victims
+        assert sorted(victims) == sorted(r["pid"] for r in seen.values())
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(_post, served.url + path, work[i]) for path, i in jobs]
             time.sleep(0.3)
             os.kill(victims[0], signal.SIGKILL)
             results = [f.result() for f in futures]
-        for (path, i), (status, _, out) in zip(jobs, results):
+        for (path, i), (status, out) in zip(jobs, results):
             assert status == 200, out
             assert np.abs(probabilities(out["answers"]) - probabilities(want[path][i])).max() <= 1e-6
-        # Ray Serve replaces the dead replica: a replica not seen before answers within a minute or two
+        # Ray Serve replaces the dead replica: a replica not seen before shows in /api/stats and computes
         deadline = time.monotonic() + 150
-        fresh = set()
+        fresh: set[str] = set()
         while time.monotonic() < deadline and not fresh:
             with ThreadPoolExecutor(8) as pool:
-                fresh = {r[1] for r in pool.map(lambda b: _post(served.url + "/v1/basal", b), work[:8])} - seen
+                list(pool.map(lambda b: _post(served.url + "/v1/basal", b), work[:8]))
+            fresh = {rid for rid, r in _ray_replicas(served.url).items() if r["alive"] and r["batches"]} - set(seen)
             time.sleep(1)
         assert fresh, "the killed replica was not replaced"
+        health = http("GET", served.url + "/health")[2]
+        assert health["status"] in ("ok", "degraded"), health
         print(f"ray: ready after {ready_s:.1f} s, whole test {time.monotonic() - started:.1f} s")
     finally:
         log = served.stop()
