@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from basal_local.backends.select import mlx_importable
+from basal_local.backends import select
 
 from ..bench import run_bench
 from . import UserError, check_url, get_json, model_path
@@ -34,6 +34,6 @@ def check_bench_extras(args: argparse.Namespace) -> None:
                         'install it (pip install "transformers>=4.45"), or drop --baseline')
     if args.backend == "mlx":
 
-        if not mlx_importable():
+        if not select.mlx_importable():
             raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
                             "use --backend torch (or auto), or on a Mac: pip install mlx")
