@@ -65,7 +65,7 @@ class RayOptions:
 
 def import_ray():
     """(ray, ray.serve), or RayUnavailable naming the extra to install."""
-    try:
+    try:  # Ray is an optional extra (and ~1 s to import): only under --ray
         import ray
         from ray import serve
     except ImportError as exc:
