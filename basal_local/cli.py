@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p)  # every setting with a flag (basal_local/settings.py)
     p.add_argument("--ray", action="store_true",
                    help="serve through Ray Serve: one engine replica per GPU (or CPU) actor of a Ray cluster, "
-                        "behind Ray's HTTP proxy on --host/--port (needs the extra: pip install 'basal-local[ray]')")
+                        "behind this daemon on --host/--port (needs the extra: pip install 'basal-local[ray]')")
     p.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
                    help="with --ray: the cluster to join (auto, or HOST:6379); default: start one on this machine")
     p.add_argument("--min-replicas", type=_positive, dest="min_replicas",
@@ -133,9 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=_positive, dest="max_replicas",
                    help="with --ray: autoscale up to this many (default: every GPU of the cluster, or --min-replicas "
                         "on CPUs)")
-    p.add_argument("--ray-fronts", type=_positive, dest="ray_fronts", metavar="N",
-                   help="with --ray: front replicas that take the HTTP requests from Ray's proxy (default: as many "
-                        "as engine replicas)")
     p.add_argument("--tui", action="store_true", help="show the live dashboard (basal-local top) in this terminal")
     p.add_argument("--detach", action="store_true", help="run in the background (pid and port in the state folder; "
                    "`basal-local status`, `logs -f`, `stop`)")

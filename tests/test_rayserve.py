@@ -1,14 +1,15 @@
-"""`basal-local serve --ray` (issue "Beyond one GPU", several hosts): the daemon's app on Ray Serve replicas.
+"""`basal-local serve --ray` (issue "Beyond one GPU", several hosts): the daemon's app with Ray engines.
 
-The first tests need no Ray: an engine replica runs the daemon's own guarded app, so its answers, errors and
-headers are the daemon's; the front retries a request whose replica died. The last test starts a local Ray
-cluster with two CPU replicas through the real command (skipped where Ray is not installed).
+The first tests need no Ray: `RayEngine` implements the Engine protocol over a deployment handle (here a fake that
+calls a real `EngineReplica` in this process), so the server answers, errors and stats through it as through any
+engine; a request whose replica died is sent to another one, and when every try was lost the answer is the
+dialect's 503. The last test starts a local Ray cluster with two CPU replicas through the real command (skipped
+where Ray is not installed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -17,175 +18,205 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+from litestar.testing import TestClient
 
+from basal_local.engine.protocol import Engine
+from basal_local.model.directory import load_model_dir
+from basal_local.replicas.rayengine import RETRIES, RayEngine
+from basal_local.replicas.rayreplica import EngineReplica
+from basal_local.server.app import create_app
+from basal_local.server.security import AccessPolicy, Guard
 from basal_local.server.settings import Settings
+from basal_local.server.state import AppState
+from basal_local.telemetry import Telemetry
 
 from .conftest import cli_run, free_port, http
 from .test_replicas import bodies, probabilities  # the same requests as the one-host test
 
-if TYPE_CHECKING:
-    from basal_local.server.rayserve import EngineReplica, Front
-
 
 def rayserve():
-    """basal_local.server.rayserve, imported where a test uses it: it loads litestar and the daemon (~1.5 s of CPU),
-    and every test worker collects this file."""
+    """basal_local.server.rayserve, imported where a test uses it (it loads the daemon's server)."""
     from basal_local.server import rayserve
 
     return rayserve
 
 
-def scope(path: str, body: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> dict:
-    raw = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
-           (b"content-length", str(len(body)).encode())]
-    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": raw,
-            "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+class _Broadcast:
+    def __init__(self, results: list) -> None:
+        self._results = results
+
+    def results(self, timeout_s=None, return_exceptions=False):
+        return self._results
 
 
-def run_exchange(replica: EngineReplica, path: str, body: bytes, headers: dict | None = None):
-    """(status, headers, parsed body) of one exchange through the replica's generator."""
+class FakeHandle:
+    """A stand-in for the deployment's handle: `submit.remote(model, data)` (awaitable) runs on the replicas in
+    turn (as Ray's router spreads calls), `broadcast(method, ...)` asks each; the first `deaths` calls die before
+    answering with `died`."""
 
-    async def go():
-        return [m async for m in replica.exchange(scope(path, body, headers), body)]
+    def __init__(self, replicas: list, deaths: int = 0, died: type[BaseException] | None = None) -> None:
+        self.replicas, self.deaths, self.died = replicas, deaths, died
+        self.calls = 0
+        self.submit = self
 
-    messages = asyncio.run(go())
-    start = messages[0]
-    assert start["type"] == "http.response.start" and all(m["type"] == "http.response.body" for m in messages[1:])
-    out = {k.decode().lower(): v.decode() for k, v in start["headers"]}
-    return start["status"], out, json.loads(b"".join(m.get("body", b"") for m in messages[1:]))
+    def remote(self, model: str, data: bytes):
+        self.calls += 1
+        n = self.calls
+
+        async def call():
+            if n <= self.deaths:
+                raise self.died()
+            return await self.replicas[n % len(self.replicas)].submit(model, data)
+
+        return call()
+
+    def broadcast(self, method: str, *args):
+        return _Broadcast([getattr(r, method)(*args) for r in self.replicas])
 
 
 @pytest.fixture(scope="module")
-def replica(tiny_model):
-    settings = Settings.load({"device": "cpu"}, config_file=Path("/nonexistent"))
-    engine = rayserve().EngineReplica(settings, [str(tiny_model)])
-    yield engine
-    engine.close()
+def settings():
+    return Settings.load({"device": "cpu"}, config_file=Path("/nonexistent"))
 
 
-def test_an_engine_replica_answers_errors_and_heads_like_the_daemon(daemon, replica):
-    for path in ("/v1/systemone", "/v1/basal"):
-        for body in bodies(3):
-            raw = json.dumps(body).encode()
-            status, headers, out = run_exchange(replica, path, raw, {"x-request-id": "rid-1"})
-            want_status, want_headers, want = http("POST", daemon.url + path, body, headers={"x-request-id": "rid-1"})
-            assert status == want_status == 200, out
-            assert np.abs(probabilities(out["answers"]) - probabilities(want["answers"])).max() <= 1e-6
-            assert headers["x-request-id"] == headers["x-typesafe-request-id"] == "rid-1"
-            assert headers[rayserve().REPLICA_HEADER.decode()].startswith("local-")
-            same = {k.lower() for k in want_headers} - {"date", "server", "content-length", "connection"}
-            assert same - set(headers) == set(), same - set(headers)  # every header the daemon sends
-    # the unary call (what the front uses for a decision) hands back the same messages as one list
-    raw = json.dumps(bodies(1)[0]).encode()
-    whole = asyncio.run(replica.exchange_whole(scope("/v1/basal", raw, {"x-request-id": "rid-2"}), raw))
-    assert [m["type"] for m in whole] == ["http.response.start", "http.response.body"] and whole[0]["status"] == 200
-    assert json.loads(whole[1]["body"])["answers"] == run_exchange(replica, "/v1/basal", raw)[2]["answers"]
-    # errors come from the daemon's own handlers and guards, in each dialect's shape
-    for path, raw, extra in [("/v1/systemone", b"{not json", {}), ("/v1/basal", b'{"state": 3}', {}),
-                             ("/v1/systemone", b"{}", {"origin": "https://evil.example"}),
-                             ("/v1/nothing", b"{}", {})]:
-        status, _, out = run_exchange(replica, path, raw, extra)
-        want_status, _, want = http("POST", daemon.url + path, raw,
-                                    headers={"content-type": "application/json", **extra})
-        assert (status, out) == (want_status, want)
-        assert status in (400, 403, 404, 422)
+@pytest.fixture(scope="module")
+def replicas(tiny_model, settings):
+    """Two engine replicas as the deployment builds them (rayserve.replica_spec), in this process."""
+    spec = rayserve().replica_spec(settings, [str(tiny_model)])
+    made = [EngineReplica(spec), EngineReplica(spec)]
+    yield made
+    for replica in made:
+        replica.close()
 
 
-class _Died(Exception):
-    pass
+def served(engine: RayEngine, settings: Settings) -> TestClient:
+    state = AppState(engines={engine.model.name: engine}, default_model=engine.model.name, ready=True,
+                     backend_name="torch", device="cpu", dtype="f32", telemetry=engine.telemetry, metrics=True)
+    policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
+    return TestClient(Guard(create_app(state), policy), base_url="http://127.0.0.1:8000")
 
 
-class _FakeHandle:
-    """A stand-in for the engine deployment's handle: `exchange_whole.remote` (unary, what a decision takes) and,
-    through `options(stream=True)`, `exchange.remote` (a stream, what the event stream takes). The first `deaths`
-    calls die before answering."""
-
-    def __init__(self, deaths: int, died: type[BaseException]) -> None:
-        self.deaths, self.died, self.calls = deaths, died, 0
-        self.unary = self.streamed = 0
-        self.exchange = _Method(self, streamed=True)
-        self.exchange_whole = _Method(self, streamed=False)
-
-    def options(self, **_):
-        return self
-
-    def answer(self, body: bytes) -> list[dict]:
-        self.calls += 1
-        if self.calls <= self.deaths:
-            raise self.died()
-        return [{"type": "http.response.start", "status": 200,
-                 "headers": [(b"x-request-id", b"r"), (b"content-type", b"application/json")]},
-                {"type": "http.response.body", "body": json.dumps({"ok": self.calls, "len": len(body)}).encode(),
-                 "more_body": False}]
+def ray_engine(tiny_model, handle, settings) -> RayEngine:
+    return RayEngine(load_model_dir(tiny_model), handle, Telemetry(), settings.engine, poll_s=0)
 
 
-class _Method:
-    def __init__(self, handle: _FakeHandle, streamed: bool) -> None:
-        self.handle, self.streamed = handle, streamed
+def test_the_ray_engine_implements_the_protocol_and_answers_like_the_daemon(daemon, tiny_model, replicas, settings):
+    engine = ray_engine(tiny_model, FakeHandle(replicas), settings)
+    assert isinstance(engine, Engine)
+    try:
+        engine.poll()  # the replicas' first reports: both listed before any request
+        assert [(r["replica"], r["alive"]) for r in engine.describe()] == [(0, True), (1, True)]
+        with served(engine, settings) as client:
+            for path in ("/v1/systemone", "/v1/basal"):
+                for body in bodies(4):
+                    got = client.post(path, json=body, headers={"x-request-id": "rid-1"})
+                    want_status, want_headers, want = http("POST", daemon.url + path, body,
+                                                           headers={"x-request-id": "rid-1"})
+                    assert got.status_code == want_status == 200, got.text
+                    answers = got.json()["answers"]
+                    assert np.abs(probabilities(answers) - probabilities(want["answers"])).max() <= 1e-6
+                    assert got.headers["x-request-id"] == got.headers["x-typesafe-request-id"] == "rid-1"
+                    same = {k.lower() for k in want_headers} - {"date", "server", "content-length", "connection"}
+                    assert same - set(got.headers) == set(), same - set(got.headers)  # every header the daemon sends
+            # errors come from the daemon's own handlers and guards, in each dialect's shape
+            for path, raw, extra in [("/v1/systemone", b"{not json", {}), ("/v1/basal", b'{"state": 3}', {}),
+                                     ("/v1/systemone", b"{}", {"origin": "https://evil.example"}),
+                                     ("/v1/nothing", b"{}", {})]:
+                got = client.post(path, content=raw, headers={"content-type": "application/json", **extra})
+                want_status, _, want = http("POST", daemon.url + path, raw,
+                                            headers={"content-type": "application/json", **extra})
+                assert (got.status_code, got.json()) == (want_status, want)
+                assert got.status_code in (400, 403, 404, 422)
+            stats = client.get("/api/stats").json()
+            health = client.get("/health").json()
+            metrics = client.get("/metrics")
+        # both replicas computed, and the front's telemetry saw their batches
+        assert len(stats["replicas"]) == 2 and all(r["batches"] > 0 for r in stats["replicas"]), stats["replicas"]
+        assert {r["ray_replica"] for r in stats["replicas"]} == {r.replica_id for r in replicas}
+        assert len(stats["requests"]) >= 8 and len(stats["batches"]) >= 2
+        assert all(b["tree"] for b in stats["batches"]), stats["batches"][0]  # asked of the replica that ran it
+        assert stats["counters"].get("batches", 0) >= 2, stats["counters"]
+        assert health["status"] == "ok" and [r["alive"] for r in health["replicas"]] == [True, True]
+        assert metrics.status_code == 200 and 'replica="1"' in metrics.text, metrics.text[:2000]
+    finally:
+        assert engine.stop(5.0)
 
-    def remote(self, scope, body, complete):
-        handle = self.handle
-        if not self.streamed:
-            handle.unary += 1
 
-            async def whole():
-                return handle.answer(body)
-
-            return whole()
-        handle.streamed += 1
-
-        async def gen():
-            for message in handle.answer(body):
-                yield message
-
-        return gen()
-
-
-def front_call(front: Front, path: str, chunks: list[bytes]):
-    sent: list[dict] = []
-
-    async def go():
-        queue = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
-
-        async def receive():
-            return queue.pop(0) if queue else {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        await front.asgi({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
-
-    asyncio.run(go())
-    return sent
-
-
-def test_the_front_retries_a_request_whose_replica_died():
+def test_the_ray_engine_retries_a_request_whose_replica_died(tiny_model, replicas, settings):
     ray_exceptions = pytest.importorskip("ray.exceptions", reason="Ray is not installed (pip install '.[ray]')")
     died = ray_exceptions.ActorDiedError
-    for path, unary in (("/v1/basal", True), ("/api/events", False)):  # one unary call, or the event stream
-        engine = _FakeHandle(deaths=2, died=died)
-        front = rayserve().Front(engine, max_body_bytes=1000, body_timeout_s=5)
-        sent = front_call(front, path, [b'{"a":', b" 1}"])
-        assert engine.calls == 3  # two replicas died, the third answered
-        assert (engine.unary, engine.streamed) == ((3, 0) if unary else (0, 3))
-        assert sent[0]["status"] == 200 and (b"x-request-id", b"r") not in sent[0]["headers"]  # Ray's proxy adds it
-        assert json.loads(sent[1]["body"]) == {"ok": 3, "len": 8}
+    body = bodies(1)[0]
+    handle = FakeHandle(replicas, deaths=RETRIES, died=died)
+    engine = ray_engine(tiny_model, handle, settings)
+    try:
+        with served(engine, settings) as client:
+            got = client.post("/v1/basal", json=body)
+        assert got.status_code == 200, got.text
+        assert handle.calls == RETRIES + 1  # three replicas died, the fourth try answered
+    finally:
+        engine.stop(5.0)
     # every try dies: a 503 in the path's dialect, never a traceback
-    engine = _FakeHandle(deaths=99, died=died)
-    sent = front_call(rayserve().Front(engine, 1000, 5), "/v1/systemone", [b"{}"])
-    assert sent[0]["status"] == 503 and engine.calls == 4
-    assert json.loads(sent[1]["body"])["detail"]["error_type"] == "unavailable_error"
-    # any other failure is not retried (it would fail again)
-    engine = _FakeHandle(deaths=1, died=ValueError)
-    with pytest.raises(ValueError):
-        front_call(rayserve().Front(engine, 1000, 5), "/v1/basal", [b"{}"])
-    assert engine.calls == 1
+    for path in ("/v1/systemone", "/v1/basal"):
+        handle = FakeHandle(replicas, deaths=99, died=died)
+        engine = ray_engine(tiny_model, handle, settings)
+        try:
+            with served(engine, settings) as client:
+                got = client.post(path, json=body)
+        finally:
+            engine.stop(5.0)
+        assert got.status_code == 503 and handle.calls == RETRIES + 1, got.text
+        assert got.headers["retry-after"] == "1"
+        assert "Traceback" not in got.text
+        if path == "/v1/systemone":
+            assert got.json()["detail"]["error_type"] == "unavailable_error"
+    # any other failure is not retried (it would fail again): the request fails once, as a 500
+    handle = FakeHandle(replicas, deaths=1, died=ValueError)
+    engine = ray_engine(tiny_model, handle, settings)
+    try:
+        with served(engine, settings) as client:
+            got = client.post("/v1/basal", json=body)
+    finally:
+        engine.stop(5.0)
+    assert got.status_code == 500 and handle.calls == 1 and "Traceback" not in got.text
+
+
+def test_a_client_that_left_cancels_its_call(tiny_model, replicas, settings):
+    """The future fails with Cancelled once the request's flag says its client went away, and the call in flight
+    is cancelled (on Ray: the replica's task, whose lane then drops the job)."""
+    from basal_local.api.basal import validate_basal
+    from basal_local.engine.scheduler import Cancelled
+
+    cancelled = threading.Event()
+
+    class Slow(FakeHandle):
+        def remote(self, model, data):
+            self.calls += 1
+
+            async def never():
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+
+            return never()
+
+    engine = ray_engine(tiny_model, Slow(replicas), settings)
+    try:
+        plan = engine.plan(validate_basal(bodies(1)[0], engine.model.name))
+        gone = threading.Event()
+        future = engine.submit(plan, gone.is_set, "r")
+        time.sleep(0.3)
+        assert not future.done()
+        gone.set()
+        with pytest.raises(Cancelled):
+            future.result(timeout=5)
+        assert cancelled.wait(5)
+    finally:
+        engine.stop(5.0)
 
 
 def test_ray_flags_need_ray_and_the_ray_mode_refuses_one_host_flags(tiny_model):
@@ -196,8 +227,6 @@ def test_ray_flags_need_ray_and_the_ray_mode_refuses_one_host_flags(tiny_model):
     out = cli("--min-replicas", "2")
     assert out.returncode == 2 and "--min-replicas only works with --ray" in out.stderr
     assert "Traceback" not in out.stderr
-    out = cli("--ray-fronts", "2")
-    assert out.returncode == 2 and "--ray-fronts only works with --ray" in out.stderr
     out = cli("--ray", "--replicas", "2")  # flags are checked before Ray is imported
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--replicas does not go with --ray" in out.stderr
@@ -335,8 +364,13 @@ class RayDaemon:
 
 
 def _post(url: str, body: dict):
-    status, headers, out = http("POST", url, body, timeout=120)
-    return status, headers.get(rayserve().REPLICA_HEADER.decode()) or headers.get("X-Basal-Local-Replica"), out
+    status, _, out = http("POST", url, body, timeout=120)
+    return status, out
+
+
+def _ray_replicas(url: str) -> dict[str, dict]:
+    """Ray's replica id -> the daemon's /api/stats entry for it."""
+    return {r["ray_replica"]: r for r in http("GET", url + "/api/stats", timeout=30)[2]["replicas"]}
 
 
 def test_two_ray_replicas_answer_like_the_daemon_share_the_work_and_survive_a_killed_one(daemon, tiny_model):
@@ -352,31 +386,37 @@ def test_two_ray_replicas_answer_like_the_daemon_share_the_work_and_survive_a_ki
         jobs = [(path, i) for path in want for i in range(len(work))] * 2
         with ThreadPoolExecutor(16) as pool:
             got = list(pool.map(lambda job: _post(served.url + job[0], work[job[1]]), jobs))
-        seen = set()
-        for (path, i), (status, replica_id, out) in zip(jobs, got):
+        for (path, i), (status, out) in zip(jobs, got):
             assert status == 200, out
             assert np.abs(probabilities(out["answers"]) - probabilities(want[path][i])).max() <= 1e-6
-            seen.add(replica_id)
-        assert len(seen) == 2, seen  # both replicas answered
+        # both replicas computed (the daemon's /api/stats lists the deployment's replicas)
+        deadline = time.monotonic() + 10
+        while len(seen := _ray_replicas(served.url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(seen) == 2 and all(r["batches"] > 0 and r["alive"] for r in seen.values()), seen
         # kill one engine replica's process while requests are in flight: every request is still answered
         victims = served.engine_pids()
         assert len(victims) == 2, victims
+        assert sorted(victims) == sorted(r["pid"] for r in seen.values())
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(_post, served.url + path, work[i]) for path, i in jobs]
             time.sleep(0.3)
             os.kill(victims[0], signal.SIGKILL)
             results = [f.result() for f in futures]
-        for (path, i), (status, _, out) in zip(jobs, results):
+        for (path, i), (status, out) in zip(jobs, results):
             assert status == 200, out
             assert np.abs(probabilities(out["answers"]) - probabilities(want[path][i])).max() <= 1e-6
-        # Ray Serve replaces the dead replica: a replica not seen before answers within a minute or two
+        # Ray Serve replaces the dead replica: a replica not seen before shows in /api/stats and computes
         deadline = time.monotonic() + 150
-        fresh = set()
+        fresh: set[str] = set()
         while time.monotonic() < deadline and not fresh:
             with ThreadPoolExecutor(8) as pool:
-                fresh = {r[1] for r in pool.map(lambda b: _post(served.url + "/v1/basal", b), work[:8])} - seen
+                list(pool.map(lambda b: _post(served.url + "/v1/basal", b), work[:8]))
+            fresh = {rid for rid, r in _ray_replicas(served.url).items() if r["alive"] and r["batches"]} - set(seen)
             time.sleep(1)
         assert fresh, "the killed replica was not replaced"
+        health = http("GET", served.url + "/health")[2]
+        assert health["status"] in ("ok", "degraded"), health
         print(f"ray: ready after {ready_s:.1f} s, whole test {time.monotonic() - started:.1f} s")
     finally:
         log = served.stop()

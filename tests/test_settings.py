@@ -201,11 +201,11 @@ def test_a_replica_worker_loads_its_backend_with_the_options_of_its_spec(tiny_mo
     """--replica-processes: the options travel in the worker's spec (replicas/worker.py) to its backend."""
     import queue
 
-    from basal_local.replicas.worker import WorkerSpec, _load
+    from basal_local.replicas.worker import WorkerSpec, load_engine
 
     wanted = TorchOptions(gemm="triton", cublaslt=False)
     spec = WorkerSpec(tiny_model, "torch", "cpu", "f32", EngineSettings(), replica=0, torch_options=wanted)
-    engine, _, ready = _load(spec, queue.SimpleQueue())
+    engine, _, ready = load_engine(spec, queue.SimpleQueue())
     try:
         assert engine.backend.options == wanted and ready.backend == "torch"
     finally:

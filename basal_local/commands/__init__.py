@@ -115,6 +115,7 @@ def human_bytes(n: float) -> str:
 
 def model_path(ref: str, flag: str = "--model") -> Path:
     """A model directory from a path, `mini|4.5B|max`, `owner/name[@rev]` in the HF cache, or `basal-demo`."""
+    # numpy and the tokenizers library (~0.15 s): not on the path of `basal-local -h` and the client commands
     from ..model.directory import ModelLoadError, load_model_dir
     from ..model.registry import DEMO_NAME, ModelNotFound, demo_model_dir, resolve_model
 
@@ -131,3 +132,16 @@ def model_path(ref: str, flag: str = "--model") -> Path:
                         f"give {flag} a folder holding config.json, basal.json, tokenizer.json and "
                         "model.safetensors (`basal-local list` shows the downloaded ones)") from None
     return path
+
+
+def bind_ephemeral(host: str) -> socket.socket:
+    """A listening socket on a port the system picks (--port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}: {exc.strerror or exc}", "check --host") from None
+    sock.listen(2048)
+    return sock

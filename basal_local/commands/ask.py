@@ -11,7 +11,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from . import UserError, auth_headers, key_refused
+from . import UserError, auth_headers, get_json, key_refused
+from .serving import client_key, daemon_url
 
 BAR = 32
 MAX_OPTIONS = 10  # /v1/basal: one letter A-J per option
@@ -139,8 +140,6 @@ def refusal(url: str, status: int, answer: dict[str, Any], api_key: str | None) 
 
 
 def ask_command(args: argparse.Namespace) -> int:
-    from . import get_json
-    from .serving import client_key, daemon_url
 
     url = daemon_url(args)
     key = client_key(args)

@@ -16,19 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import UserError, get_json
+from ..paths import home_dirs
+from . import UserError, bind_ephemeral, get_json, port_free
 
 START_TIMEOUT_S = 600  # loading a large model from a cold disk
 
 
 def state_file() -> Path:
-    from ..paths import home_dirs
 
     return home_dirs()["state"] / "daemon.json"
 
 
 def log_path() -> Path:
-    from ..paths import home_dirs
 
     return home_dirs()["logs"] / "basal-local.log"
 
@@ -52,8 +51,6 @@ def alive(pid: int) -> bool:
 
 def detach(argv: list[str], host: str, port: int) -> int:
     """Start `serve argv` in the background and wait until it answers /health (or fails)."""
-    from . import port_free
-    from .serving import bind_ephemeral
 
     running = read_state()
     if running and alive(running["pid"]):
@@ -105,7 +102,6 @@ def restart_command(args: argparse.Namespace) -> int:
                         "`basal-local stop`, then `basal-local serve --detach ...` again", status=1)
     stop_command(args)
     deadline = time.time() + 10.0  # the old process has exited; its port may linger a moment
-    from . import port_free
 
     while not port_free(running["host"], running["port"]) and time.time() < deadline:
         time.sleep(0.2)

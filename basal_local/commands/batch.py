@@ -21,7 +21,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from . import UserError, auth_headers
+from . import UserError, auth_headers, get_json
+from .ask import error_text
+from .serving import client_key, daemon_url
 
 RETRIES = 6
 LOAD_WAIT_S = 900.0  # how long a 503 is retried: a large model loading from a cold disk
@@ -105,7 +107,6 @@ def send(url: str, body: dict[str, Any], api_key: str | None = None) -> tuple[in
 
 def failure_reason(status: int, body: Any) -> str:
     """A short reason for the summary: the status and the daemon's message (cut), or the connection error."""
-    from .ask import error_text
 
     text = error_text(body) if isinstance(body, dict) else str(body)
     text = text if len(text) <= 90 else text[:89] + "\u2026"
@@ -178,8 +179,6 @@ def make_record(i: int, item: dict[str, Any], status: int, body: Any, seconds: f
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from . import get_json
-    from .serving import client_key, daemon_url
 
     url = daemon_url(args)
     key = client_key(args)

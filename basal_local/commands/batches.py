@@ -63,6 +63,7 @@ def _line(batch: dict[str, Any]) -> str:
 
 
 def _follow(url: str, key: str | None, batch: dict[str, Any]) -> dict[str, Any]:
+    # rich's progress bar (~0.1 s to import): only for --follow
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     terminal = ("completed", "failed", "expired", "cancelled")

@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 import urllib.parse
+from importlib import resources
 from typing import Any
 
 from . import UserError, auth_headers, get_json
@@ -47,12 +48,15 @@ def _median(values: list[float]) -> float:
 def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, documents: int = 3,
                 gpu_memory: str | None = None, torch_options=None, progress=print) -> dict[str, Any]:
     """In process: templates-only engine vs cached engine on the same requests (see the module docstring)."""
+    # the engine, the backends and torch: only for the in-process cache bench (`bench --http --documents`, the
+    # other function of this module, needs none of them)
     import numpy as np
 
     from basal_local.backends.select import make_backend
 
     from ..api.answers import response_body
     from ..api.systemone import validate_systemone
+    from ..engine import prefix_cache
     from ..engine.engine import EngineSettings, ModelEngine
     from ..engine.gate import DeviceGate
     from ..model.directory import load_model_dir
@@ -119,8 +123,6 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
                                                         - np.array(probs["cached_second"])).max())
             # what storing a document costs, on one engine: a new document with the fills held back, then another
             # stored as usual (both computed in full)
-            from ..engine import prefix_cache
-
             saved = prefix_cache.FILL_MIN_TOKENS
             prefix_cache.FILL_MIN_TOKENS = 1 << 30
             try:
@@ -166,8 +168,6 @@ QUESTION_POOL = [
 
 def documents_stream(model: str, documents: int, per_document: int, doc_chars: int, seed: int = 0) -> list[dict]:
     """The requests of the mixed stream: each document `per_document` times with two pool questions, shuffled."""
-    from importlib import resources
-
     corpus = resources.files("basal_local.assets").joinpath("corpus_en.txt").read_text(encoding="utf-8")
     words = corpus.split()
     rng = random.Random(seed)

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..samples import single_question_requests
 from . import UserError, auth_headers, get_json
+from .ask import error_text, post
 from .benchout import percentile
 
 MAX_RETRIES = 20  # 529s for one request before it counts as failed
@@ -84,7 +85,6 @@ class Client:
 
 def loaded_default(url: str, api_key: str | None) -> str:
     """The daemon's default model, loaded first when it is not (an unloaded model would answer 503s)."""
-    from .ask import error_text, post
 
     info = get_json(url, "/api/ps", timeout=30, flag="--http", api_key=api_key)
     default = next((m for m in info.get("models", []) if m.get("default")), None) or \

@@ -4,18 +4,17 @@ basal_local/bench.py measures."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
-from . import UserError
+from basal_local.backends import select
+
+from ..bench import run_bench
+from . import UserError, check_url, get_json, model_path
+from .serving import check_device, check_gpu_memory, client_key
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from ..bench import run_bench
-    from . import check_url, get_json
-    from .serving import check_device, check_gpu_memory
-
     if args.http:
-        from .serving import client_key
-
         args.http = check_url(args.http, "--http")
         args.api_key = client_key(args)
         get_json(args.http, "/v1/models", flag="--http", api_key=args.api_key)
@@ -24,22 +23,17 @@ def bench_command(args: argparse.Namespace) -> int:
         check_gpu_memory(args.gpu_memory, args.device)
         check_bench_extras(args)
         if args.model:
-            from . import model_path
-
             args.model = str(model_path(args.model))
     return run_bench(args)
 
 
 def check_bench_extras(args: argparse.Namespace) -> None:
     """What the bench needs beyond our own code, checked before it runs (not after the whole bench)."""
-    import importlib.util
-
     if args.baseline != "none" and importlib.util.find_spec("transformers") is None:
         raise UserError(f"--baseline {args.baseline} needs Hugging Face transformers, which is not installed",
                         'install it (pip install "transformers>=4.45"), or drop --baseline')
     if args.backend == "mlx":
-        from ..backends.select import mlx_importable
 
-        if not mlx_importable():
+        if not select.mlx_importable():
             raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
                             "use --backend torch (or auto), or on a Mac: pip install mlx")

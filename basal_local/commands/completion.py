@@ -12,6 +12,7 @@ import argparse
 import re
 from dataclasses import dataclass, field
 
+from ..cli import build_parser
 from ..settings import all_settings
 
 PROG = "basal-local"
@@ -239,7 +240,6 @@ def _fish_names(o: Option) -> str:
 
 
 def completion_command(args: argparse.Namespace) -> int:
-    from ..cli import build_parser
 
     print({"bash": bash, "zsh": zsh, "fish": fish}[args.shell](build_parser()), end="")
     return 0

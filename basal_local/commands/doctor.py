@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shutil
@@ -13,7 +14,10 @@ from importlib import metadata
 from pathlib import Path
 
 from .. import __version__
-from . import UserError, human_bytes, port_free
+from ..model.registry import cached_models
+from ..paths import home_dirs
+from ..settings import Settings, config_path
+from . import UserError, get_json, human_bytes, port_free
 
 PACKAGES = ("torch", "litestar", "uvicorn", "msgspec", "tokenizers", "safetensors", "huggingface_hub", "numpy",
             "platformdirs", "zstandard")
@@ -44,7 +48,7 @@ def available_memory() -> int | None:
     except OSError:
         pass
     try:
-        import psutil
+        import psutil  # optional: only where /proc/meminfo is missing (macOS, Windows)
 
         return int(psutil.virtual_memory().available)
     except Exception:
@@ -52,8 +56,6 @@ def available_memory() -> int | None:
 
 
 def run_checks(port: int | None = None) -> list[Check]:
-    from ..server.settings import Settings, config_path, home_dirs
-
     checks: list[Check] = []
     py = platform.python_version()
     checks.append(Check("python", "ok" if sys.version_info >= (3, 11) else "fail", f"{py} ({sys.executable})",
@@ -66,7 +68,7 @@ def run_checks(port: int | None = None) -> list[Check]:
     # devices
     gpu_memory = None
     try:
-        import torch
+        import torch  # heavy (seconds on a small machine), and its failure to import is a check's result
 
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
@@ -85,7 +87,7 @@ def run_checks(port: int | None = None) -> list[Check]:
         checks.append(Check("torch", "fail", f"PyTorch does not import ({type(exc).__name__})",
                             'pip install "torch>=2.4"'))
     if sys.platform == "darwin" and platform.machine() == "arm64":
-        from basal_local.backends.select import mlx_available
+        from basal_local.backends.select import mlx_available  # the backends import torch: only on a Mac
 
         checks.append(Check("mlx", "ok" if mlx_available() else "warn",
                             "MLX + Metal available (the MLX backend is not implemented yet: torch on the CPU)"
@@ -97,8 +99,6 @@ def run_checks(port: int | None = None) -> list[Check]:
                         "" if memory else "pip install psutil (lets doctor read it)"))
 
     # models
-    from ..model.registry import cached_models
-
     try:
         models = cached_models()
     except Exception as exc:
@@ -137,8 +137,6 @@ def run_checks(port: int | None = None) -> list[Check]:
     if port_free(settings.host, port):
         checks.append(Check("port", "ok", f"{settings.host}:{port} is free"))
     else:
-        from . import get_json
-
         try:
             health = get_json(f"http://127.0.0.1:{port}", "/health", timeout=2)
             checks.append(Check("port", "ok", f"a basal-local daemon answers on port {port} "
@@ -152,8 +150,6 @@ def run_checks(port: int | None = None) -> list[Check]:
 
 def log_check(path: Path) -> Check:
     """The daemon's log file takes a line: a folder that is writable but a file that stays empty is no log."""
-    import logging
-
     fix = "make the folder writable (or set BASAL_LOCAL_HOME)"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,12 +6,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from . import UserError, get_json, human_bytes, model_path
+from ..model.directory import ModelLoadError, load_model_dir
+from ..model.formats import FormatError, detect_format, port_summary
+from ..model.registry import ModelNotFound, cached_models, find_cached, mac_port_advice, split_ref
+from ..model.registry import pull as hub_pull
+from ..model.testformats import convert_test_model
+from ..model.testmodel import make_test_model as write_model
+from . import UserError, get_json, human_bytes, key_refused, model_path
+from .ask import error_text, post
+from .serving import check_device, client_key, daemon_url
 
 
 def _offline(exc: BaseException) -> bool:
@@ -31,10 +40,6 @@ def _chain(exc: BaseException | None):
 
 
 def pull(args: argparse.Namespace) -> int:
-    from ..model.directory import ModelLoadError, load_model_dir
-    from ..model.registry import ModelNotFound, split_ref
-    from ..model.registry import pull as hub_pull
-
     try:
         repo, revision = split_ref(args.ref)
     except ModelNotFound as exc:
@@ -76,11 +81,6 @@ def pull(args: argparse.Namespace) -> int:
 
 def _mac_advice(ref: str) -> tuple[str, bool] | None:
     """On an Apple Silicon Mac, which port of a short name fits its memory (registry.mac_port_advice)."""
-    import os
-    import platform
-
-    from ..model.registry import mac_port_advice
-
     if sys.platform != "darwin" or platform.machine() != "arm64":
         return None
     try:
@@ -91,8 +91,6 @@ def _mac_advice(ref: str) -> tuple[str, bool] | None:
 
 
 def list_(args: argparse.Namespace) -> int:
-    from ..model.registry import cached_models
-
     rows = cached_models()
     formats = {m.path: _format_name(m.path) for m in rows}
     if args.json:
@@ -115,8 +113,6 @@ def list_(args: argparse.Namespace) -> int:
 
 def _format_name(path: Path) -> str:
     """The weight format of a cached snapshot (`?` when its files cannot tell)."""
-    from ..model.formats import FormatError, detect_format
-
     try:
         return detect_format(path, json.loads((path / "config.json").read_text(encoding="utf-8"))).name
     except (OSError, ValueError, FormatError, AttributeError):
@@ -125,9 +121,6 @@ def _format_name(path: Path) -> str:
 
 def describe(path: Path) -> dict[str, Any]:
     """What `show` prints: name, architecture, calibration, files."""
-    from ..model.directory import load_model_dir
-    from ..model.formats import port_summary
-
     md = load_model_dir(path, check_weights=False)
     c = md.config
     params = sum(_prod(shape) for shape in c.weight_shapes().values())
@@ -187,8 +180,6 @@ def show(args: argparse.Namespace) -> int:
 
 
 def rm(args: argparse.Namespace) -> int:
-    from ..model.registry import ModelNotFound, find_cached
-
     try:
         found = find_cached(args.ref)
     except ModelNotFound as exc:
@@ -223,8 +214,6 @@ def _duration(seconds: float | None) -> str:
 
 
 def ps(args: argparse.Namespace) -> int:
-    from .serving import client_key, daemon_url
-
     url = daemon_url(args)
     info = get_json(url, "/api/ps", api_key=client_key(args))
     if args.json:
@@ -272,9 +261,6 @@ def ps(args: argparse.Namespace) -> int:
 
 def load(args: argparse.Namespace) -> int:
     """`basal-local load NAME`: a running daemon loads a model (and keeps it for --keep-alive)."""
-    from .ask import error_text, post
-    from .serving import client_key, daemon_url
-
     url, key = daemon_url(args), client_key(args)
     body: dict[str, Any] = {"model": _model_ref(args.model), "wait": not args.no_wait}
     if args.keep_alive is not None:
@@ -299,9 +285,6 @@ def load(args: argparse.Namespace) -> int:
 
 def unload(args: argparse.Namespace) -> int:
     """`basal-local unload NAME`: a running daemon drops a model (its memory is freed; a request loads it again)."""
-    from .ask import error_text, post
-    from .serving import client_key, daemon_url
-
     url, key = daemon_url(args), client_key(args)
     status, answer = post(url, "/api/unload", {"model": args.model, "wait": not args.no_wait}, timeout=120.0,
                           api_key=key)
@@ -328,8 +311,6 @@ def _stay(keep_alive_s: float | None) -> str:
 
 
 def _refused(url: str, key: str | None, status: int, answer: dict[str, Any], error_text, what: str) -> None:
-    from . import key_refused
-
     if status in (200, 202):
         return
     if status == 401:
@@ -346,8 +327,6 @@ def _refused(url: str, key: str | None, status: int, answer: dict[str, Any], err
 
 
 def make_test_model(args: argparse.Namespace) -> int:
-    from ..model.testmodel import make_test_model as write_model
-
     out = Path(args.directory).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file", "give make-test-model a new or empty folder")
@@ -355,8 +334,6 @@ def make_test_model(args: argparse.Namespace) -> int:
         raise UserError(f"{out} is not empty and holds no model",
                         "give make-test-model a new or empty folder (an existing test model is overwritten)")
     if args.device == "cuda":
-        from .serving import check_device
-
         check_device("cuda")
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -376,8 +353,6 @@ def make_test_model(args: argparse.Namespace) -> int:
         raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
                         "free disk space, or give make-test-model another folder") from None
     if args.format != "bf16":
-        from ..model.testformats import convert_test_model
-
         print(f"  writing the {args.format} layout...", flush=True)
         try:
             convert_test_model(out, args.format, seed=args.seed, device=args.device)

@@ -6,19 +6,19 @@ import argparse
 import json
 import sys
 
+from ..api import ApiError, parse_body, route, validate
+from ..api.errors import protocol_error
+from ..engine.packer import pack_prompts
+from ..engine.plan import plan_request
+from ..engine.pretty import format_pack
+from ..model.directory import load_model_dir
+from ..model.registry import DEMO_NAME
+from ..protocol.errors import ProtocolError
+from ..protocol.questions import detect_language
 from . import UserError, model_path
 
 
 def prompts_command(args: argparse.Namespace) -> int:
-    from ..api import ApiError, parse_body, route, validate
-    from ..api.errors import protocol_error
-    from ..engine.packer import pack_prompts
-    from ..engine.plan import plan_request
-    from ..model.directory import load_model_dir
-    from ..model.registry import DEMO_NAME
-    from ..protocol.errors import ProtocolError
-    from ..protocol.questions import detect_language
-
     model = load_model_dir(model_path(DEMO_NAME if args.demo else args.model), check_weights=False)
     if sys.stdin.isatty():
         print("basal-local: reading a request (JSON) from stdin; end with Ctrl-D, e.g.\n"
@@ -41,8 +41,6 @@ def prompts_command(args: argparse.Namespace) -> int:
         print(f"basal-local: HTTP {err.status}", file=sys.stderr)
         return 2
     if args.tree:
-        from ..engine.pretty import format_pack
-
         print(format_pack(pack_prompts(plan.prompt_specs(), prefixes), model.tokenizer))
         return 0
     questions = {}

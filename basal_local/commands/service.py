@@ -17,7 +17,10 @@ import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from ..paths import home_dirs
 from . import UserError, model_path
+from .background import logs_command
+from .serving import load_settings
 
 UNIT = "basal-local.service"
 LABEL = "dev.basal-local.daemon"
@@ -130,13 +133,11 @@ def logs(kind: str, args: argparse.Namespace, log_file: Path) -> int:
             return subprocess.run(argv).returncode
         except KeyboardInterrupt:
             return 0  # -f ends with Ctrl-C
-    from .background import logs_command
 
     return logs_command(args)
 
 
 def service_command(args: argparse.Namespace) -> int:
-    from ..server.settings import home_dirs
 
     kind = platform_kind() if not getattr(args, "kind", None) else args.kind
     path = unit_path(kind)
@@ -156,7 +157,6 @@ def service_command(args: argparse.Namespace) -> int:
         return logs(kind, args, log_file)
     if args.action == "install":
         argv = serve_argv(args)
-        from .serving import load_settings
 
         models = args.model or load_settings(argparse.Namespace()).models
         if not models:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
+import re
 import sys
 from pathlib import Path
 
 from .. import __version__
+from ..backends.memory import parse_limit
 from ..paths import home_dirs
 from ..settings import Settings, config_path, flag_overrides
-from . import UserError, port_free
+from . import UserError, bind_ephemeral, check_url, port_free
+from .background import detach
 
 DEMO_BANNER = """\
 basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
@@ -54,7 +56,6 @@ def load_settings(args: argparse.Namespace):
 
 def daemon_url(args: argparse.Namespace) -> str:
     """--url, else http://HOST:PORT of the configured daemon."""
-    from . import check_url
 
     if getattr(args, "url", None):
         return check_url(args.url)
@@ -81,7 +82,7 @@ def check_device(device: str, flag: str = "") -> None:
     if device not in ("cuda", "mps"):
         return
     try:
-        import torch
+        import torch  # heavy: only to check a GPU the flags name
     except ImportError:
         raise UserError("PyTorch is not installed", 'install it: pip install "torch>=2.4"') from None
     if device == "cuda" and not torch.cuda.is_available():
@@ -97,9 +98,7 @@ def check_device(device: str, flag: str = "") -> None:
 
 def check_devices(spec: str | None, device: str) -> None:
     """--devices as one sentence when a name is not a device or a GPU is not there (not torch's paragraphs)."""
-    import re
-
-    from ..backends.select import expand_devices
+    from ..backends.select import expand_devices  # the backends import torch: only to check --devices
 
     if not spec:
         return
@@ -115,7 +114,7 @@ def check_devices(spec: str | None, device: str) -> None:
     if not wanted:
         return
     check_device("cuda", f"--devices {spec}")
-    import torch
+    import torch  # heavy: only when --devices names GPUs
 
     count = torch.cuda.device_count()
     for name in wanted:
@@ -125,26 +124,11 @@ def check_devices(spec: str | None, device: str) -> None:
                             "name the GPUs that exist, or use --devices all")
 
 
-def bind_ephemeral(host: str) -> socket.socket:
-    """A listening socket on a port the system picks (--port 0)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))
-    except OSError as exc:
-        sock.close()
-        raise UserError(f"cannot listen on {host}: {exc.strerror or exc}", "check --host") from None
-    sock.listen(2048)
-    return sock
-
-
 def check_gpu_memory(value, device: str, source: str = "") -> None:
     """Refuse a malformed --gpu-memory, or one given with --device cpu, before anything loads. `source`: where
     the value came from when not from the command line (the config file or the environment)."""
     if value is None:
         return
-    from ..backends.memory import parse_limit
-
     try:
         parse_limit(value)
     except ValueError as exc:
@@ -181,6 +165,8 @@ def log_file_handler() -> Path | None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    # the server stack (litestar, uvicorn, the backends and torch, ~1 s): only to serve; `ask`, `run`, `ps` and
+    # the other client commands import this module for client_key and daemon_url
     from ..backends.select import check_dtype
     from ..model.directory import ModelLoadError, load_model_dir
     from ..model.registry import ModelNotFound, demo_model_dir, resolve_model
@@ -196,8 +182,6 @@ def serve_command(args: argparse.Namespace) -> int:
     if ephemeral:
         settings.port = 0
     if getattr(args, "detach", False):
-        from .background import detach
-
         raw = list(getattr(args, "argv", None) or [])
         argv = [a for a in raw[raw.index("serve") + 1:] if a != "--detach"] if "serve" in raw else []
         return detach(_without_port(argv), settings.host, settings.port)
@@ -238,14 +222,14 @@ def serve_command(args: argparse.Namespace) -> int:
     if settings.port == 0:  # an ephemeral port: bound now, so the banner names the port the daemon listens on
         sock = bind_ephemeral(settings.host)
         settings.port = sock.getsockname()[1]
-        if ray_mode or getattr(args, "tui", False):
-            sock.close()  # those bind it themselves; the port was free a moment ago
+        if getattr(args, "tui", False):
+            sock.close()  # it binds the port itself; the port was free a moment ago
             sock = None
-    elif not port_free(settings.host, settings.port) and not getattr(args, "ray_address", None):
+    elif not port_free(settings.host, settings.port):
         raise UserError(f"port {settings.port} on {settings.host} is already in use (another program, or a "
                         "basal-local already running: `basal-local ps`)",
                         f"choose another with --port, e.g. --port {settings.port + 1}")
-    if args.demo and not ray_mode:  # with --ray each replica prepares the demo model on its own node
+    if args.demo:  # with --ray each replica also prepares the demo model on its own node
         dirs.insert(0, demo_model_dir(on_generate=lambda path: print(
             f"basal-local: preparing the demo model in {path} (generated once, a few seconds)...", flush=True)))
     cfg = args.config or config_path()
@@ -259,9 +243,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.demo:  # the "try it" text once the demo model answers; a failed start shows only the error
         ready_text = DEMO_BANNER.format(host=settings.host, port=settings.port, version=__version__)
     if ray_mode:
-        return serve_ray_command(args, settings, banner)
+        return serve_ray_command(args, settings, dirs, banner, ready_text, sock)
     if getattr(args, "tui", False) or getattr(args, "demo_traffic", False):
-        from ..server.tuimode import serve_with_options
+        from ..server.tuimode import serve_with_options  # textual: only for the dashboard in this terminal
 
         return serve_with_options(settings, dirs, banner + ("\n" + ready_text if ready_text else ""), args.tui,
                                   args.demo_traffic)
@@ -290,7 +274,7 @@ def _without_port(argv: list[str]) -> list[str]:
 def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
     """The Ray flags go with --ray, and --ray with none of the one-host options; Ray itself must import."""
     given = [flag for flag, key in (("--ray-address", "ray_address"), ("--min-replicas", "min_replicas"),
-                                    ("--max-replicas", "max_replicas"), ("--ray-fronts", "ray_fronts"))
+                                    ("--max-replicas", "max_replicas"))
              if getattr(args, key, None) is not None]
     if not ray_mode:
         if given:
@@ -302,6 +286,7 @@ def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
         if getattr(args, key, None):
             raise UserError(f"{flag} does not go with --ray (Ray places one engine replica per actor)",
                             f"drop {flag}; use --min-replicas/--max-replicas to size the deployment")
+    # the server stack (see serve_command); rayserve imports Ray itself only when asked to, an optional extra
     from ..server.rayserve import RayUnavailable, import_ray
 
     try:
@@ -310,13 +295,18 @@ def check_ray_flags(args: argparse.Namespace, ray_mode: bool) -> None:
         raise UserError(exc.cause, exc.fix) from None
 
 
-def serve_ray_command(args: argparse.Namespace, settings, banner: str) -> int:
-    from ..server.rayserve import RayOptions, RayUnavailable, serve_ray
+def serve_ray_command(args: argparse.Namespace, settings, dirs: list[Path], banner: str, ready_text: str,
+                      sock) -> int:
+    from ..server.rayserve import (  # the server stack (see serve_command)
+        RayOptions,
+        RayUnavailable,
+        serve_ray,
+    )
 
     options = RayOptions(address=args.ray_address, min_replicas=args.min_replicas or 1,
-                         max_replicas=args.max_replicas, fronts=getattr(args, "ray_fronts", None))
+                         max_replicas=args.max_replicas)
     try:
-        code = serve_ray(settings, settings.models, options, demo=args.demo, banner=banner)
+        code = serve_ray(settings, dirs, options, demo=args.demo, banner=banner, ready_text=ready_text, sock=sock)
     except RayUnavailable as exc:
         print("\n".join(UserError(exc.cause, exc.fix).lines()), file=sys.stderr)
         code = 1

@@ -25,6 +25,7 @@ from .evidence_head import HEAD_FILE, EvidenceHead, EvidenceHeadError
 from .formats import FormatError, WeightFormat, calibration_file, detect_format, read_config
 from .formats import check_weights as check_format_weights
 from .tokenizer import BasalTokenizer, TokenizerError
+from .weightfile import ModelLoadError
 
 log = logging.getLogger(__name__)
 REQUIRED_FILES = ("config.json", "basal.json", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json")
@@ -34,12 +35,6 @@ TEMPERATURE_RANGE = (1e-3, 1e3)
 # real files are far smaller (tokenizer.json ~20 MB); a bigger one is refused before it is read whole
 MAX_JSON_BYTES = {"tokenizer.json": 256 << 20}
 MAX_SMALL_JSON_BYTES = 16 << 20
-SAFETENSORS_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}  # what the backends convert from
-MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
-
-
-class ModelLoadError(ValueError):
-    """A model directory that basal-local will not load; the message names the file and the field."""
 
 
 @dataclass
@@ -149,52 +144,6 @@ def load_calibration(path: Path, fmt: WeightFormat | None = None) -> Calibration
                                      "from 0 to 1")
             thresholds[key] = float(confidence)
     return Calibration({k: float(v) for k, v in temps.items()}, thresholds, True, calibration_path.name, inherited)
-
-
-def check_weight_names(config: LlamaConfig, names_shapes: dict[str, tuple[int, ...]]) -> None:
-    expected = config.weight_shapes()
-    unknown = sorted(set(names_shapes) - set(expected))
-    missing = sorted(set(expected) - set(names_shapes))
-    if unknown:
-        raise ModelLoadError(f"model.safetensors: unknown tensor {unknown[0]!r} ({len(unknown)} unknown in all)")
-    if missing:
-        raise ModelLoadError(f"model.safetensors: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    for name, shape in expected.items():
-        if tuple(names_shapes[name]) != shape:
-            raise ModelLoadError(f"model.safetensors: tensor {name!r} has shape {tuple(names_shapes[name])}, "
-                                 f"config.json implies {shape}")
-
-
-def read_safetensors_header(path: Path, itemsize: dict[str, int] = SAFETENSORS_ITEMSIZE) -> dict[str, tuple[int, ...]]:
-    """Names and shapes from the safetensors header; a truncated or corrupt file is refused, named.
-
-    The header is JSON data, never code; the data itself is not read, but the file must be exactly as
-    long as the header's last tensor ends (a cut download is caught here, not in the middle of serving).
-    """
-    file_size = path.stat().st_size
-    with open(path, "rb") as fh:
-        size = int.from_bytes(fh.read(8), "little")
-        if file_size < 8 or size <= 0 or 8 + size > file_size or size > MAX_HEADER_BYTES:
-            raise ModelLoadError(f"{path.name}: not a safetensors file or truncated ({file_size} bytes, the header "
-                                 f"says {size} bytes of header)")
-        try:
-            header = json.loads(fh.read(size))
-            entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
-            shapes = {k: tuple(int(n) for n in v["shape"]) for k, v in entries}
-            spans = {k: (int(v["data_offsets"][0]), int(v["data_offsets"][1]), v["dtype"]) for k, v in entries}
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
-            raise ModelLoadError(f"{path.name}: the safetensors header is corrupt ({type(exc).__name__})") from None
-    for key, (begin, stop, dtype) in spans.items():
-        numel = math.prod(shapes[key]) if all(n >= 0 for n in shapes[key]) else -1
-        if dtype not in itemsize or not 0 <= begin <= stop or stop - begin != numel * itemsize.get(
-                dtype, 0):
-            raise ModelLoadError(f"{path.name}: tensor {str(key)[:80]!r} is corrupt in the header (dtype {dtype!r} "
-                                 f"of {', '.join(itemsize)}, shape and byte range must agree)")
-    end = max((stop for _, stop, _ in spans.values()), default=0)
-    if 8 + size + end != file_size:
-        raise ModelLoadError(f"{path.name}: truncated or corrupt: the header describes {8 + size + end} bytes, "
-                             f"the file has {file_size}")
-    return shapes
 
 
 def load_model_dir(path: str | Path, check_weights: bool = True) -> ModelDir:

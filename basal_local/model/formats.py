@@ -6,10 +6,16 @@ the data, and the readers yield tensors per Hugging Face name so a backend chang
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from .config import ConfigError, LlamaConfig
+from .weightfile import SAFETENSORS_ITEMSIZE, ModelLoadError, check_weight_names, read_safetensors_header
 
 PORT_FORMATS = ("mlx-8bit", "mlx-fp4", "gguf-q8_0", "gguf-q4_k_m", "fp8")
 GGUF_FILE = "model.gguf"
@@ -106,10 +112,6 @@ def read_config(path: Path) -> dict:
 def gguf_config(file: Path) -> dict:
     """config.json's fields (the Hugging Face Llama layout) from a llama GGUF file's metadata; biases and tied
     embeddings from the tensors it holds. f32 metadata values as their shortest decimal (1e-06, not 9.99e-07)."""
-    import numpy as np
-
-    from .config import ConfigError, LlamaConfig
-
     reader = _gguf_reader(file)
 
     def field(key: str):
@@ -190,7 +192,7 @@ def detect_format(path: Path, raw_config: dict) -> WeightFormat:
 
 
 def _gguf_reader(file: Path):
-    import gguf
+    import gguf  # ~0.4 s to import: only for GGUF files
 
     try:
         return gguf.GGUFReader(str(file))
@@ -200,8 +202,6 @@ def _gguf_reader(file: Path):
 
 
 def _gguf_format(file: Path) -> WeightFormat:
-    from collections import Counter
-
     reader = _gguf_reader(file)
     counts = Counter(t.tensor_type.name for t in reader.tensors)
     matrix_types = Counter(t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) > 1)
@@ -227,8 +227,6 @@ def check_weights(fmt: WeightFormat, config) -> None:
             pass
         return
     if fmt.family == "safetensors":  # the reference layout keeps directory.py's own check and messages
-        from .directory import ModelLoadError, check_weight_names, read_safetensors_header
-
         try:
             return check_weight_names(config, read_safetensors_header(fmt.weights_file))
         except ModelLoadError as exc:
@@ -278,9 +276,7 @@ def check_weights(fmt: WeightFormat, config) -> None:
 
 
 def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{name: (dtype, shape)}; the truncation and corruption checks are directory.read_safetensors_header's."""
-    from .directory import SAFETENSORS_ITEMSIZE, ModelLoadError, read_safetensors_header
-
+    """{name: (dtype, shape)}; the truncation and corruption checks are weightfile.read_safetensors_header's."""
     try:  # the ports add packed words, scale bytes and float8 to the dtypes a safetensors file may hold
         read_safetensors_header(path, {**SAFETENSORS_ITEMSIZE, "U32": 4, "U8": 1, "F8_E4M3": 1})
     except ModelLoadError as exc:
@@ -293,8 +289,7 @@ def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def gguf_tensors(fmt: WeightFormat, config, dequantize: bool = True) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, f32 NumPy array) per tensor, dequantized by the `gguf` package, q/k rows un-permuted."""
-    import numpy as np
-    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import dequantize as gguf_dequantize  # ~0.4 s to import: only for GGUF files
 
     reader = _gguf_reader(fmt.weights_file)
     fname = fmt.weights_file.name
@@ -329,7 +324,8 @@ def torch_tensors(fmt: WeightFormat, config, keep_fp8: bool = False) -> Iterator
 
     keep_fp8: a ModelOpt FP8 checkpoint's e4m3 weights as they are, each followed by its `weight_scale` and
     `input_scale` (f32 scalars, checked finite and positive) for the fp8 GEMMs (cuda_kernels/fp8.py)."""
-    import numpy as np
+    # torch (seconds to import, and an MLX install has none) and safetensors' torch loader: only for the torch
+    # backend's load
     import torch
     from safetensors import safe_open
 

@@ -14,10 +14,12 @@ the bf16 model on `device`, f32 on the CPU, f16 on CUDA).
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
+from .directory import load_model_dir
 from .formats import GGUF_FILE, HF_TO_GGUF_SUFFIX, PORT_FORMATS, gguf_name, is_projection, permute_rope
 
 MLX_MODES = {"mlx-8bit": ("affine", 8, 64), "mlx-fp4": ("nvfp4", 4, 16)}
@@ -25,7 +27,7 @@ MLX_MODES = {"mlx-8bit": ("affine", 8, 64), "mlx-fp4": ("nvfp4", 4, 16)}
 
 def _read_bf16(path: Path) -> dict[str, np.ndarray]:
     """model.safetensors as f32 NumPy (bf16 widened exactly)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # imports torch (seconds): only to read bf16, which numpy lacks
 
     return {k: v.float().numpy() for k, v in load_file(str(path)).items()}
 
@@ -49,7 +51,7 @@ def convert_test_model(directory: Path, fmt: str, seed: int = 0, device: str = "
 
 
 def _write_mlx(directory: Path, weights: dict, config: dict, mode: str, bits: int, group: int) -> None:
-    import mlx.core as mx
+    import mlx.core as mx  # optional: only on a Mac, for the MLX layouts
 
     out = {}
     for name, value in weights.items():
@@ -75,8 +77,8 @@ def _write_mlx(directory: Path, weights: dict, config: dict, mode: str, bits: in
 
 
 def _write_gguf(directory: Path, weights: dict, config: dict, fmt: str) -> None:
-    import gguf
-    from gguf import GGMLQuantizationType as Q
+    import gguf  # ~0.4 s to import: only for the GGUF layouts
+    from gguf import GGMLQuantizationType as Q  # ~0.4 s to import: only for the GGUF layouts
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(directory / GGUF_FILE), "llama")
@@ -112,7 +114,7 @@ def _write_gguf(directory: Path, weights: dict, config: dict, fmt: str) -> None:
 
 
 def _gguf_type(name: str, value: np.ndarray, fmt: str):
-    from gguf import GGMLQuantizationType as Q
+    from gguf import GGMLQuantizationType as Q  # ~0.4 s to import: only for the GGUF layouts
 
     if value.ndim == 1:
         return Q.F32
@@ -127,7 +129,7 @@ def k_quant_blocks(value: np.ndarray, qtype) -> np.ndarray:
     quantized to 6 / 8 bits against an f16 super-block scale, then the values rounded to their 4 / 6-bit levels.
     Round to nearest, no search for better scales (llama.cpp's quantizer searches; this is coarser, never finer).
     Packed in ggml's byte layout, which `gguf.quants.dequantize` reads (tests/test_formats.py checks it)."""
-    from gguf import GGMLQuantizationType as Q
+    from gguf import GGMLQuantizationType as Q  # ~0.4 s to import: only for the GGUF layouts
 
     rows, cols = value.shape
     x = value.astype(np.float32).reshape(-1, 256)  # super-blocks, row-major: each row's blocks in order
@@ -175,13 +177,11 @@ CALIBRATION_PROMPTS = 16
 def calibrate_inputs(directory: Path, device: str = "cpu", prompts: int = CALIBRATION_PROMPTS) -> dict[str, float]:
     """{projection stem: input amax} over the first `prompts` sample requests (template prefix + state) run
     through the bf16 model in `directory` (plain GEMMs, no padding rows, so the amax is of real rows only)."""
-    from importlib import resources
-
+    # torch and the torch backend (seconds to import): only to calibrate the FP8 layout's scales
     import torch
 
     from ..backends.torch import TorchBackend
     from ..backends.torch.options import TorchOptions
-    from .directory import load_model_dir
 
     md = load_model_dir(directory)
     backend = TorchBackend(device, options=TorchOptions(gemm="cublas", cuda_graphs=False))
@@ -213,7 +213,7 @@ def calibrate_inputs(directory: Path, device: str = "cpu", prompts: int = CALIBR
 
 
 def _write_modelopt_fp8(directory: Path, config: dict, input_amax: dict[str, float], device: str = "cpu") -> None:
-    import torch
+    import torch  # seconds to import: only for the FP8 layout
     from safetensors import safe_open
     from safetensors.torch import save_file
 

@@ -92,6 +92,54 @@ def _fail(future: Future, exc: BaseException) -> None:
         pass
 
 
+def answered_here(plan: RequestPlan, model: ModelDir) -> Future[Outcome]:
+    """A future already done when the front can answer without a replica (an evidence question without the
+    model's evidence head: the replica would refuse it; every question fixed: nothing to compute), else a
+    pending one for the caller to resolve."""
+    future: Future[Outcome] = Future()
+    wanted = [q for q in plan.request.questions if q.evidence]
+    if wanted and model.evidence_head is None:
+        future.set_exception(NoEvidenceHead(wanted[0].qid))
+    elif not plan.questions:
+        outcome = finish(plan, [], model.calibration)
+        if outcome is None:
+            raise RuntimeError("a plan without units asked for another round")
+        future.set_result(outcome)
+    return future
+
+
+def relay(telemetry: Telemetry, model: str, r: Any, message: Any, tree: Callable[[int], Any]) -> None:
+    """Replay one of a replica's telemetry messages on the front's bus (worker processes and Ray replicas).
+    `r` keeps the replica's view: `replica`, `batch_ids` (its batch id -> the front's), `running_ids`,
+    `last_memory`, `batches`; `tree(local_id)` builds a batch's tree when a dashboard asks."""
+    if isinstance(message, wire.Queued):
+        label = message.lane + (f"-r{r.replica}" if r.replica else "")
+        telemetry.emit("queued", id=message.request_id, model=model, lane=label)
+    elif isinstance(message, wire.BatchStarted):
+        batch_id = telemetry.next_batch_id()
+        r.batch_ids[message.batch_id] = batch_id
+        while len(r.batch_ids) > 4096:
+            r.batch_ids.popitem(last=False)
+        r.running_ids = set(message.request_ids)
+        telemetry.batch_started(batch_id, model, message.lane, message.request_ids, message.tokens)
+    elif isinstance(message, wire.BatchDone):
+        fields = message.fields
+        local = fields["batch_id"]
+        fields["batch_id"] = r.batch_ids.get(local, 0)
+        fields["tree"] = telemetry.lazy_tree(lambda: tree(local))
+        r.last_memory = fields.get("memory") or {}
+        r.batches += 1
+        r.running_ids = set()
+        telemetry.record_batch(BatchRecord(**fields))
+    elif isinstance(message, wire.BatchFailed):
+        r.running_ids = set()
+        telemetry.batch_failed(model, message.lane, RuntimeError(message.text))
+    elif isinstance(message, wire.Log):
+        logging.getLogger(message.name).log(message.level, "replica %d: %s", r.replica, message.text)
+    elif isinstance(message, wire.Count):
+        telemetry.count(message.name, message.n)
+
+
 class RemoteReplica:
     """The front's handle on one worker process: its pipe, the requests it has not answered, its batch ids."""
 
@@ -232,16 +280,8 @@ class ProcessReplicaSet:
 
     def submit(self, plan: RequestPlan, is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str = "") -> Future[Outcome]:
-        future: Future[Outcome] = Future()
-        wanted = [q for q in plan.request.questions if q.evidence]
-        if wanted and self.model.evidence_head is None:  # the worker would say so; say it before sending
-            future.set_exception(NoEvidenceHead(wanted[0].qid))
-            return future
-        if not plan.questions:  # every question fixed: nothing to compute
-            outcome = finish(plan, [], self.model.calibration)
-            if outcome is None:
-                raise RuntimeError("a plan without units asked for another round")
-            future.set_result(outcome)
+        future = answered_here(plan, self.model)
+        if future.done():
             return future
         with self._lock:
             self._tokens += 1
@@ -362,33 +402,6 @@ class ProcessReplicaSet:
             pending = self._take(r, message.token)
             if pending is not None:
                 _fail(pending.future, wire.decode_error(message.error))
-        elif isinstance(message, wire.Queued):
-            label = message.lane + (f"-r{r.replica}" if r.replica else "")
-            self.telemetry.emit("queued", id=message.request_id, model=self.model.name, lane=label)
-        elif isinstance(message, wire.BatchStarted):
-            batch_id = self.telemetry.next_batch_id()
-            r.batch_ids[message.batch_id] = batch_id
-            while len(r.batch_ids) > 4096:
-                r.batch_ids.popitem(last=False)
-            r.running_ids = set(message.request_ids)
-            self.telemetry.batch_started(batch_id, self.model.name, message.lane, message.request_ids,
-                                         message.tokens)
-        elif isinstance(message, wire.BatchDone):
-            fields = message.fields
-            local = fields["batch_id"]
-            fields["batch_id"] = r.batch_ids.get(local, 0)
-            fields["tree"] = self.telemetry.lazy_tree(lambda: self._ask_tree(r, local))
-            r.last_memory = fields.get("memory") or {}
-            r.batches += 1
-            r.running_ids = set()
-            self.telemetry.record_batch(BatchRecord(**fields))
-        elif isinstance(message, wire.BatchFailed):
-            r.running_ids = set()
-            self.telemetry.batch_failed(self.model.name, message.lane, RuntimeError(message.text))
-        elif isinstance(message, wire.Log):
-            logging.getLogger(message.name).log(message.level, "replica %d: %s", r.replica, message.text)
-        elif isinstance(message, wire.Count):
-            self.telemetry.count(message.name, message.n)
         elif isinstance(message, wire.Tree):
             ask = self._asks.pop(message.ask, None)
             if ask is not None:
@@ -409,6 +422,8 @@ class ProcessReplicaSet:
         elif isinstance(message, wire.LoadError):
             r.load_error = message.text
             r.ready.set()
+        else:  # the telemetry relay
+            relay(self.telemetry, self.model.name, r, message, lambda local: self._ask_tree(r, local))
 
     def _ask_tree(self, r: RemoteReplica, local: int) -> Any:
         if threading.current_thread() is r.reader or not r.alive:

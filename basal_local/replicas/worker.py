@@ -147,7 +147,8 @@ class _Requests:
             self.out.put(wire.Failed(token, wire.encode_error(exc)))
 
 
-def _load(spec: WorkerSpec, out: queue.SimpleQueue) -> tuple[ModelEngine, RelayTelemetry, wire.Ready]:
+def load_engine(spec: WorkerSpec, out: queue.SimpleQueue) -> tuple[ModelEngine, RelayTelemetry, wire.Ready]:
+    """The spec's model on its device, its telemetry relayed into `out` (a worker process, a Ray replica)."""
     model = load_model_dir(spec.model_path)
     backend = make_backend(spec.backend, spec.device, memory_limit=spec.gpu_memory,
                            torch_options=spec.torch_options)
@@ -160,6 +161,18 @@ def _load(spec: WorkerSpec, out: queue.SimpleQueue) -> tuple[ModelEngine, RelayT
                                           backend.memory())
 
 
+def exit_if_device_gone(engine: ModelEngine, exc: Exception, jobs: list[Job]) -> bool:
+    """The lane's hook after a failed batch: probe the device; if it computes, the batch itself failed (its
+    requests get the error); if not, end the process, whose front sends its requests to the other replicas."""
+    try:
+        engine.probe()
+        return False
+    except Exception as probe_exc:
+        log.error("replica %d on %s is out of rotation: %s (probe: %s)", engine.replica, engine.backend.device,
+                  exc, probe_exc)
+    os._exit(3)
+
+
 def worker_main(conn, spec: WorkerSpec) -> None:
     """The worker process's entry point."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front drains and then says stop
@@ -169,7 +182,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
     root.handlers[:] = [RelayLog(out)]
     root.setLevel(spec.log_level)
     try:
-        engine, telemetry, ready = _load(spec, out)
+        engine, telemetry, ready = load_engine(spec, out)
     except Exception as exc:
         log.debug("loading failed", exc_info=True)
         records = []
@@ -182,16 +195,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
     freeze_heap()
     requests = _Requests(engine, out)
 
-    def device_gone(eng: ModelEngine, exc: Exception, jobs: list[Job]) -> bool:
-        try:
-            eng.probe()
-            return False  # the device computes: the batch itself failed, its requests get the error
-        except Exception as probe_exc:
-            log.error("replica %d on %s is out of rotation: %s (probe: %s)", spec.replica, spec.device, exc,
-                      probe_exc)
-        os._exit(3)  # the front sees the pipe close and sends this worker's requests to the others
-
-    engine.on_batch_failure = device_gone
+    engine.on_batch_failure = exit_if_device_gone
     engine.start()
     done = threading.Event()
     threading.Thread(target=_sender, args=(conn, out, done), name="basal-send", daemon=True).start()

@@ -32,6 +32,7 @@ from ..engine.gate import Entry
 from ..engine.plan import RequestPlan
 from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import Cancelled, EngineStopped
+from ..model.formats import port_summary
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..protocol.outcome import Outcome
 from ..telemetry.privacy import PRIVATE, error_summary
@@ -309,8 +310,6 @@ async def basal(request: Request) -> Response:
 @get("/v1/models")
 async def models(request: Request) -> Response:
     state: AppState = request.app.state.basal
-    from ..model.formats import port_summary
-
     listed = {name: port_summary(engine.model) for name, engine in list(state.engines.items())}
     if state.models is not None:  # known and unloaded: a request for one loads it (server/models.py)
         listed.update(state.models.unloaded_listings())

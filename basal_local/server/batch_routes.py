@@ -14,6 +14,7 @@ from typing import Any
 
 import multipart
 from litestar import Request, Response, delete, get, post
+from litestar.response import File
 
 from ..batches.runner import Runner
 from ..batches.store import MAX_EXPIRY_S, MAX_FILE_BYTES, MIN_EXPIRY_S, TERMINAL, Store, public
@@ -164,8 +165,6 @@ async def file_content(request: Request, file_id: str) -> Response:
         _file_or_404(store, file_id)
     except BatchApiError as exc:
         return _error(exc)
-    from litestar.response import File
-
     return File(store.file_data(file_id), media_type="application/jsonl", content_disposition_type="inline")
 
 

@@ -18,6 +18,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+import zstandard
+
 MiB = 1024 * 1024
 ENCODINGS = ("identity", "gzip", "zstd")
 _PIECE = 1 * MiB  # decompressed bytes produced per step
@@ -124,8 +126,6 @@ def _gunzip(raw: bytes, limit: int) -> bytes:
 
 
 def _unzstd(raw: bytes, limit: int) -> bytes:
-    import zstandard
-
     # First pass: bounded reads, so a bomb stops at the limit (the reader cannot tell a cut-off frame).
     size = 0
     with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as reader:

@@ -84,15 +84,19 @@ class Loader:
         return engine
 
 
-def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False) -> None:
+def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], freeze: bool = False,
+                 make_loader: Callable[[AppState, Settings], Callable[[Path], Engine]] = Loader,
+                 run_time_models: bool = True) -> None:
     """Load every model on every device it is placed on (`replicas` engines per device, one gate per device and
     replica slot), then mark the state ready. Errors go to /health. `freeze` (the daemon's own process): take
-    what was loaded out of the garbage collector's view (`freeze_heap`)."""
+    what was loaded out of the garbage collector's view (`freeze_heap`). `make_loader`: what turns a model
+    directory into an Engine (`serve --ray`: one on a Ray deployment); `run_time_models`: whether /api/load and
+    /api/unload work (not under Ray, whose replicas load their models at start)."""
     try:
         if settings.replicas < 1:
             raise ValueError(f"--replicas must be at least 1 (got {settings.replicas})")
         state.engine_settings = settings.engine
-        loader = Loader(state, settings)
+        loader = make_loader(state, settings)
         state.models = ModelRegistry(state, loader, settings.keep_alive_s, frozen=freeze)
         for i, path in enumerate(model_dirs, 1):
             log.info("loading model %d/%d from %s", i, len(model_dirs), path)
@@ -108,8 +112,12 @@ def load_engines(state: AppState, settings: Settings, model_dirs: list[Path], fr
         state.torch_options = settings.torch_options().product() if state.backend_name == "torch" else None
         if freeze:
             freeze_heap()
+        if run_time_models:
+            state.models.start()
+        else:
+            state.models.stop()
+            state.models = None
         state.ready = True
-        state.models.start()
         print(f"basal-local: ready: {', '.join(state.engines)} on {state.backend_name}/{state.device} "
               f"({state.dtype})", flush=True)
     except Exception as exc:
@@ -235,12 +243,12 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
 
 def start_loading(state: AppState, settings: Settings, model_dirs: list[Path],
                   on_failure: Callable[[], None] | None = None, freeze: bool = False,
-                  on_ready: Callable[[], None] | None = None) -> threading.Thread:
+                  on_ready: Callable[[], None] | None = None, **loading: Any) -> threading.Thread:
     """Load the models in a background thread; `on_failure` runs when one fails (serve stops then), `on_ready`
-    when all are loaded."""
+    when all are loaded; `loading`: load_engines' `make_loader` and `run_time_models`."""
 
     def load() -> None:
-        load_engines(state, settings, model_dirs, freeze)
+        load_engines(state, settings, model_dirs, freeze, **loading)
         if state.load_error and on_failure is not None:
             on_failure()
         elif state.ready and on_ready is not None:
@@ -252,9 +260,10 @@ def start_loading(state: AppState, settings: Settings, model_dirs: list[Path],
 
 
 def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_text: str = "",
-          sock: socket.socket | None = None) -> int:
+          sock: socket.socket | None = None, **loading: Any) -> int:
     """Run until stopped; 0 after Ctrl-C/SIGTERM, 1 when a model failed to load (no daemon stuck at 503).
-    `ready_text` is printed once the models are loaded; `sock`: an already bound socket (--port 0)."""
+    `ready_text` is printed once the models are loaded; `sock`: an already bound socket (--port 0); `loading`:
+    load_engines' `make_loader` and `run_time_models` (`serve --ray`)."""
     state, config = build(settings, model_dirs)
     guard_output()  # after build: uvicorn's handlers exist now; a full disk under any output is one warning
     server = _Server(config, state)
@@ -263,7 +272,7 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
         server.should_exit = True
 
     start_loading(state, settings, model_dirs, stop, freeze=True,
-                  on_ready=(lambda: print(ready_text, flush=True)) if ready_text else None)
+                  on_ready=(lambda: print(ready_text, flush=True)) if ready_text else None, **loading)
     if banner:
         print(banner, flush=True)
     try:

@@ -19,6 +19,7 @@ from litestar import Request, Response, get
 from litestar.response import Stream
 
 from .. import __version__
+from ..model.formats import port_summary
 from ..telemetry import DETAIL_KEYS, Lazy, resolve
 from ..telemetry.privacy import PRIVATE, privileged
 from .state import MAX_BODY_BYTES, AppState
@@ -82,8 +83,6 @@ def _queues(state: AppState, described: dict[str, tuple[Any, list[dict[str, Any]
 
 
 def _models(state: AppState, described: dict[str, tuple[Any, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
-    from ..model.formats import port_summary
-
     out = []
     for name, (engine, replicas) in described.items():
         cfg = engine.model.config

@@ -156,7 +156,7 @@ def guarded_protocol(protocol_class: type, header_timeout_s: float, keep_alive_s
 
 
 def http_protocol(header_timeout_s: float, keep_alive_s: float) -> type:
-    try:
+    try:  # httptools, uvicorn's faster parser, is an optional package
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:  # httptools is optional; uvicorn then parses with h11
         from uvicorn.protocols.http.h11_impl import H11Protocol as base

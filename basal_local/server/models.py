@@ -28,6 +28,9 @@ from typing import Any
 
 from ..api.errors import ApiError, http_error
 from ..engine.protocol import Engine
+from ..model.directory import ModelLoadError, load_model_dir
+from ..model.formats import port_summary
+from ..model.registry import ModelNotFound, resolve_model
 
 log = logging.getLogger("basal_local.daemon")
 DRAIN_S = 30.0  # an unload waits this long for the requests the model holds
@@ -130,9 +133,6 @@ class ModelRegistry:
         if ref in self.state.aliases and self.state.aliases[ref] in self.entries:
             name = self.state.aliases[ref]
             return name, self.entries[name].path
-        from ..model.directory import ModelLoadError, load_model_dir
-        from ..model.registry import ModelNotFound, resolve_model
-
         try:
             path = resolve_model(ref)
             name = load_model_dir(path, check_weights=False).name
@@ -141,8 +141,6 @@ class ModelRegistry:
         return (name if name in self.entries else None), path
 
     def add(self, path: Path) -> str:
-        from ..model.directory import load_model_dir
-
         name = load_model_dir(path, check_weights=False).name
         with self.lock:
             if name not in self.entries:
@@ -282,8 +280,6 @@ class ModelRegistry:
 
 
 def _listing(engine: Engine) -> dict[str, Any]:
-    from ..model.formats import port_summary
-
     return port_summary(engine.model)
 
 

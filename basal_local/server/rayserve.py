@@ -1,57 +1,47 @@
-"""`basal-local serve --ray`: the daemon's own app on every replica of a Ray Serve deployment (several hosts).
+"""`basal-local serve --ray`: the daemon with its engines on the replicas of a Ray Serve deployment (several hosts).
 
-Two deployments behind Ray Serve's HTTP proxy (docs/SCALING.md, "Several hosts: Ray Serve"):
-
-- `EngineReplica` ("BasalEngine"): one replica per GPU actor (`num_gpus: 1`) or per CPU slot. Each builds what
-  the daemon builds, `load_engines` and `Guard(create_app(state))`, and runs one HTTP exchange per call through
-  that ASGI app, streaming the response back. The System One and Basal handlers, the guards, the error shapes
-  and the headers are the daemon's own; nothing here answers a request itself except the one case below.
-- `Front` ("BasalFront", the ingress, server/rayfront.py): reads the request body, hands the exchange to an engine replica through
-  a deployment handle and passes the answer to Ray's proxy. As many fronts as engine replicas (one front was
-  the ceiling at ~170 requests/s on two H200s, docs/SCALING.md). A decision's answer comes back in one unary
-  call (its ASGI messages as one list); only the event stream (`GET /api/events`) is streamed message by
-  message. When the replica's process dies before it
-  answered, the front sends the same request to another replica (Ray's router skips dead replicas, and waits
-  for a replacement when none is left). A decision is a pure function of its body, so a retry cannot double an
-  effect. Only when every try failed does the front answer itself: a 503 in the path's dialect shape.
+This process is the front: the daemon's own server and app (`daemon.serve`: every route, guard, error body,
+header, /api/stats, /metrics and the dashboard as without Ray), its engines `replicas.rayengine.RayEngine`s, one
+per model, which plan each request here and send it through the deployment's handle to a replica. The
+deployment, "BasalEngine" (`replicas.rayreplica.EngineReplica`), has one replica per GPU actor (`num_gpus: 1`)
+or per CPU slot, each holding the served models' ModelEngines; Ray Serve scales it between --min-replicas and
+--max-replicas, probes each replica and replaces one whose process died. Ray's HTTP proxy is not started: the
+daemon listens on --host/--port itself (docs/SCALING.md, "Several hosts: Ray Serve").
 
 Ray is imported only inside functions: it is an optional extra (`pip install "basal-local[ray]"`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import socket
-import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..model.registry import demo_model_dir, resolve_model
-from .app import create_app
-from .body import BodyLimits
-from .daemon import load_engines, shutdown
-from .rayfront import Front
-from .security import AccessPolicy, Guard
+from ..engine.protocol import Engine
+from ..model.directory import load_model_dir
+from ..replicas.rayengine import RayEngine
+from ..replicas.rayreplica import EngineReplica, ReplicaSpec
+from .daemon import serve
 from .settings import Settings
 from .state import AppState
 
 log = logging.getLogger("basal_local.ray")
 APP_NAME = "basal-local"
-# requests one engine replica takes at once: its own scheduler batches them (the daemon's --max-inflight
-# still answers 529 beyond its limit); Ray's default of 5 would starve the batcher
+# requests one engine replica takes at once: its own scheduler batches them; Ray's default of 5 would starve
+# the batcher (the front's --max-inflight answers 529 beyond its limit)
 ENGINE_MAX_ONGOING = 256
-FRONT_MAX_ONGOING = 4096
 # Ray Serve's own throughput mode for a local cluster (user code and router on the replica's main loop, request
-# logs buffered, gRPC between Ray's proxy and the replicas), without its direct ingress, which would take the
-# HTTP port away from Ray's proxy. A cluster we join keeps the settings it was started with (docs/SCALING.md).
+# logs buffered), without its direct ingress (an HTTP port per replica: the daemon here is the only listener).
+# A cluster we join keeps the settings it was started with (docs/SCALING.md).
 LOCAL_CLUSTER_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-NO_ACCESS_LOG = {"enable_access_log": False}  # the engine's app keeps its own access log (--access-log)
+NO_ACCESS_LOG = {"enable_access_log": False}  # the daemon keeps its own access log (--access-log)
 TARGET_ONGOING = 32  # autoscaling: requests in flight per replica that Ray Serve aims for
-REPLICA_HEADER = b"x-basal-local-replica"  # which Ray replica answered (the only header the daemon lacks)
+FIRST_REPORT_S = 120.0  # how long the front waits for a replica's first report once the deployment runs
 
 
 class RayUnavailable(Exception):
@@ -70,13 +60,12 @@ class RayOptions:
     max_replicas: int | None = None  # None: min_replicas, or every GPU of the cluster when replicas use GPUs
     gpus: bool | None = None  # None: GPUs when the device is cuda, or auto on a cluster that has GPUs
     num_cpus: float | None = None  # a local cluster's CPUs (None: Ray counts them)
-    fronts: int | None = None  # front replicas (None: as many as engine replicas, with the same bounds)
     health_check_period_s: float = 2.0
 
 
 def import_ray():
     """(ray, ray.serve), or RayUnavailable naming the extra to install."""
-    try:
+    try:  # Ray is an optional extra (and ~1 s to import): only under --ray
         import ray
         from ray import serve
     except ImportError as exc:
@@ -88,109 +77,13 @@ def import_ray():
     return ray, serve
 
 
-# ---------------------------------------------------------------- engine replica (runs in a Ray actor)
-
-class EngineReplica:
-    """One engine replica: the daemon's state and guarded app, loaded in the actor's constructor."""
-
-    def __init__(self, settings: Settings, model_refs: list[str], demo: bool = False) -> None:
-        logging.getLogger("basal_local.server").setLevel(logging.INFO)
-        dirs = [Path(resolve_model(ref)) for ref in model_refs]  # names resolve in this node's model cache
-        if demo:
-            dirs.insert(0, demo_model_dir())
-        self.state = AppState(max_inflight=settings.max_inflight, release_date=settings.release_date,
-                              access_log=settings.access_log, log_bodies=settings.log_bodies,
-                              limits=BodyLimits(settings.max_body_mb * 1024 * 1024, settings.body_timeout_s),
-                              metrics=settings.metrics)
-        load_engines(self.state, settings, dirs)
-        if self.state.load_error:  # the replica fails to start; Ray reports it and `serve` prints it
-            raise RuntimeError(self.state.load_error)
-        self.state.models.stop()  # models at run time are one daemon's: under Ray each replica keeps its models
-        self.state.models = None
-        policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts,
-                                    settings.allowed_origins)
-        self.app = Guard(create_app(self.state), policy)
-        self.replica_id = _replica_id()
-
-    async def exchange(self, scope: dict[str, Any], body: bytes, complete: bool = True):
-        """Run one HTTP exchange through the app; yield its ASGI response messages.
-
-        `receive` hands over the body once and then waits for ever: the client's disconnect reaches the app as
-        the cancellation of this call (Ray cancels it when the proxy's client goes away)."""
-        messages: asyncio.Queue = asyncio.Queue()
-        handed = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal handed
-            if not handed:
-                handed = True
-                return {"type": "http.request", "body": body, "more_body": not complete}
-            await asyncio.Event().wait()
-            return {"type": "http.disconnect"}  # never reached: the call is cancelled first
-
-        async def send(message: dict[str, Any]) -> None:
-            await messages.put(message)
-
-        task = asyncio.ensure_future(self.app(dict(scope), receive, send))
-        try:
-            while True:
-                getter = asyncio.ensure_future(messages.get())
-                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    if messages.empty():
-                        task.result()  # the app ended without finishing its answer: raise what it raised
-                        return
-                    continue
-                message = getter.result()
-                if message["type"] == "http.response.start":
-                    message = {**message, "headers": [*message.get("headers", []),
-                                                      (REPLICA_HEADER, self.replica_id.encode("latin-1"))]}
-                yield message
-                if message["type"] == "http.response.body" and not message.get("more_body", False):
-                    return
-        finally:
-            if not task.done():
-                task.cancel()
-
-    async def exchange_whole(self, scope: dict[str, Any], body: bytes, complete: bool = True) -> list[dict]:
-        """The same exchange, its messages as one list: one unary Ray call per request instead of a stream of
-        objects (an answer that is not streamed is two messages anyway)."""
-        return [message async for message in self.exchange(scope, body, complete)]
-
-    def check_health(self) -> None:
-        """Ray Serve's periodic probe: a replica whose models failed or that is stopping is replaced."""
-        state = self.state
-        if state is None or state.load_error or state.stopping or not state.ready:
-            raise RuntimeError((state and state.load_error) or "the replica is not serving")
-
-    def close(self) -> None:
-        """Stop the engines (queued requests fail with "engine stopped"); called again, it does nothing."""
-        state, self.state = getattr(self, "state", None), None
-        if state is not None:
-            shutdown(state, timeout=5.0)
-
-    def __del__(self) -> None:  # Ray Serve deletes the replica's object when it takes the replica down
-        self.close()
-
-
-def _replica_id() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Ray (tests of the class itself)
-        return f"local-{os.getpid()}"
-
-
-# ---------------------------------------------------------------- building and running the application
+# ---------------------------------------------------------------- building and running the deployment
 
 def build_application(settings: Settings, model_refs: list[str], options: RayOptions, demo: bool = False,
                       gpus: bool = False):
-    """The Ray Serve application: the front bound to the engine deployment."""
-    _, serve = import_ray()
-    engine_settings = Settings(**{**settings.__dict__, "device": "cuda" if gpus else "cpu", "devices": None,
-                                  "replicas": 1, "placement": {}})
+    """The Ray Serve application: the engine deployment alone (the front is this process, not a deployment)."""
+    _, serve_api = import_ray()
+    spec = replica_spec(settings, model_refs, demo, gpus)
     maximum = options.max_replicas or options.min_replicas
     scaling: dict[str, Any]
     if maximum == options.min_replicas:
@@ -198,18 +91,43 @@ def build_application(settings: Settings, model_refs: list[str], options: RayOpt
     else:
         scaling = {"autoscaling_config": {"min_replicas": options.min_replicas, "max_replicas": maximum,
                                           "target_ongoing_requests": TARGET_ONGOING}}
-    engine = serve.deployment(
+    engine = serve_api.deployment(
         EngineReplica, name="BasalEngine", max_ongoing_requests=ENGINE_MAX_ONGOING,
         ray_actor_options={"num_gpus": 1} if gpus else {"num_cpus": 1},
         health_check_period_s=options.health_check_period_s, health_check_timeout_s=30,
         logging_config=NO_ACCESS_LOG, **scaling,
-    ).bind(engine_settings, model_refs, demo)
-    # the fronts scale with the engines: each costs CPU per request (reading the body, one Ray call, passing the
-    # answer on), which one process could not give to two H200s' worth of requests
-    front_scaling = {"num_replicas": options.fronts} if options.fronts else scaling
-    front = serve.deployment(serve.ingress()(Front), name="BasalFront", max_ongoing_requests=FRONT_MAX_ONGOING,
-                             ray_actor_options={"num_cpus": 0}, logging_config=NO_ACCESS_LOG, **front_scaling)
-    return front.bind(engine, settings.max_body_mb * 1024 * 1024, settings.body_timeout_s)
+    )
+    return engine.bind(spec)
+
+
+def replica_spec(settings: Settings, model_refs: list[str], demo: bool = False, gpus: bool = False) -> ReplicaSpec:
+    """What each replica loads, with the daemon's settings: one GPU of its node, or the CPU."""
+    return ReplicaSpec(model_refs, settings.backend, "cuda" if gpus else "cpu", settings.dtype, settings.engine,
+                       demo=demo, log_level=logging.getLogger("basal_local").getEffectiveLevel(),
+                       gpu_memory=settings.gpu_memory, torch_options=settings.torch_options())
+
+
+class RayLoader:
+    """load_engines' loader under --ray: a model directory (here, for planning) -> a RayEngine on the deployment,
+    once a replica reported that it serves the model."""
+
+    def __init__(self, handle: Any, state: AppState, settings: Settings) -> None:
+        self.handle, self.state, self.settings = handle, state, settings
+
+    def __call__(self, path: Path) -> Engine:
+        model = load_model_dir(path)
+        engine = RayEngine(model, self.handle, self.state.telemetry, self.settings.engine)
+        report = engine.first_report(FIRST_REPORT_S)
+        if report is None or model.name not in report.models:
+            engine.stop(5.0)
+            raise RuntimeError(f"no replica of the Ray deployment reported serving {model.name} within "
+                               f"{FIRST_REPORT_S:.0f} s" if report is None else
+                               f"the Ray replicas do not serve {model.name} (they serve "
+                               f"{', '.join(report.models)}): the same model must resolve on every node")
+        self.state.backend_name, self.state.device, self.state.dtype = report.backend, report.device, report.dtype
+        self.state.telemetry.memory_probe = engine.memory
+        log.info("%s: on the Ray deployment (replica %s on %s)", model.name, report.replica_id, report.device)
+        return engine
 
 
 def model_refs_for_cluster(refs: list[str]) -> list[str]:
@@ -281,13 +199,15 @@ def use_gpus(ray, settings: Settings, options: RayOptions) -> bool:
     return False
 
 
-def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, demo: bool = False,
-              banner: str = "") -> int:
-    """Deploy on the cluster, print where it answers, wait for Ctrl-C/SIGTERM, then take it down.
+def serve_ray(settings: Settings, model_dirs: list[Path], options: RayOptions, demo: bool = False,
+              banner: str = "", ready_text: str = "", sock: socket.socket | None = None) -> int:
+    """Deploy the engine replicas on the cluster, then run the daemon here with Ray engines until Ctrl-C/SIGTERM;
+    then take the deployment down. `model_dirs`: the models as this machine resolved them (the front plans with
+    their tokenizers); each replica resolves `settings.models` in its own node's model cache.
 
     A local cluster started here is shut down with everything on it; on an existing cluster only this
     application is deleted (other Serve applications stay)."""
-    ray, serve = import_ray()
+    ray, serve_api = import_ray()
     # SIGTERM while the cluster starts or the replicas load: unwind like Ctrl-C, through the clean-up below
     signal.signal(signal.SIGTERM, _interrupt)
     started = deploying = False
@@ -303,9 +223,10 @@ def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, de
             print(banner, flush=True)
         deploying = True
         try:
-            serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config=NO_ACCESS_LOG)
-            app = build_application(settings, model_refs_for_cluster(model_refs), options, demo, gpus)
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            # no Ray HTTP proxy: the daemon below listens on --host/--port
+            serve_api.start(proxy_location="Disabled", logging_config=NO_ACCESS_LOG)
+            app = build_application(settings, model_refs_for_cluster(settings.models), options, demo, gpus)
+            handle = serve_api.run(app, name=APP_NAME, route_prefix=None, blocking=False)
         except RayUnavailable:
             raise
         except Exception as exc:
@@ -317,12 +238,10 @@ def serve_ray(settings: Settings, model_refs: list[str], options: RayOptions, de
                  else f"{options.min_replicas}-{options.max_replicas}")
         print(f"basal-local: ready through Ray Serve: {scale} {kind} replica(s) behind "
               f"http://{settings.host}:{settings.port}", flush=True)
-        _wait_for_signal()
-        return 0
+        return serve(settings, model_dirs, "", ready_text, sock, make_loader=partial(RayLoader, handle),
+                     run_time_models=False)
     finally:
-        _take_down(ray, serve, started, deploying)
-        if deploying:
-            print("basal-local: stopped", flush=True)
+        _take_down(ray, serve_api, started, deploying)
 
 
 def _take_down(ray, serve, started: bool, deployed: bool) -> None:
@@ -341,14 +260,6 @@ def _take_down(ray, serve, started: bool, deployed: bool) -> None:
 
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
-
-
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
 
 
 def _first_line(exc: BaseException) -> str:

@@ -53,7 +53,7 @@ def local_url(host: str, port: int) -> str:
 def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, tui: bool, traffic: bool) -> int:
     """`serve --tui` and/or `--demo-traffic`; without --tui the daemon runs as usual with traffic beside it."""
     if tui:
-        from basal_local.tui.run import no_terminal
+        from basal_local.tui.run import no_terminal  # textual: heavy, imported only when the dashboard runs
 
         reason = no_terminal()
         if reason:  # before the daemon starts: a file or a pipe gets one sentence, no escape sequences
