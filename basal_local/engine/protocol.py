@@ -1,8 +1,8 @@
 """The `Engine` protocol: what the server needs of any engine kind (DESIGN.md "The Engine protocol").
 
 One model on one device (`engine.ModelEngine`), several in-process replicas (`replicas.ReplicaSet`), replicas
-in worker processes (`replicas.ProcessReplicaSet`): the server awaits one future per request and knows none of
-them by kind.
+in worker processes (`replicas.ProcessReplicaSet`), replicas in a Ray Serve deployment (`replicas.RayEngine`):
+the server awaits one future per request and knows none of them by kind.
 """
 
 from __future__ import annotations
