@@ -51,6 +51,9 @@ class FakeEngine:
                  "waiting": 0, "queued_tokens": 0, "requests": 2, "memory": {"weights_bytes": 123},
                  "lanes": {"main": {"waiting": 1, "waiting_tokens": 10, "oldest_wait_ms": 0.5}}}]
 
+    def memory(self) -> dict[str, int]:
+        return {"weights_bytes": 123}
+
     def stop(self, timeout: float | None = 30.0) -> bool:
         self.stopped = True
         return True
@@ -70,7 +73,7 @@ def client_for(engine: FakeEngine) -> TestClient:
 def test_the_fake_implements_only_the_protocol(model):
     fake = FakeEngine(model)
     assert isinstance(fake, Engine)
-    assert {n for n in vars(FakeEngine) if not n.startswith("_")} == {"plan", "submit", "describe", "stop"}
+    assert {n for n in vars(FakeEngine) if not n.startswith("_")} == {"plan", "submit", "describe", "memory", "stop"}
 
 
 def test_the_server_answers_both_dialects_from_the_outcome(model):

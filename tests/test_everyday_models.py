@@ -184,13 +184,13 @@ def test_an_unloaded_engine_is_dropped_whole(tiny_model, second_model):
         name = state.models.add(second_model)
         state.models.load(name).join(60)
         engine = state.engines[name]
-        assert state.telemetry.memory_probe.__self__ is engine.backend
+        assert state.telemetry.memory_probe.__self__ is engine
         refs = [weakref.ref(engine), weakref.ref(engine.backend)]
         del engine
         state.models.unload(name).join(60)
         gc.collect()
         assert [r() for r in refs] == [None, None]
-        assert state.telemetry.memory_probe.__self__ is first.backend
+        assert state.telemetry.memory_probe.__self__ is first
         assert state.models.entries[name].status == "unloaded"
     finally:
         gc.unfreeze()

@@ -105,8 +105,9 @@ def plans(replicas: ReplicaSet, n: int):
 
 
 def test_a_dead_replica_leaves_the_rotation_and_nothing_is_lost(replica_set, tiny_model):
-    reference = ModelEngine(replica_set.model, replica_set.replicas[0].backend, DeviceGate(), Telemetry(),
-                            EngineSettings(long_tokens=0))
+    own = TorchBackend("cpu")  # its own backend: an engine on a replica's backend would share that backend's pool
+    own.load(tiny_model, "f32")
+    reference = ModelEngine(replica_set.model, own, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
     reference.start()
     try:
         expected = [response_body(reference.submit(p).result(WAIT), "systemone", 0.0)["answers"] for p in plans(replica_set, 16)]

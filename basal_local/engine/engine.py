@@ -176,6 +176,9 @@ class ModelEngine:
     def describe(self) -> list[dict[str, Any]]:
         return [self.describe_replica()]
 
+    def memory(self) -> dict[str, int]:
+        return self.backend.memory()
+
     def describe_replica(self, alive: bool = True) -> dict[str, Any]:
         """This engine as one replica entry of the Engine protocol's `describe`."""
         now = time.perf_counter()

@@ -45,6 +45,11 @@ class Engine(Protocol):
         and not answered), `lanes` (label -> waiting, waiting_tokens, oldest_wait_ms) and `memory` (the device's)."""
         ...
 
+    def memory(self) -> dict[str, int]:
+        """The device memory of its last replica (weights, graphs, cache, allocated, peak, in bytes): what the
+        telemetry samples while this engine is loaded."""
+        ...
+
     def stop(self, timeout: float | None = 30.0) -> bool:
         """Fail queued requests with EngineStopped, let running batches finish; whether everything ended in time."""
         ...

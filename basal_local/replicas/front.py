@@ -294,6 +294,9 @@ class ProcessReplicaSet:
         self._dispatch(pending)
         return future
 
+    def memory(self) -> dict[str, int]:
+        return self.replicas[-1].memory()  # the last worker's, as of its last batch (a restart replaces it)
+
     def describe(self) -> list[dict[str, Any]]:
         now = time.perf_counter()
         out = []

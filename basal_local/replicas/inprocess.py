@@ -93,6 +93,9 @@ class ReplicaSet:
             return future
         return engine.submit_round(plan, is_cancelled, request_id, specs, tokens)
 
+    def memory(self) -> dict[str, int]:
+        return self.replicas[-1].memory()  # the last replica's view of its device
+
     def describe(self) -> list[dict[str, Any]]:
         """Each replica's device, state and work."""
         dead = set(self.dead)

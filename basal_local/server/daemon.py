@@ -79,7 +79,7 @@ class Loader:
                 log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
                          backend.device)
         engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
-        state.telemetry.memory_probe = replicas[-1].backend.memory  # the last backend's view of its device
+        state.telemetry.memory_probe = engine.memory
         engine.start()
         return engine
 
@@ -143,7 +143,7 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
     state.backend_name, state.device, state.dtype = info.backend, info.device, info.dtype
-    state.telemetry.memory_probe = lambda: engine.replicas[-1].memory()  # its last batch's (a restart replaces it)
+    state.telemetry.memory_probe = engine.memory
     for r in engine.replicas:
         if r.info is not None:
             log.info("loaded %s from %s: %d layers, %s on %s (replica %d, pid %d)", model.name, model.path,

@@ -241,11 +241,10 @@ class ModelRegistry:
             time.sleep(0.05)
         if not engine.stop(DRAIN_S):
             log.warning("engine %s did not stop within %.0f s", entry.name, DRAIN_S)
-        probe = self.state.telemetry.memory_probe
-        if probe is not None and _owned_by(probe, engine):
+        if _owned_by(self.state.telemetry.memory_probe, engine):
             others = list(self.state.engines.values())
             self.state.telemetry.memory_probe = _probe_of(others[-1]) if others else None
-        del engine
+        del engine  # the last reference: its backend, graphs and device memory go with it
         self._release_memory()
         with self.lock:
             self._set(entry, "unloaded")
@@ -283,20 +282,10 @@ def _listing(engine: Engine) -> dict[str, Any]:
     return port_summary(engine.model)
 
 
-def _owned_by(probe: Callable, engine: Engine) -> bool:
-    """Whether a memory probe is a bound method of the engine's backends or replicas."""
-    owner = getattr(probe, "__self__", None)
-    parts = [engine, getattr(engine, "backend", None), *getattr(engine, "replicas", [])]
-    parts += [getattr(r, "backend", None) for r in getattr(engine, "replicas", [])]
-    return owner is not None and any(owner is p for p in parts if p is not None)
+def _owned_by(probe: Callable | None, engine: Engine) -> bool:
+    """Whether the telemetry's memory probe is this engine's (a bound `memory`)."""
+    return getattr(probe, "__self__", None) is engine
 
 
 def _probe_of(engine: Engine) -> Callable | None:
-    backend = getattr(engine, "backend", None)
-    if backend is not None:
-        return backend.memory
-    replicas = getattr(engine, "replicas", [])
-    if replicas:
-        last = replicas[-1]
-        return getattr(last, "backend", last).memory
-    return None
+    return engine.memory
