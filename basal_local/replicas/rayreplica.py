@@ -14,6 +14,7 @@ without it; `_identity` asks Ray for the replica's names only when it runs insid
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from . import wire
 from .worker import RelayTelemetry, WorkerSpec, exit_if_device_gone, load_engine
 
 log = logging.getLogger(__name__)
+_LOCAL_IDS = itertools.count(1)  # replicas outside Ray (tests of the class itself)
 
 
 @dataclass
@@ -180,4 +182,5 @@ def _identity() -> tuple[str, str]:
 
         return serve.get_replica_context().replica_id.unique_id, ray.get_runtime_context().get_actor_id() or ""
     except Exception:
-        return f"local-{os.getpid()}-{id(object()):x}", ""
+        # a fresh name per replica (the id of a temporary object would repeat: its memory is reused at once)
+        return f"local-{os.getpid()}-{next(_LOCAL_IDS)}", ""
