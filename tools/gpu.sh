@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build, check and time everything on a GPU host in one call (docs/PERFORMANCE.md, docs/SCALING.md).
+# Build, check and time everything on a GPU host in one run (docs/PERFORMANCE.md, docs/SCALING.md).
 # 1. Here, with the project's venv active (a package index reachable):
 #      bash tools/gpu.sh prepare [OLD]    # dist/gpu/: new/ (a wheel of this working tree), whl/ (the daemon's
 #                                         # dependency closure for PYVER, default 3.12, manylinux x86-64, checked
