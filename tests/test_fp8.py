@@ -34,6 +34,12 @@ def _golden_scale(row: torch.Tensor) -> float:
     return 2.0 ** e
 
 
+
+def _against(ref, quant, pack):
+    """Both backends' readout logits of a pack, the largest difference and the reference's largest logit."""
+    a, b = readout_logits(ref, pack), readout_logits(quant, pack)
+    return a, b, max(float(np.abs(x - y).max()) for x, y in zip(a, b)), max(float(np.abs(x).max()) for x in a)
+
 def test_quant_rows_power_of_two_scales_and_row_independence():
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(9, 96, generator=gen) * torch.logspace(-4, 3, 9)[:, None]).to(torch.float16)
@@ -82,10 +88,7 @@ def test_fp8_fast_forward_on_twins_close_to_reference(tiny_model):
     _, quant, _ = load_backend(tiny_model, dtype="fp8")
     assert quant.fwd.gemm == "fp8" and quant.dtype == torch.float16 and quant.fwd.fp8_bytes > 0
     specs = random_specs(md, random.Random(3))
-    pack = pack_prompts(specs, prefixes)
-    a, b = readout_logits(ref, pack), readout_logits(quant, pack)
-    worst = max(float(np.abs(x - y).max()) for x, y in zip(a, b))
-    scale = max(float(np.abs(x).max()) for x in a)
+    a, b, worst, scale = _against(ref, quant, pack_prompts(specs, prefixes))
     # fp8's 2**-4 relative rounding through every layer of a random model: ~5-8 % of the largest logit here
     # (f16 on the same path: ~0.07 %); the decisions stay
     assert worst <= 0.1 * max(1.0, scale), (worst, scale)
@@ -250,10 +253,7 @@ def test_checkpoint_route_close_to_its_dequantized_reference(fp8_port, mode):
     assert quant.fwd.fp8_bytes == sum(s.numel() * 4 for by in quant.fp8_checkpoint for s, _ in by.values())
     assert (quant.fp8_requantized > 0) == (mode == "tensor")  # q/k/v and gate/up scales differ in a random model
     specs = random_specs(md, random.Random(3))
-    pack = pack_prompts(specs, prefixes)
-    a, b = readout_logits(ref, pack), readout_logits(quant, pack)
-    worst = max(float(np.abs(x - y).max()) for x, y in zip(a, b))
-    scale = max(float(np.abs(x).max()) for x in a)
+    a, b, worst, scale = _against(ref, quant, pack_prompts(specs, prefixes))
     # e4m3 activations at calibrated static scales (2**-4 relative rounding per layer input, a few values
     # saturating): measured 5.1 % (tensor) and 3.4 % (channel) of the largest logit here; f16 alone 0.08 %
     assert worst <= 0.1 * max(1.0, scale), (worst, scale)
@@ -385,8 +385,5 @@ def test_cuda_checkpoint_route_bitwise_invariant_and_close(small_fp8_port, mode)
                                                      prefixes))[0]
         assert np.array_equal(alone, mixed) and np.array_equal(alone, eager), (trial, float(np.abs(alone - mixed).max()))
     _, ref, _ = load_backend(ref_dir, device="cpu", dtype="f32")
-    pack = pack_prompts(specs[:12], prefixes)
-    a, b = readout_logits(ref, pack), readout_logits(backend, pack)
-    worst = max(float(np.abs(x - y).max()) for x, y in zip(a, b))
-    scale = max(float(np.abs(x).max()) for x in a)
+    a, b, worst, scale = _against(ref, backend, pack_prompts(specs[:12], prefixes))
     assert worst <= 0.1 * max(1.0, scale), (worst, scale)
