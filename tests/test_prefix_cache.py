@@ -523,3 +523,28 @@ def test_a_document_is_in_flight_from_its_reservation_until_its_batch_completes_
     assert cache.in_flight(list(range(5000, 5400)) + [1])
     cache.drop(failed)  # the batch failed
     assert not cache.in_flight(list(range(5000, 5400)) + [1])
+
+
+def test_a_held_job_is_matched_again_only_once_the_entries_change():
+    """Lane._hold_documents_in_flight asks the cache about a job's document once per change of the pending or
+    stored entries, not at every look (a held job is looked at every few ms)."""
+    from types import SimpleNamespace
+
+    from basal_local.engine.lane import Lane
+    from basal_local.engine.packer import PromptSpec
+    from basal_local.engine.scheduler import Job
+
+    cache = _cache(4000)
+    doc = list(range(1000, 1600))
+    entry = cache.reserve(doc)
+    asked = []
+    real = cache.in_flight
+    cache.in_flight = lambda ids: asked.append(1) or real(ids)
+    lane = Lane(SimpleNamespace(cache=cache, replica=0, model=SimpleNamespace(name=M)), "main", urgent=True)
+    job = Job(plan=None, tokens=1, specs=[PromptSpec(doc + [7, 8], "en", [1])])
+    for _ in range(5):
+        assert lane._hold_documents_in_flight([job]) == ([], [job])
+    assert len(asked) == 1
+    cache.publish(entry)  # the batch completed: looked at again, no longer held
+    assert lane._hold_documents_in_flight([job]) == ([job], [])
+    assert len(asked) == 2

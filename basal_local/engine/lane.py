@@ -149,12 +149,17 @@ class Lane:
         if cache is None or not live:
             return live, []
         now = time.perf_counter()
+        changes = (cache.pending_changes, cache.generation)  # what an answer depends on: pending and stored entries
         keep, held = [], []
         for job in live:
-            if job.specs and now - job.arrival < HOLD_MAX_S and cache.in_flight(job.specs[0].token_ids):
-                held.append(job)
-            else:
+            if not job.specs or now - job.arrival >= HOLD_MAX_S:
                 keep.append(job)
+                continue
+            # asked again only once the entries changed (a long document's match is not free, and a held job is
+            # looked at every HOLD_POLL_S)
+            if job.in_flight is None or job.in_flight[0] != changes:
+                job.in_flight = (changes, cache.in_flight(job.specs[0].token_ids))
+            (held if job.in_flight[1] else keep).append(job)
         return keep, held
 
     def _coalesce(self) -> None:

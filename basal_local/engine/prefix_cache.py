@@ -118,6 +118,7 @@ class PrefixCache:
         self.root = _Node([])
         self.entries: dict[str, Entry] = {}  # every entry holding rows (pending and ready)
         self.pending: dict[str, Entry] = {}  # the entries a batch in flight is writing
+        self.pending_changes = 0  # bumped whenever `pending` changes (with `generation`: when `in_flight` may change)
         self.free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (start, length), sorted
         self._names = itertools.count(1)
         self.generation = 0  # bumped whenever what a lookup can find changes
@@ -190,7 +191,7 @@ class PrefixCache:
             if entry.name not in self.entries or entry.ready:
                 return
             entry.ready = True
-            self.pending.pop(entry.name, None)
+            self._settle(entry)
             entry.last_used = time.monotonic()
             self._insert(entry)
             self.generation += 1
@@ -214,6 +215,7 @@ class PrefixCache:
             entry = Entry(f"{STATE}{next(self._names)}", list(tokens), offset)
             self.entries[entry.name] = entry
             self.pending[entry.name] = entry
+            self.pending_changes += 1
             return entry
 
     def drop(self, entry: Entry) -> None:
@@ -222,7 +224,7 @@ class PrefixCache:
             if self.entries.get(entry.name) is not entry:
                 return
             del self.entries[entry.name]
-            self.pending.pop(entry.name, None)
+            self._settle(entry)
             for node in entry.nodes:
                 node.entries.pop(entry.name, None)
             self._prune(entry.nodes)
@@ -239,8 +241,14 @@ class PrefixCache:
             self.root = _Node([])
             self.entries.clear()
             self.pending.clear()
+            self.pending_changes += 1
             self.free = [(0, self.capacity)] if self.capacity else []
             self.generation += 1
+
+    def _settle(self, entry: Entry) -> None:
+        """A pending entry is written (or forgotten): no batch in flight stores it any more."""
+        if self.pending.pop(entry.name, None) is not None:
+            self.pending_changes += 1
 
     # ---- the tree --------------------------------------------------------------------------------------------
     def _insert(self, entry: Entry) -> None:

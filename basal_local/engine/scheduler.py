@@ -39,6 +39,8 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     request_id: str = ""
     background: bool = False  # batch work (the Batch API): after every interactive job, never beside one
+    # the state cache's `in_flight` for this job's document, as of (`pending_changes`, `generation`) (lane.py)
+    in_flight: tuple[tuple[int, int], bool] | None = None
 
     def gone(self) -> bool:
         """Whether nobody waits for the answer: the client disconnected or the awaiting task was cancelled."""
