@@ -115,13 +115,11 @@ class Graphs:
             if entry.uploaded[0] is not None:
                 entry.uploaded[0].synchronize()
                 entry.uploaded[0] = None
-            self.fwd.host_inputs(batch, size, tile_cap(size), r_cap, entry.staging_np)
+            # (a plan too large for the graph runs eagerly, whose fill_plan copies the same parent rows again)
+            fill, after = self.fwd.fill_plan(batch)
+            self.fwd.host_inputs(batch, size, tile_cap(size), r_cap, entry.staging_np, fill=fill)
         except OverflowError:
             return None
-        fill, after = self.fwd.fill_plan(batch)
-        if fill is not None:
-            start = entry.layout["fill"][0]
-            entry.staging_np[start:start + fill.size] = fill
         entry.static.copy_(entry.staging, non_blocking=True)
         return entry, after
 
