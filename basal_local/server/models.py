@@ -243,7 +243,7 @@ class ModelRegistry:
             log.warning("engine %s did not stop within %.0f s", entry.name, DRAIN_S)
         if _owned_by(self.state.telemetry.memory_probe, engine):
             others = list(self.state.engines.values())
-            self.state.telemetry.memory_probe = _probe_of(others[-1]) if others else None
+            self.state.telemetry.memory_probe = others[-1].memory if others else None
         del engine  # the last reference: its backend, graphs and device memory go with it
         self._release_memory()
         with self.lock:
@@ -287,5 +287,3 @@ def _owned_by(probe: Callable | None, engine: Engine) -> bool:
     return getattr(probe, "__self__", None) is engine
 
 
-def _probe_of(engine: Engine) -> Callable | None:
-    return engine.memory
