@@ -3,7 +3,7 @@
 In-process replicas share one Python process, so their lane threads and all HTTP handling share one GIL; on two
 H200s that left each GPU ~20 % idle. Here the front (this module, in the daemon's process) keeps HTTP,
 validation, planning and routing, and each worker process (worker.py) owns one device and runs each request to
-its Outcome. One duplex pipe per worker, the messages of wire.py. A request goes to the worker where it costs
+its Outcome. One duplex pipe per worker, the messages of wire.py, read by the worker's handle (remote.py). A request goes to the worker where it costs
 least: its queued tokens plus the request's, less the request's document where that worker was sent it recently
 (its state cache likely holds it: cache-aware routing without asking the workers).
 
@@ -22,26 +22,26 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import EngineSettings
-from ..engine.plan import RequestPlan, finish, plan_request
+from ..engine.plan import RequestPlan, plan_request
 from ..engine.prefix_cache import FILL_MIN_TOKENS, HIT_MIN_TOKENS, document_overlap, shared_prefix
 from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import EngineStopped
 from ..model.directory import ModelDir
-from ..protocol.errors import NoEvidenceHead
 from ..protocol.outcome import Outcome
 from ..protocol.questions import DecisionRequest
-from ..telemetry import BatchRecord, Telemetry
+from ..telemetry import Telemetry
 from . import wire
+from .relay import answered_here, fail, relay, resolve
+from .remote import Pending, RemoteReplica
 from .restarts import Restarts
 from .start import end_forkserver, start_context
-from .worker import WorkerSpec, worker_main
+from .worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,155 +52,6 @@ MAX_DEATHS = 2  # a request on this many workers that died fails (503) instead o
 # every replica set of this process: the forkserver is ended only when all of them have stopped (a worker's exit
 # status comes through the forkserver, so the others' workers would look dead without it)
 _SETS: weakref.WeakSet = weakref.WeakSet()
-
-
-REMEMBERED_DOCUMENTS = 64  # per worker: the documents routing looks for
-
-
-@dataclass
-class _Pending:
-    token: int
-    message: wire.Submit
-    future: Future
-    is_cancelled: Callable[[], bool]
-    tokens: int  # packed tokens: the routing cost
-    arrival: float
-    cancel_sent: bool = False
-    deaths: int = 0  # workers that died holding this request
-    shared: list[int] | None = None  # the request's shared prefix (a document), for cache-aware routing
-
-    def gone(self) -> bool:
-        if self.future.done():
-            return True
-        try:
-            return bool(self.is_cancelled())
-        except Exception:  # a broken flag must not stop the scan; the request just runs
-            return False
-
-
-def _resolve(future: Future, outcome: Outcome) -> None:
-    try:
-        future.set_result(outcome)
-    except InvalidStateError:  # the waiter cancelled it
-        pass
-
-
-def _fail(future: Future, exc: BaseException) -> None:
-    try:
-        future.set_exception(exc)
-    except InvalidStateError:
-        pass
-
-
-def answered_here(plan: RequestPlan, model: ModelDir) -> Future[Outcome]:
-    """A future already done when the front can answer without a replica (an evidence question without the
-    model's evidence head: the replica would refuse it; every question fixed: nothing to compute), else a
-    pending one for the caller to resolve."""
-    future: Future[Outcome] = Future()
-    wanted = [q for q in plan.request.questions if q.evidence]
-    if wanted and model.evidence_head is None:
-        future.set_exception(NoEvidenceHead(wanted[0].qid))
-    elif not plan.questions:
-        outcome = finish(plan, [], model.calibration)
-        if outcome is None:
-            raise RuntimeError("a plan without units asked for another round")
-        future.set_result(outcome)
-    return future
-
-
-def relay(telemetry: Telemetry, model: str, r: Any, message: Any, tree: Callable[[int], Any]) -> None:
-    """Replay one of a replica's telemetry messages on the front's bus (worker processes and Ray replicas).
-    `r` keeps the replica's view: `replica`, `batch_ids` (its batch id -> the front's), `running_ids`,
-    `last_memory`, `batches`; `tree(local_id)` builds a batch's tree when a dashboard asks."""
-    if isinstance(message, wire.Queued):
-        label = message.lane + (f"-r{r.replica}" if r.replica else "")
-        telemetry.emit("queued", id=message.request_id, model=model, lane=label)
-    elif isinstance(message, wire.BatchStarted):
-        batch_id = telemetry.next_batch_id()
-        r.batch_ids[message.batch_id] = batch_id
-        while len(r.batch_ids) > 4096:
-            r.batch_ids.popitem(last=False)
-        r.running_ids = set(message.request_ids)
-        telemetry.batch_started(batch_id, model, message.lane, message.request_ids, message.tokens)
-    elif isinstance(message, wire.BatchDone):
-        fields = message.fields
-        local = fields["batch_id"]
-        fields["batch_id"] = r.batch_ids.get(local, 0)
-        fields["tree"] = telemetry.lazy_tree(lambda: tree(local))
-        r.last_memory = fields.get("memory") or {}
-        r.batches += 1
-        r.running_ids = set()
-        telemetry.record_batch(BatchRecord(**fields))
-    elif isinstance(message, wire.BatchFailed):
-        r.running_ids = set()
-        telemetry.batch_failed(model, message.lane, RuntimeError(message.text))
-    elif isinstance(message, wire.Log):
-        logging.getLogger(message.name).log(message.level, "replica %d: %s", r.replica, message.text)
-    elif isinstance(message, wire.Count):
-        telemetry.count(message.name, message.n)
-
-
-class RemoteReplica:
-    """The front's handle on one worker process: its pipe, the requests it has not answered, its batch ids."""
-
-    def __init__(self, owner: ProcessReplicaSet, spec: WorkerSpec, context) -> None:
-        self.owner = owner
-        self.spec = spec
-        self.replica = spec.replica
-        self.device = spec.device
-        self.conn, child = context.Pipe(duplex=True)
-        self.process = context.Process(target=worker_main, args=(child, spec), name=f"basal-replica-{spec.replica}",
-                                       daemon=False)
-        self.process.start()
-        child.close()  # else the front would hold the worker's end open and never see it die
-        self.send_lock = threading.Lock()
-        self.pending: dict[int, _Pending] = {}
-        self.queued = 0  # packed tokens sent and not answered: the routing cost
-        # the documents recently sent to this worker (its state cache likely holds them): cache-aware routing
-        self.documents: deque[list[int]] = deque(maxlen=REMEMBERED_DOCUMENTS)
-        self.alive = False
-        self.batches = 0
-        self.running_ids: set[str] = set()
-        self.batch_ids: OrderedDict[int, int] = OrderedDict()  # the worker's batch id -> the daemon's
-        self.last_memory: dict[str, int] = {}
-        self.info: wire.Ready | None = None
-        self.ready = threading.Event()
-        self.load_error: str | None = None
-        self.started = time.monotonic()
-        self.ready_at: float | None = None
-        self.lost_seen = False  # `lost` ran for this process (its pipe closed)
-        self.reader = threading.Thread(target=self._read, name=f"basal-replica-{spec.replica}-reader", daemon=True)
-        self.reader.start()
-
-    def memory(self) -> dict[str, int]:
-        """The worker's device memory as of its last batch."""
-        return {k: v for k, v in self.last_memory.items() if not k.startswith("host_")}
-
-    def send(self, message: Any) -> bool:
-        try:
-            data = wire.ENCODER.encode(message)
-            with self.send_lock:
-                self.conn.send_bytes(data)
-            return True
-        except (OSError, ValueError):
-            return False
-
-    def waiting(self) -> list[_Pending]:
-        """The requests sent and not in the worker's running batch."""
-        running = self.running_ids
-        return [p for p in list(self.pending.values()) if p.message.request_id not in running]
-
-    def _read(self) -> None:
-        try:
-            while True:
-                for message in wire.TO_FRONT.decode(self.conn.recv_bytes()):
-                    self.owner.handle(self, message)
-        except (EOFError, OSError):
-            pass
-        except Exception:  # a bug here must still take the worker out and requeue its work
-            log.exception("reading from replica %d failed", self.replica)
-        self.owner.lost(self)
-        self.ready.set()
 
 
 @dataclass(eq=False)
@@ -287,7 +138,7 @@ class ProcessReplicaSet:
             self._tokens += 1
             token = self._tokens
         message = wire.Submit(token, request_id, wire.encode_plan(plan))
-        pending = _Pending(token, message, future, is_cancelled, plan.packed_tokens, plan.arrival)
+        pending = Pending(token, message, future, is_cancelled, plan.packed_tokens, plan.arrival)
         if self.settings.prefix_cache != "off" and len(self.replicas) > 1:
             shared = shared_prefix(plan.prompt_specs())
             pending.shared = shared if len(shared) >= FILL_MIN_TOKENS else None
@@ -338,7 +189,7 @@ class ProcessReplicaSet:
         return EngineUnavailable(why, self.restarts.retry_after_s(loading))
 
     # ---- routing ------------------------------------------------------------------------------------------
-    def _pick(self, pending: _Pending | None = None) -> RemoteReplica | None:
+    def _pick(self, pending: Pending | None = None) -> RemoteReplica | None:
         """The live worker where the request costs least: its queued tokens plus the request's, less what its
         state cache likely holds of the request's document (the documents recently sent to it)."""
         live = self.live()
@@ -364,11 +215,11 @@ class ProcessReplicaSet:
                     break
             r.documents.append(shared)  # the oldest falls out past REMEMBERED_DOCUMENTS
 
-    def _dispatch(self, pending: _Pending) -> None:
+    def _dispatch(self, pending: Pending) -> None:
         while True:
             target = None if self.stopping else self._pick(pending)
             if target is None:
-                _fail(pending.future, EngineStopped() if self.stopping else self._unavailable(
+                fail(pending.future, EngineStopped() if self.stopping else self._unavailable(
                     f"no replica of {self.model.name} is serving: its worker processes died and are restarting"))
                 return
             with self._lock:
@@ -387,7 +238,7 @@ class ProcessReplicaSet:
                 target.alive = False
 
     # ---- from the workers (reader threads) ---------------------------------------------------------------
-    def _take(self, r: RemoteReplica, token: int) -> _Pending | None:
+    def _take(self, r: RemoteReplica, token: int) -> Pending | None:
         with self._lock:
             pending = r.pending.pop(token, None)
             if pending is not None:
@@ -400,11 +251,11 @@ class ProcessReplicaSet:
             if pending is not None:
                 outcome = message.outcome
                 outcome.batch_id = r.batch_ids.get(outcome.batch_id, 0)
-                _resolve(pending.future, outcome)
+                resolve(pending.future, outcome)
         elif isinstance(message, wire.Failed):
             pending = self._take(r, message.token)
             if pending is not None:
-                _fail(pending.future, wire.decode_error(message.error))
+                fail(pending.future, wire.decode_error(message.error))
         elif isinstance(message, wire.Tree):
             ask = self._asks.pop(message.ask, None)
             if ask is not None:
@@ -466,9 +317,9 @@ class ProcessReplicaSet:
                 continue
             pending.deaths += 1
             if self.stopping:
-                _fail(pending.future, EngineStopped())
+                fail(pending.future, EngineStopped())
             elif pending.deaths >= MAX_DEATHS:
-                _fail(pending.future, self._unavailable(
+                fail(pending.future, self._unavailable(
                     f"the worker processes computing this request died {pending.deaths} times"))
             else:
                 pending.cancel_sent = False
@@ -500,7 +351,7 @@ class ProcessReplicaSet:
                 r.pending.clear()
                 r.queued = 0
             for pending in orphans:
-                _fail(pending.future, exc)
+                fail(pending.future, exc)
 
     def _scan(self) -> None:
         """Tell workers about requests whose client went away (the lane drops them before computing)."""

@@ -14,7 +14,7 @@ Retry-After). A client that leaves cancels the call on the replica, whose lane t
 What the replicas tell the front comes with each reply and with a poll every `POLL_S` (a broadcast to every
 replica): each replica's own `describe` entry (so /health, /api/stats, /api/ps and /metrics list the cluster's
 replicas, a dead one until Ray replaced it) and the telemetry its engines emitted, replayed on the front's bus
-as the process front replays its workers' (`front.relay`). A batch's tree is asked of the replicas when a
+as the process front replays its workers' (`relay.relay`). A batch's tree is asked of the replicas when a
 dashboard opens it.
 
 Ray is imported only inside functions: it is an optional extra; `handle` is anything with Ray's
@@ -42,8 +42,8 @@ from ..protocol.outcome import Outcome
 from ..protocol.questions import DecisionRequest
 from ..telemetry import Telemetry
 from . import wire
-from .front import _fail, _resolve, answered_here, relay
 from .rayreplica import REPLY, REPORT, Report
+from .relay import answered_here, fail, relay, resolve
 
 log = logging.getLogger(__name__)
 RETRIES = 3  # tries on other replicas after the first one died mid-request
@@ -57,7 +57,7 @@ FORGET_S = 60.0  # a replica that stopped answering the poll is listed (not aliv
 
 @dataclass
 class _Seen:
-    """The front's view of one replica, as `front.relay` keeps it."""
+    """The front's view of one replica, as `relay.relay` keeps it."""
 
     replica: int  # the front's number for it, in order of first sight
     report: Report
@@ -142,7 +142,7 @@ class RayEngine:
         with self._lock:
             pending, self._pending = list(self._pending), set()
         for future in pending:
-            _fail(future, EngineStopped())
+            fail(future, EngineStopped())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(5.0 if timeout is None else min(timeout, 5.0))
         return not self._loop_thread.is_alive()
@@ -154,7 +154,7 @@ class RayEngine:
                 try:
                     raw = await self._call(data, is_cancelled, future)
                 except Cancelled:
-                    _fail(future, Cancelled())
+                    fail(future, Cancelled())
                     return
                 except Exception as exc:
                     actor = _dead_actor(exc)
@@ -167,10 +167,10 @@ class RayEngine:
                     continue
                 self._answered(future, raw)
                 return
-            _fail(future, EngineUnavailable(f"no replica of {self.model.name} could answer ({RETRIES + 1} tries: "
-                                            "their processes died); retry shortly", 1))
+            fail(future, EngineUnavailable(f"no replica of {self.model.name} could answer ({RETRIES + 1} tries: "
+                                           "their processes died); retry shortly", 1))
         except BaseException as exc:
-            _fail(future, exc)
+            fail(future, exc)
         finally:
             with self._lock:
                 self._pending.discard(future)
@@ -196,9 +196,9 @@ class RayEngine:
         if isinstance(answer, wire.Answered):
             outcome = answer.outcome
             outcome.batch_id = seen.batch_ids.get(outcome.batch_id, 0) if seen is not None else 0
-            _resolve(future, outcome)
+            resolve(future, outcome)
         else:
-            _fail(future, wire.decode_error(answer.error))
+            fail(future, wire.decode_error(answer.error))
 
     # ---- what the replicas report --------------------------------------------------------------------------
     def _take_report(self, report: Report) -> _Seen | None:
