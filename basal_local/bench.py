@@ -19,9 +19,9 @@ from basal_local.backends.select import check_dtype
 from .commands import UserError
 from .commands.benchhttp import bench_http, bench_http_invariance
 from .commands.benchout import Ticker, http_failure, phase, print_result
+from .flags import flag_overrides
 from .model.registry import demo_model_dir, resolve_model
 from .samples import sample_requests, single_question_requests
-from .settings import flag_overrides
 from .settings import torch_options as options_from
 
 __all__ = ["Ticker", "run_bench", "sample_requests", "single_question_requests", "torch_options"]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import __version__
 from .commands import UserError
-from .settings import Settings, add_flags, config_path
+from .flags import add_flags
+from .settings import Settings, config_path
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,153 +1,26 @@
 """Every setting declared once (STYLE.md 16-17): its field, type, default, range, `config.toml` key, CLI flag and
-`--help` text, in one `setting(...)` call on a field of `EngineSettings` or `Settings` (the torch backend's options
-are fields of `Settings` in the group "torch": `Settings.torch_options()` gives the backend its `TorchOptions`).
+`--help` text, in one `setting(...)` call (declare.py) on a field of `EngineSettings` or `Settings` (the torch
+backend's options are fields of `Settings` in the group "torch": `Settings.torch_options()` gives the backend its
+`TorchOptions`).
 
-From those declarations `add_flags` builds the `serve` flags (their help ends in the declared default),
+From those declarations flags.py builds the `serve` flags (their help ends in the declared default) and
 `Settings.load` reads `config.toml` (an unknown key is an error naming the file, the key and the nearest known
-one), the environment and the flags, and `check` validates every value by type and range wherever it came from.
+one), the environment and the flags, each value checked by `declare.check`.
 Order: CLI flags > environment > config.toml > defaults.
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
-import math
 import os
 import tomllib
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .backends.torch.options import FP8_GEMMS, GEMM_ROUTES, TorchOptions
+from .declare import Spec, check, declared, setting
 from .paths import home_dirs
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a field's declaration says beyond its default."""
-
-    help: str
-    kind: type  # int, float, bool, str, list (of str), dict
-    flag: str | None = None  # None: config.toml only
-    dest: str | None = None  # the argparse dest when it is not the key
-    minimum: float | None = None
-    maximum: float | None = None
-    above: float | None = None  # an exclusive lower bound
-    choices: tuple[str, ...] | None = None
-    env: str | None = None  # also read from this environment variable
-    optional: bool = False  # None is allowed (unset)
-    action: str | None = None  # argparse: store_true, negate (--no-X stores False), boolean (--X/--no-X), append
-    metavar: str | None = None
-    show_default: bool = True
-    number_ok: bool = False  # a str setting that config.toml may also give as a number (gpu_memory = 0.8)
-    flag_zero: bool = False  # the flag also takes 0 (the port: the system picks one; the command handles it)
-    validate: str | None = None  # a further check by name (VALIDATORS): the form of a size, say
-    items: tuple[str, ...] | None = None  # a list setting: the names its items may be
-    comma: bool = False  # a list setting whose text (flag, config string) is a comma list: "gate_up,down"
-    group: str | None = None  # flags that `-h` lists under a heading of their own (GROUPS); `bench` takes "torch"
-
-
-def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
-    """A dataclass field declaring one setting (see Spec for the keywords)."""
-    kind = kind or type(default)
-    meta = {"setting": Spec(help, kind, **spec)}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _range_text(spec: Spec) -> str:
-    if spec.items:
-        return "a comma list of " + ", ".join(spec.items)
-    if spec.choices:
-        return "one of " + ", ".join(spec.choices)
-    noun = {int: "a whole number", float: "a number", bool: "true or false", str: "text",
-            list: "a list of names", dict: "a table"}[spec.kind]
-    if spec.above is not None:
-        return f"{noun} above {spec.above:g}"
-    if spec.minimum is not None and spec.maximum is not None:
-        return f"{noun} from {spec.minimum:g} to {spec.maximum:g}"
-    if spec.minimum is not None:
-        return f"{noun} of at least {spec.minimum:g}"
-    return noun
-
-
-def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
-    """The value as the field's type, or ValueError with a sentence saying what is allowed. `from_text`: the value
-    is a flag's or a variable's text (config.toml values keep their TOML type)."""
-    wanted = _range_text(spec)
-    if value is None and spec.optional:
-        return None
-    kind = spec.kind
-    try:
-        if kind is bool:
-            if from_text and isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
-                value = value.lower() in ("1", "true", "yes")
-            if not isinstance(value, bool):
-                raise TypeError
-        elif kind is int:
-            if from_text and isinstance(value, str):
-                value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError
-        elif kind is float:
-            if from_text and isinstance(value, str):
-                value = float(value)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise TypeError
-            value = float(value)
-        elif kind is str:
-            if spec.number_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
-                return value
-            if not isinstance(value, str):
-                raise TypeError
-        elif kind is list:
-            if isinstance(value, str):
-                value = [p.strip() for p in value.split(",") if p.strip()] if spec.comma else [value]
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise TypeError
-            if spec.items is not None and not set(value) <= set(spec.items):
-                raise ValueError
-        elif kind is dict:
-            if not isinstance(value, dict):
-                raise TypeError
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} = {value!r}: must be {wanted}") from None
-    if spec.validate is not None:
-        try:
-            VALIDATORS[spec.validate](value)
-        except ValueError as exc:
-            raise ValueError(f"{key} = {value!r}: {exc}") from None
-    bad = (spec.choices is not None and value not in spec.choices
-           or spec.minimum is not None and value < spec.minimum
-           or spec.maximum is not None and value > spec.maximum
-           or spec.above is not None and value <= spec.above)
-    if bad:
-        raise ValueError(f"{key} = {value!r}: must be {wanted}")
-    return value
-
-
-def _cache_size(value: Any) -> None:
-    from .backends.memory import parse_limit
-
-    if str(value).strip().lower() not in ("auto", "off"):
-        parse_limit(str(value), flag="--prefix-cache")
-
-
-VALIDATORS = {"prefix_cache": _cache_size}
-
-
-def declared(cls: type) -> list[tuple[str, Spec, Any]]:
-    """(key, spec, default) of every setting a settings dataclass declares, in declaration order."""
-    out = []
-    for f in fields(cls):
-        spec = f.metadata.get("setting")
-        if spec is None:
-            continue
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        out.append((f.name, spec, default))
-    return out
 
 
 @dataclass
@@ -367,70 +240,3 @@ def load(overrides: dict[str, Any], config_file: Path | None = None) -> Settings
 def config_path() -> Path:
     """Where `config.toml` is read from when --config is not given."""
     return home_dirs()["config"] / "config.toml"
-
-
-def _flag_type(key: str, spec: Spec):
-    def parse(text: str) -> Any:
-        if spec.flag_zero and text.strip() == "0":
-            return 0
-        try:
-            if spec.validate is not None:  # its own sentence names the flag and the accepted forms
-                VALIDATORS[spec.validate](text)
-            return check(spec.flag or key, spec, text, from_text=True)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc) if spec.validate else
-                                             f"{text} must be {_range_text(spec)}") from None
-
-    parse.__name__ = spec.kind.__name__  # argparse names the type in its own messages
-    return parse
-
-
-GROUPS = {"torch": "torch backend (CUDA)"}  # the headings of the flag groups in `-h`
-
-
-def shown_default(default: Any) -> str:
-    """A default as `--help` shows it."""
-    if isinstance(default, bool):
-        return "on" if default else "off"
-    if isinstance(default, float):
-        return f"{default:g}"
-    return ",".join(default) if isinstance(default, list) else str(default)
-
-
-def add_flags(parser, group: str | None = None, headings: bool = True) -> None:
-    """Every declared setting that has a flag (only those of `group` when it is given), with its declared help and
-    default; a grouped flag under its group's heading (`headings=False`: `parser` is itself a group, and groups
-    do not nest)."""
-    headings = {name: parser.add_argument_group(title) for name, title in GROUPS.items()
-                if group in (None, name)} if headings else {}
-    for key, spec, default, _ in all_settings():
-        if spec.flag is None or group is not None and spec.group != group:
-            continue
-        shown = shown_default(default)
-        text = spec.help + (f" (default {shown})" if spec.show_default else "") + \
-            (f"; also {spec.env}" if spec.env else "")
-        dest = spec.dest or key
-        target = headings.get(spec.group, parser) if spec.group else parser
-        if spec.action == "store_true":
-            target.add_argument(spec.flag, action="store_true", dest=dest, default=None, help=text)
-        elif spec.action == "negate":
-            target.add_argument(spec.flag, action="store_false", dest=dest, default=None, help=text)
-        elif spec.action == "boolean":
-            target.add_argument(spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=None, help=text)
-        elif spec.action == "append":
-            target.add_argument(spec.flag, action="append", dest=dest, metavar=spec.metavar, help=text)
-        elif spec.choices:
-            target.add_argument(spec.flag, dest=dest, choices=spec.choices, metavar=spec.metavar, help=text)
-        else:
-            target.add_argument(spec.flag, dest=dest, type=_flag_type(key, spec), metavar=spec.metavar, help=text)
-
-
-def flag_overrides(args: argparse.Namespace, group: str | None = None) -> dict[str, Any]:
-    """The settings given as flags in `args` (absent or unset flags left out; only `group`'s when it is given)."""
-    out = {}
-    for key, spec, _, _ in all_settings():
-        if spec.flag is not None and (group is None or spec.group == group):
-            value = getattr(args, spec.dest or key, None)
-            if value is not None:
-                out[key] = value
-    return out

@@ -10,15 +10,9 @@ import pytest
 
 from basal_local.backends.torch.options import PRODUCT, TorchOptions
 from basal_local.cli import build_parser
-from basal_local.settings import (
-    EngineSettings,
-    Settings,
-    all_settings,
-    check,
-    flag_overrides,
-    shown_default,
-    torch_keys,
-)
+from basal_local.declare import check
+from basal_local.flags import flag_overrides, shown_default
+from basal_local.settings import EngineSettings, Settings, all_settings, torch_keys
 
 from .conftest import Daemon, http
 

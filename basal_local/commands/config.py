@@ -20,7 +20,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ..settings import Settings, _range_text, all_settings, check, config_path, file_values, flag_overrides
+from ..declare import check, range_text
+from ..flags import flag_overrides
+from ..settings import Settings, all_settings, config_path, file_values
 from . import UserError
 from .tomledit import remove_key, set_key
 
@@ -264,7 +266,7 @@ def unset(args: argparse.Namespace) -> int:
 def keys(args: argparse.Namespace) -> int:
     rows = []
     for key, spec, default, engine in all_settings():
-        rows.append({"key": key, "allowed": _range_text(spec) + (" or unset" if spec.optional else ""),
+        rows.append({"key": key, "allowed": range_text(spec) + (" or unset" if spec.optional else ""),
                      "default": default, "flag": spec.flag, "env": spec.env, "help": spec.help.replace("%%", "%"),
                      "engine": engine})
     if args.json:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from .. import __version__
 from ..backends.memory import parse_limit
+from ..flags import flag_overrides
 from ..paths import home_dirs
-from ..settings import Settings, config_path, flag_overrides
+from ..settings import Settings, config_path
 from . import UserError, bind_ephemeral, check_url, port_free
 from .background import detach
 
