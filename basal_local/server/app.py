@@ -1,4 +1,5 @@
-"""The litestar app: `/v1/systemone`, `/v1/basal`, `/v1/models`, `/health`, `/api/stats` (+ events.py routes).
+"""The litestar app: `/v1/systemone`, `/v1/basal` (+ the routes of status_routes.py, events.py, extras.py,
+batch_routes.py and model_routes.py).
 
 A decision request goes through small steps, each below: read the body (`body.py`: size limit, read
 deadline, decompression in a worker thread), then in ONE hop to a planner thread: parse it, take an in-flight
@@ -11,7 +12,6 @@ of the path's dialect (`api/errors.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -21,10 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, post
 from litestar.exceptions import HTTPException
 
-from .. import __version__
 from ..api import parse_body, route, validate
 from ..api.answers import response_body
 from ..api.errors import ApiError, dialect_of, http_error, internal, overloaded, protocol_error, refusal_error
@@ -32,28 +31,22 @@ from ..engine.gate import Entry
 from ..engine.plan import RequestPlan
 from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import Cancelled, EngineStopped
-from ..model.formats import port_summary
 from ..protocol.errors import AnswerRefused, ProtocolError
 from ..protocol.outcome import Outcome
 from ..telemetry.privacy import PRIVATE, error_summary
-from .batch_routes import BATCH_ROUTES, batch_summary, start_batches, stop_batches
+from .batch_routes import BATCH_ROUTES, start_batches, stop_batches
 from .body import BodyError, ClientGone, read_body
-from .events import EVENT_ROUTES, SERVER_ONLY, planned_event, request_detail, stats_snapshot
+from .events import EVENT_ROUTES, planned_event, request_detail
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
 from .model_routes import MODEL_ROUTES
-from .security import UNAUTHENTICATED
+from .responses import json_response
 from .state import MAX_BODY_BYTES, AppState
+from .status_routes import STATUS_ROUTES
 
 log = logging.getLogger("basal_local.server")
-DESCRIPTION = "basal typed-decision model (choice / noul / score / act / multi), Polish and English"
 # bodies above this are parsed and planned in their own pool, so a few big ones never delay small ones
 BIG_BODY_BYTES = 256 * 1024
 LOGGED_BODY_BYTES = 64 * 1024
-
-
-def _json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
-    content = json.dumps(body, ensure_ascii=False).encode("utf-8")
-    return Response(content=content, status_code=status, media_type="application/json", headers=headers or {})
 
 
 async def _watch_disconnect(request: Request, flag: threading.Event) -> None:
@@ -215,7 +208,7 @@ def _answer(call: _Call, planned: RequestPlan, result: Outcome) -> Response:
     call.status = 200
     call.timing = (f" (queue {result.queue_ms:.0f} ms, compute {result.compute_ms:.0f} ms, "
                    f"batch {result.batch_requests})")
-    return _json_response(200, body, headers)
+    return json_response(200, body, headers)
 
 
 def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
@@ -224,7 +217,7 @@ def _error(call: _Call, err: ApiError, close: bool = False) -> Response:
     headers = {**call.id_headers, **(err.headers or {})}
     if close:
         headers["connection"] = "close"
-    return _json_response(err.status, err.body, headers)
+    return json_response(err.status, err.body, headers)
 
 
 def _failure(call: _Call, exc: Exception) -> ApiError:
@@ -273,7 +266,7 @@ async def _decide(request: Request, dialect: str) -> Response:
         call.status = 499
         where = "mid-body" if isinstance(exc, ClientGone) else "before its answer"
         log.info("request %s: client disconnected %s (cancelled)", call.request_id, where)
-        return _json_response(499, {"error": "client closed request"}, call.id_headers)
+        return json_response(499, {"error": "client closed request"}, call.id_headers)
     except EngineStopped:
         registry = call.state.models
         if registry is not None and not call.state.stopping and call.model_name in registry.entries \
@@ -307,76 +300,6 @@ async def basal(request: Request) -> Response:
     return await _decide(request, "basal")
 
 
-@get("/v1/models")
-async def models(request: Request) -> Response:
-    state: AppState = request.app.state.basal
-    listed = {name: port_summary(engine.model) for name, engine in list(state.engines.items())}
-    if state.models is not None:  # known and unloaded: a request for one loads it (server/models.py)
-        listed.update(state.models.unloaded_listings())
-    entries = [{"name": name, "release_date": state.release_date, "description": DESCRIPTION,
-                "mode": f"basal-local-{state.backend_name}-{state.device}", "early_exit": [], **summary}
-               for name, summary in listed.items()]
-    return _json_response(200, {"models": entries})
-
-
-def replicas(state: AppState) -> list[dict[str, Any]]:
-    """Every engine replica with its device and work (one per model unless --devices/--replicas)."""
-    return [{k: v for k, v in r.items() if k not in SERVER_ONLY} for e in state.engines.values()
-            for r in e.describe()]
-
-
-def serving(state: AppState) -> tuple[str, list[dict[str, Any]]]:
-    """ok | degraded (a replica is down, every model still has a live one) | unavailable (a model has none: its
-    decisions answer 503), with the replicas' short entries."""
-    entries = []
-    for r in replicas(state):
-        entry = {k: r[k] for k in ("model", "replica", "device", "alive")}
-        entry["state"] = r.get("state", "ready" if r["alive"] else "down")
-        for key in ("restarts", "exit_code", "restart_in_s"):
-            if key in r:
-                entry[key] = r[key]
-        entries.append(entry)
-    live = {e["model"] for e in entries if e["alive"]}
-    if any(e["model"] not in live for e in entries):
-        return "unavailable", entries
-    return ("ok" if all(e["alive"] for e in entries) else "degraded"), entries
-
-
-@get("/health")
-async def health(request: Request) -> Response:
-    state: AppState = request.app.state.basal
-    if not state.ready:
-        if request.scope.get(UNAUTHENTICATED):  # no API key (security.py): the status word only
-            return _json_response(503, {"status": "error" if state.load_error else "loading"})
-        body: dict[str, Any] = {"status": "loading", "version": __version__}
-        if state.load_error:
-            body = {"status": "error", "error": state.load_error, "version": __version__}
-        return _json_response(503, body)
-    word, entries = serving(state)
-    status, headers = (503, {"retry-after": "5"}) if word == "unavailable" else (200, {})
-    if request.scope.get(UNAUTHENTICATED):
-        return _json_response(status, {"status": word}, headers)
-    body = {"status": word, "version": __version__, "models": list(state.engines),
-            "default_model": state.default_model, "backend": state.backend_name, "device": state.device,
-            "dtype": state.dtype, "replicas": entries}
-    if word == "unavailable":
-        down = sorted({e["model"] for e in entries} - {e["model"] for e in entries if e["alive"]})
-        body["error"] = (f"no replica of {', '.join(down)} is serving; its decisions answer 503 until one is "
-                         "back (`replicas` says each one's state)")
-    return _json_response(status, body, headers)
-
-
-@get("/api/stats")
-async def stats(request: Request) -> Response:
-    state: AppState = request.app.state.basal
-    snap = stats_snapshot(state)
-    snap["replicas"] = replicas(state)
-    snap["batch_jobs"] = batch_summary(request.app)  # the Batch API's ("batches" are the forwards)
-    snap["admission"] = state.admission.snapshot()
-    snap["model_states"] = state.models.snapshot() if state.models else []  # loading, unloading (models.py)
-    return _json_response(200, snap)
-
-
 def _http_exception(request: Request, exc: Exception) -> Response:
     """404, 405 and any other framework error in the path's dialect shape (never litestar's own)."""
     dialect = dialect_of(request.url.path)
@@ -389,11 +312,11 @@ def _http_exception(request: Request, exc: Exception) -> Response:
     else:
         log.error("unhandled %s on %s", type(exc).__name__, request.url.path)
         err = internal(type(exc).__name__, dialect)
-    return _json_response(err.status, err.body, err.headers)
+    return json_response(err.status, err.body, err.headers)
 
 
 def create_app(state: AppState) -> Litestar:
-    app = Litestar(route_handlers=[systemone, basal, models, health, stats, *EVENT_ROUTES, *extra_handlers(state),
+    app = Litestar(route_handlers=[systemone, basal, *STATUS_ROUTES, *EVENT_ROUTES, *extra_handlers(state),
                                    *BATCH_ROUTES, *MODEL_ROUTES],
                    middleware=[wrap_asgi(state)], request_max_body_size=MAX_BODY_BYTES, openapi_config=None,
                    exception_handlers={Exception: _http_exception}, before_send=[stamp_request_id],

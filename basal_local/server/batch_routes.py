@@ -19,6 +19,7 @@ from litestar.response import File
 from ..batches.runner import Runner
 from ..batches.store import MAX_EXPIRY_S, MAX_FILE_BYTES, MIN_EXPIRY_S, TERMINAL, Store, public
 from ..paths import home_dirs
+from .responses import json_response
 
 MAX_CREATE_BODY = 64 * 1024
 MAX_METADATA_KEYS = 16
@@ -31,9 +32,7 @@ class BatchApiError(Exception):
 
 
 def _json(status: int, body: Any, close: bool = False) -> Response:
-    headers = {"connection": "close"} if close else {}
-    return Response(json.dumps(body, ensure_ascii=False).encode("utf-8"), status_code=status,
-                    media_type="application/json", headers=headers)
+    return json_response(status, body, {"connection": "close"} if close else None)
 
 
 def _error(exc: BatchApiError, close: bool = False) -> Response:

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ from litestar import Request, Response, get
 from .. import __version__
 from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
+from .responses import json_response
 from .state import AppState
 
 DECISION_PATHS = ("/v1/systemone", "/v1/basal")
@@ -82,11 +82,6 @@ def wrap_asgi(state: AppState):
     return factory
 
 
-def _json(status: int, body: Any) -> Response:
-    return Response(content=json.dumps(body, ensure_ascii=False).encode(), status_code=status,
-                    media_type="application/json")
-
-
 def _rss_bytes(pid: int | None = None) -> int | None:
     """A process's resident memory (Linux /proc; for this process else the peak from resource; else unknown)."""
     try:
@@ -140,7 +135,7 @@ async def ps(request: Request) -> Response:
         loaded.append({"name": entry["name"], "path": entry["path"], "status": entry["status"],
                        "default": entry["default"], "keep_alive_s": entry["keep_alive_s"], "error": entry["error"],
                        "since": entry["since"], "replicas": []})
-    return _json(200, {"version": __version__, "ready": state.ready, "error": state.load_error,
+    return json_response(200, {"version": __version__, "ready": state.ready, "error": state.load_error,
                        "pid": os.getpid(), "process_rss_bytes": _rss_bytes(), "inflight": state.inflight,
                        "models": loaded})
 
@@ -148,7 +143,7 @@ async def ps(request: Request) -> Response:
 @get("/openapi.json")
 async def openapi(request: Request) -> Response:
     state: AppState = request.app.state.basal
-    return _json(200, openapi_document(list(state.engines) or ["basal-demo"]))
+    return json_response(200, openapi_document(list(state.engines) or ["basal-demo"]))
 
 
 @get("/docs")

@@ -16,15 +16,11 @@ from typing import Any
 from litestar import Request, Response, post
 
 from .models import DRAIN_S, ModelRegistry, parse_keep_alive
-
-
-def _json(status: int, body: Any) -> Response:
-    return Response(content=json.dumps(body, ensure_ascii=False).encode(), status_code=status,
-                    media_type="application/json")
+from .responses import json_response
 
 
 def _fail(status: int, code: str, message: str) -> Response:
-    return _json(status, {"error": message, "code": code})
+    return json_response(status, {"error": message, "code": code})
 
 
 async def _body(request: Request) -> dict[str, Any] | Response:
@@ -98,8 +94,8 @@ async def load_route(request: Request) -> Response:
         await _wait(registry, name, ("loaded", "failed", "unloaded"))
     entry = {**_state_of(registry, name), "already_loaded": already}
     if entry["status"] == "failed":
-        return _json(500, {**entry, "error": entry["error"], "code": "LOAD_FAILED"})
-    return _json(200 if entry["status"] == "loaded" else 202, entry)
+        return json_response(500, {**entry, "error": entry["error"], "code": "LOAD_FAILED"})
+    return json_response(200 if entry["status"] == "loaded" else 202, entry)
 
 
 @post("/api/unload", status_code=200)
@@ -122,7 +118,7 @@ async def unload_route(request: Request) -> Response:
         await asyncio.get_running_loop().run_in_executor(None, thread.join, DRAIN_S + 60.0)
     entry = _state_of(registry, name)
     done = thread is None and entry["status"] in ("unloaded", "failed") or thread is not None and not thread.is_alive()
-    return _json(200 if done else 202, {**entry, "unloaded": done})
+    return json_response(200 if done else 202, {**entry, "unloaded": done})
 
 
 MODEL_ROUTES = [load_route, unload_route]

@@ -1,0 +1,13 @@
+"""The JSON response of the daemon's routes: UTF-8 without ASCII escapes, `application/json`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from litestar import Response
+
+
+def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    content = json.dumps(body, ensure_ascii=False).encode("utf-8")
+    return Response(content=content, status_code=status, media_type="application/json", headers=headers or {})
