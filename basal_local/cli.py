@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -53,12 +54,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_command(args)
 
 
-def cmd_prompts(args: argparse.Namespace) -> int:
-    from .commands.prompts import prompts_command
-
-    return prompts_command(args)
-
-
 def cmd_top(args: argparse.Namespace) -> int:
     from .server.tuimode import local_url
 
@@ -76,18 +71,10 @@ def cmd_top(args: argparse.Namespace) -> int:
     return run_top(url, api_key=client_key(args))
 
 
-def _models(name: str):
-    def run(args: argparse.Namespace) -> int:
-        from .commands import models
-
-        return getattr(models, name)(args)
-    return run
-
-
 def _lazy(module: str, func: str):
-    def run(args: argparse.Namespace) -> int:
-        import importlib
+    """The command `func` of `commands/<module>.py`, imported only when it runs (so `-h` stays quick)."""
 
+    def run(args: argparse.Namespace) -> int:
         return getattr(importlib.import_module(f".commands.{module}", __package__), func)(args)
     return run
 
@@ -153,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--demo", action="store_true", help="use the demo model")
     p.add_argument("--dialect", choices=["systemone", "basal"], default="systemone", help="(default systemone)")
     p.add_argument("--tree", action="store_true", help="print the packed prefix tree instead")
-    p.set_defaults(func=cmd_prompts)
+    p.set_defaults(func=_lazy("prompts", "prompts_command"))
 
     p = sub.add_parser("make-test-model", help="write a random-weight model directory of the contract")
     p.add_argument("directory", help="folder to write (created)")
@@ -169,31 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "fp8"],
                    help="weight layout of a shipped port (default bf16): MLX 8-bit/nvfp4 (mlx-lm layout, needs "
                         "mlx), GGUF Q8_0/Q4_K_M (the gguf package's writer) or NVIDIA ModelOpt FP8")
-    p.set_defaults(func=_models("make_test_model"))
+    p.set_defaults(func=_lazy("models", "make_test_model"))
 
     p = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumable)")
     p.add_argument("ref", help="mini, 4.5B, max or OWNER/NAME[@REVISION]")
-    p.set_defaults(func=_models("pull"))
+    p.set_defaults(func=_lazy("models", "pull"))
 
     p = sub.add_parser("list", aliases=["ls"], help="models downloaded (and the demo model)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_models("list_"))
+    p.set_defaults(func=_lazy("models", "list_"))
 
     p = sub.add_parser("show", help="a model's architecture, calibration and files")
     p.add_argument("ref", help="name (mini, OWNER/NAME, basal-demo) or model directory")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_models("show"))
+    p.set_defaults(func=_lazy("models", "show"))
 
     p = sub.add_parser("rm", help="delete a downloaded model from the cache")
     p.add_argument("ref", help="mini, 4.5B, max, OWNER/NAME[@REVISION] or basal-demo")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask")
-    p.set_defaults(func=_models("rm"))
+    p.set_defaults(func=_lazy("models", "rm"))
 
     p = sub.add_parser("ps", help="what a running daemon has loaded, and its memory")
     p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_key_flag(p)
-    p.set_defaults(func=_models("ps"))
+    p.set_defaults(func=_lazy("models", "ps"))
 
     p = sub.add_parser("load", help="a running daemon loads a model (no restart)",
                        description="Load a model into a running daemon; it stays loaded for --keep-alive after its "
@@ -206,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return at once (default: wait for it)")
     p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
     _add_key_flag(p)
-    p.set_defaults(func=_models("load"))
+    p.set_defaults(func=_lazy("models", "load"))
 
     p = sub.add_parser("unload", help="a running daemon unloads a model and frees its memory",
                        description="Unload a model from a running daemon: it finishes the requests it holds, then its "
@@ -216,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return at once (default: wait for it)")
     p.add_argument("--url", default=None, help="daemon URL (default http://HOST:PORT from the config)")
     _add_key_flag(p)
-    p.set_defaults(func=_models("unload"))
+    p.set_defaults(func=_lazy("models", "unload"))
 
     p = sub.add_parser("doctor", help="check this machine: Python, packages, devices, models, disk, port, config")
     p.add_argument("--json", action="store_true", help="print JSON")
