@@ -1,6 +1,7 @@
 """The layers of docs/ARCHITECTURE.md "Layout and namespace", as imports: protocol knows no HTTP, api or engine; the
 engine knows no HTTP and no wire dialect (its errors are protocol exceptions the api maps, docs/PROTOCOL.md §2.1);
-backends know nothing of the server, the api or the commands; the product has no import circles."""
+backends know nothing of the server, the api or the commands; the settings know no room above them; the product
+has no import circles; its modules stay under ~400 lines."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ FORBIDDEN = {
     "replicas": ("basal_local.api", "basal_local.server", "basal_local.commands", "litestar", "uvicorn"),
 }
 BACKEND_FORBIDDEN = ("basal_local.server", "basal_local.api", "basal_local.commands", "basal_local.cli")
+# the settings modules sit below every room that reads them (the engine reads EngineSettings)
+SETTINGS_MODULES = ("settings.py", "declare.py", "flags.py", "paths.py")
+SETTINGS_FORBIDDEN = ("basal_local.server", "basal_local.api", "basal_local.commands", "basal_local.cli",
+                      "basal_local.engine", "basal_local.replicas", "basal_local.bench", "litestar", "uvicorn", "torch")
+MODULE_LINES = 400  # CONTRIBUTING.md "Style": modules under ~400 lines
+LONG_MODULES = {  # a module that must stay longer, and why
+    "engine/prefix_cache.py": "the state cache's tree, row allocator and leases share one lock (its 'Thread safety')",
+}
 
 
 def _imports(path: Path, package: list[str], top_level_only: bool = False) -> list[str]:
@@ -69,6 +78,22 @@ def test_backends_import_nothing_of_server_api_or_commands():
         bad += [f"{path.relative_to(ROOT)} imports {name}" for name in _imports(path, package)
                 if any(name == f or name.startswith(f + ".") for f in BACKEND_FORBIDDEN)]
     assert bad == []
+
+
+def test_settings_modules_import_no_room_above_them():
+    bad = [f"{name} imports {imported}" for name in SETTINGS_MODULES
+           for imported in _imports(PACKAGE / name, ["basal_local"])
+           if any(imported == f or imported.startswith(f + ".") for f in SETTINGS_FORBIDDEN)]
+    assert bad == []
+
+
+def test_no_module_of_the_package_is_longer_than_about_400_lines():
+    """Each module one concern (CONTRIBUTING.md "Style"); a module in LONG_MODULES says why it is longer, and is
+    taken off that list once it is not."""
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text(encoding="utf-8").splitlines())
+               for path in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > MODULE_LINES and name not in LONG_MODULES} == {}
+    assert {name: lengths.get(name, 0) for name in LONG_MODULES if lengths.get(name, 0) <= MODULE_LINES} == {}
 
 
 def _code_words(path: Path) -> set[str]:
