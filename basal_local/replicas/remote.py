@@ -18,13 +18,15 @@ from typing import Any, Protocol
 from . import wire
 from .worker import WorkerSpec, worker_main
 
-log = logging.getLogger("basal_local.replicas.front")
+log = logging.getLogger("basal_local.replicas.front")  # the front's log, as restarts.py's lines
 
 REMEMBERED_DOCUMENTS = 64  # per worker: the documents routing looks for
 
 
 @dataclass
 class Pending:
+    """A request the front sent to a worker and has not had answered (it moves to another worker if this one dies)."""
+
     token: int
     message: wire.Submit
     future: Future
