@@ -130,8 +130,8 @@ class Settings:
     # the torch backend's product options (backends/torch/options.py TorchOptions: their defaults, and the measuring
     # tools' knobs); they act on CUDA, the CPU reference ignores them
     gemm: str = setting(TorchOptions.gemm, "CUDA GEMM route: cuBLAS at row counts verified to give the same bits "
-                                           "(verified), fixed row chunks (chunked), plain cuBLAS (cublas: not "
-                                           "batch-invariant) or the Triton GEMM (triton)", flag="--gemm",
+                                           "(verified), fixed row chunks (chunked) or plain cuBLAS, which is not "
+                                           "batch-invariant (cublas)", flag="--gemm",
                         choices=GEMM_ROUTES, group="torch")
     cublaslt: bool = setting(TorchOptions.cublaslt, "pinned cuBLASLt algorithms where they give the same bits and "
                                                     "are faster (--no-cublaslt: never)", flag="--no-cublaslt",

@@ -3,7 +3,6 @@
 Every kernel's reduction order is fixed by compile-time constants and never by the number of rows, so a
 row's result is the same bits alone or in any batch (docs/PROTOCOL.md §10):
 - tree attention: keys in tiles of BLOCK_N *positions* (plan.py), online softmax in f32, f16/bf16 operands;
-- GEMM: one tile configuration per (N, K) weight shape, a sequential K loop, no split-K;
 - norms, RoPE, SwiGLU, letter logits: one program per row (or element block), fixed-width reductions.
 """
 
@@ -280,74 +279,6 @@ def letter_logits(h: torch.Tensor, lm_head: torch.Tensor, letters: torch.Tensor)
     if rows and letters.shape[0]:
         _letter_kernel[(rows, letters.shape[0])](h, lm_head, letters, out, h.stride(0), lm_head.stride(0), n,
                                                  letters.shape[0], BLOCK=512, num_warps=4)
-    return out
-
-
-# ---- GEMM with a fixed tiling per weight shape ------------------------------------------------------------
-@triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(A, W, C, BIAS, M, N, K, stride_am, stride_wn, stride_cm, HAS_BIAS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % size_m)
-    pid_n = (pid % in_group) // size_m
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    a_ptrs = A + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    m_mask = offs_m[:, None] < M
-    n_mask = offs_n[None, :] < N
-    acc = tl.zeros([BM, BN], tl.float32)
-    for _ in range(0, K, BK):  # K % BK == 0 (checked by the launcher)
-        a = tl.load(a_ptrs, mask=m_mask, other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask, other=0.0)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BK
-        w_ptrs += BK
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(C.dtype.element_ty),
-             mask=m_mask & n_mask)
-
-
-# (BM, BN, BK, warps, stages) per weight shape, chosen once by measurement (docs/PERFORMANCE.md), never by M
-DEFAULT_GEMM_CONFIG = (64, 128, 64, 4, 4)
-GEMM_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    # 4.5B (H200, measured by a kernel bench since removed, `git show 56232b5:tools/kernel_bench.py`: the best sum of time at 320 and 8192 rows relative to cuBLAS)
-    (2560, 2048): (64, 128, 64, 4, 4), (2048, 2048): (64, 128, 64, 4, 4), (22016, 2048): (128, 256, 64, 8, 3),
-    (2048, 11008): (64, 64, 64, 4, 4),
-}
-
-
-def gemm_config(n: int, k: int) -> tuple[int, int, int, int, int]:
-    if (n, k) in GEMM_CONFIGS:
-        return GEMM_CONFIGS[(n, k)]
-    bm, bn, bk, warps, stages = DEFAULT_GEMM_CONFIG
-    while k % bk and bk > 16:  # a K tile that divides K (a property of the weight shape, not of M)
-        bk //= 2
-    return bm, bn, bk, warps, stages
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) with a tiling that depends on (N, K) only."""
-    m, k = x.shape
-    n = weight.shape[0]
-    bm, bn, bk, warps, stages = config or gemm_config(n, k)
-    if k % bk or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"GEMM shape {m}x{k} @ {n}x{k} does not fit the fixed tiling (K % {bk})")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _gemm_kernel[grid](x, weight, out, bias if bias is not None else weight, m, n, k, x.stride(0),
-                       weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                       num_warps=warps, num_stages=stages)
     return out
 
 

@@ -100,10 +100,6 @@ def letter_logits(h: torch.Tensor, lm_head: torch.Tensor, letters: torch.Tensor)
     return h.float() @ lm_head[letters].float().T
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) as ceil(M / chunk) library GEMMs of exactly `chunk` rows each.
 

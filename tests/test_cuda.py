@@ -176,22 +176,14 @@ def test_cuda_fused_kernels_match_twins():
         letters = torch.tensor([1, 7, 49], device="cuda")
         la, lb = kernels.letter_logits(h2, lm, letters), twins.letter_logits(h2, lm, letters)
         assert (la - lb).abs().max().item() <= 1e-3 * max(1.0, lb.abs().max().item())
-        if dtype != torch.float32:
-            wt = torch.randn(384, 256, device="cuda", generator=g).to(dtype) * 0.05
-            bias = torch.randn(384, device="cuda", generator=g).to(dtype)
-            big = torch.randn(700, 256, device="cuda", generator=g).to(dtype)
-            ya, yb = kernels.linear(big, wt, bias), twins.linear(big, wt, bias)
-            assert ((ya.float() - yb.float()).norm() / yb.float().norm()).item() <= 5e-3
-            # the fixed tiling: a row's bits do not depend on how many rows are multiplied with it
-            assert torch.equal(kernels.linear(big[:5], wt, bias), ya[:5])
 
 
-@pytest.mark.parametrize("gemm", ["verified", "chunked", "triton", "fp8"])
+@pytest.mark.parametrize("gemm", ["verified", "chunked", "fp8"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
     """A prompt alone, in a batch, in a tree beside its question's other order and beside other questions of
     the same state: bitwise equal letter logits with each GEMM route: cuBLAS at verified row counts (the
-    default), fixed chunks, Triton GEMMs."""
+    default), fixed chunks, fp8 GEMMs."""
     from basal_local.engine.packer import PromptSpec
 
     if gemm == "fp8" and dtype == "bf16":

@@ -84,7 +84,7 @@ def test_a_flag_and_the_same_key_in_config_toml_give_the_same_settings(tmp_path)
     ("port = 70000", "", "must be a whole number from 1 to 65535"),
     ("max_inflght = 3", "", "unknown setting 'max_inflght' (did you mean 'max_inflight'?)"),
     ("[aliases]\njev = 3", "", "[aliases] must map names"),
-    ("gemm = \"fast\"", "", "gemm = 'fast': must be one of verified, chunked, cublas, triton"),
+    ("gemm = \"fast\"", "", "gemm = 'fast': must be one of verified, chunked, cublas"),
     ("fp8_gemms = [\"gate\", \"down\"]", "", "must be a comma list of qkv, o, gate_up, down"),
     ("fp8_gemms = \"qkv,up\"", "", "fp8_gemms = ['qkv', 'up']: must be a comma list of qkv, o, gate_up, down"),
     ("cuda_graphs = \"no\"", "", "cuda_graphs = 'no': must be true or false"),
@@ -151,8 +151,8 @@ def test_serve_and_bench_show_the_torch_options_under_one_heading(command, capsy
 def test_bench_flags_give_the_backend_its_options():
     from basal_local.bench import torch_options
 
-    args = build_parser().parse_args(["bench", "--gemm", "triton", "--no-cuda-graphs", "--fp8-gemms", "down"])
-    assert torch_options(args) == TorchOptions(gemm="triton", cuda_graphs=False, fp8_gemms=("down",))
+    args = build_parser().parse_args(["bench", "--gemm", "cublas", "--no-cuda-graphs", "--fp8-gemms", "down"])
+    assert torch_options(args) == TorchOptions(gemm="cublas", cuda_graphs=False, fp8_gemms=("down",))
     assert torch_options(build_parser().parse_args(["bench"])) == TorchOptions()
 
 
@@ -197,7 +197,7 @@ def test_a_replica_worker_loads_its_backend_with_the_options_of_its_spec(tiny_mo
 
     from basal_local.replicas.worker import WorkerSpec, load_engine
 
-    wanted = TorchOptions(gemm="triton", cublaslt=False)
+    wanted = TorchOptions(gemm="cublas", cublaslt=False)
     spec = WorkerSpec(tiny_model, "torch", "cpu", "f32", EngineSettings(), replica=0, torch_options=wanted)
     engine, _, ready = load_engine(spec, queue.SimpleQueue())
     try:

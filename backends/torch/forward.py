@@ -58,13 +58,13 @@ class Forward:
         self.fp8_bytes = 0
         self._fp8: fp8.Fp8Weights | None = None
         self._gemms: dict[tuple, gemm.SizedGemm] = {}
-        self.gemm = self._route(options.gemm)
-        if self.gemm == "triton":
-            self.linear = self.ops.linear
-        elif self.gemm == "chunked":
+        # dtype fp8: the fp8 GEMMs at verified row counts; f32 keeps plain cuBLAS (exact f32; no TF32)
+        self.gemm = "fp8" if backend.dtype_name == "fp8" else "cublas" if backend.dtype == torch.float32 \
+            else options.gemm
+        if self.gemm == "chunked":
             self.linear = lambda x, w, b: twins.chunked_linear(x, w, b, options.gemm_chunk)
         elif self.gemm == "cublas":
-            self.linear = twins.linear
+            self.linear = F.linear
         else:
             self.linear = self._verified()
         self.tiling = tuple(options.attention_tiling) if self.use_triton else (64, 64, 4, 2)
@@ -79,13 +79,6 @@ class Forward:
         self.cos, self.sin = torch.from_numpy(cos).to(backend.device), torch.from_numpy(sin).to(backend.device)
 
     # ---- the GEMMs -------------------------------------------------------------------------------------------
-    def _route(self, route: str) -> str:
-        if self.b.dtype_name == "fp8":
-            return "fp8"
-        if self.b.dtype == torch.float32:
-            return "cublas"  # the f32 path keeps plain cuBLAS (exact f32; no TF32)
-        return "verified" if route == "triton" and not self.use_triton else route
-
     def _verified(self):
         """cuBLAS (or the fp8 GEMM) at verified row counts per weight shape (`gemm.build_linear`)."""
         base = F.linear

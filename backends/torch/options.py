@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 # the GEMM routes (cuda_kernels/gemm.py): cuBLAS at row counts verified to agree, fixed chunks of rows, plain
-# cuBLAS (not batch-invariant: for measuring), the Triton GEMM
-GEMM_ROUTES = ("verified", "chunked", "cublas", "triton")
+# cuBLAS (not batch-invariant: for measuring)
+GEMM_ROUTES = ("verified", "chunked", "cublas")
 # the projections that dtype fp8 may quantize; the others stay f16 at their own verified row counts
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
 # how a ModelOpt FP8 checkpoint's per-part scales meet in a fused GEMM (cuda_kernels/fp8.py `fuse_parts`)
