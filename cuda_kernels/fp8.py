@@ -13,11 +13,10 @@ A ModelOpt FP8 checkpoint (`Fp8Weights.add_checkpoint`, `fuse_parts`) brings its
 weights with one f32 `weight_scale` per tensor, kept as they are on disk, and one static `input_scale` per
 projection, so an activation is quantized elementwise (`quant_static`: x / input_scale rounded to e4m3 and
 saturated at ±448): no per-row reduction, and a row's bits depend on that row only, as above. The fused q/k/v and
-gate/up weights have one scale per part; `fuse_parts` either keeps every part's bits with a scale per output
-channel ("channel": `_scaled_mm` row-wise) or, as vLLM loads these checkpoints, requantizes the parts to their
-largest scale ("tensor": one scale per GEMM, `_scaled_mm` tensor-wise; exact where the parts' scales agree, and
-always for o_proj and down_proj). Fused parts share one input (the same norm output), so their input scales are
-one: the largest of them where a checkpoint differs.
+gate/up weights have one scale per part; `fuse_parts` requantizes the parts to their largest scale, as vLLM loads
+these checkpoints (one scale per GEMM, `_scaled_mm` tensor-wise; exact where the parts' scales agree, and always
+for o_proj and down_proj). Fused parts share one input (the same norm output), so their input scales are one: the
+largest of them where a checkpoint differs.
 
 Pure torch (the kernel is passed in), so the CPU tests run the same functions with `quant_rows`,
 `quant_static` and `scaled_mm_twin` (a dequantized f32 matmul).
@@ -36,7 +35,6 @@ FP8_MAX = 448.0
 Quant = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 StaticQuant = Callable[[torch.Tensor, float], torch.Tensor]
-SCALE_MODES = ("tensor", "channel")
 
 
 def pow2_scale_bits(amax: torch.Tensor) -> torch.Tensor:
@@ -84,25 +82,15 @@ def requantize(q: torch.Tensor, scale: float, new_scale: float) -> torch.Tensor:
     return (q.float() * ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def fuse_parts(parts: Sequence[torch.Tensor], weight_scales: Sequence[float], input_scales: Sequence[float],
-               mode: str) -> tuple[list[torch.Tensor], torch.Tensor, float, int]:
-    """A fused GEMM's parts from a checkpoint (q/k/v, gate/up, or one part) ready to concatenate along the
-    output dimension, the fused weight's f32 scale (a scalar in "tensor" mode, [1, sum N_i] per output channel
-    in "channel" mode), its one input scale, and how many parts were requantized (none in "channel" mode, none
-    where the parts' scales agree)."""
-    if mode not in SCALE_MODES:
-        raise ValueError(f"unknown fp8 scale mode {mode!r} ({', '.join(SCALE_MODES)})")
-    device = parts[0].device
-    if mode == "tensor":
-        top = max(weight_scales)
-        out = [requantize(q, s, top) for q, s in zip(parts, weight_scales)]
-        changed = sum(s != top for s in weight_scales)
-        scale = torch.tensor(top, dtype=torch.float32, device=device)
-    else:
-        out, changed = list(parts), 0
-        scale = torch.cat([torch.full((q.shape[0],), s, dtype=torch.float32, device=device)
-                           for q, s in zip(parts, weight_scales)]).view(1, -1)
-    return out, scale.contiguous(), float(max(input_scales)), changed
+def fuse_parts(parts: Sequence[torch.Tensor], weight_scales: Sequence[float],
+               input_scales: Sequence[float]) -> tuple[list[torch.Tensor], torch.Tensor, float, int]:
+    """A fused GEMM's parts from a checkpoint (q/k/v, gate/up, or one part) at their largest scale, ready to
+    concatenate along the output dimension; the fused weight's f32 scale (a scalar), its one input scale, and how
+    many parts were requantized (none where the parts' scales agree)."""
+    top = max(weight_scales)
+    out = [requantize(q, s, top) for q, s in zip(parts, weight_scales)]
+    scale = torch.tensor(top, dtype=torch.float32, device=parts[0].device)
+    return out, scale, float(max(input_scales)), sum(s != top for s in weight_scales)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,12 +144,11 @@ class Fp8Weights:
 
     def add_checkpoint(self, wq: torch.Tensor, weight_scale: torch.Tensor, input_scale: float,
                        static: StaticQuant) -> None:
-        """A checkpoint's e4m3 weight as it is (the key is the weight itself) with its scales: activations
-        quantized by `static` with the input scale (a scalar tensor beside a scalar weight scale, else [M, 1])."""
+        """A checkpoint's e4m3 weight as it is (the key is the weight itself) with its scalar scales: activations
+        quantized by `static` with the input scale."""
         inv = inverse_scale(input_scale)
         sx = torch.tensor(input_scale, dtype=torch.float32, device=wq.device)
-        rows = None if weight_scale.dim() == 0 else _ScaleRows(sx)
-        quant = functools.partial(_static_pair, static, inv, sx, rows)
+        quant = functools.partial(_static_pair, static, inv, sx)
         self._by_id[id(wq)] = (wq, wq, weight_scale, quant)
 
     def has(self, w: torch.Tensor) -> bool:
@@ -185,24 +172,8 @@ class Fp8Weights:
         return out
 
 
-class _ScaleRows:
-    """The [M, 1] column of one static input scale that row-wise `_scaled_mm` takes, cut from one buffer."""
-
-    ROWS = 8192  # the largest call a verified GEMM makes (forward.TOKEN_BUCKETS): no growth inside a capture
-
-    def __init__(self, sx: torch.Tensor) -> None:
-        self.sx = sx
-        self.buf = sx.reshape(1, 1).expand(self.ROWS, 1).contiguous()
-
-    def __call__(self, m: int) -> torch.Tensor:
-        if self.buf.shape[0] < m:
-            self.buf = self.sx.reshape(1, 1).expand(m, 1).contiguous()
-        return self.buf[:m]
-
-
-def _static_pair(static: StaticQuant, inv: float, sx: torch.Tensor, rows: _ScaleRows | None,
-                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return static(x, inv), (sx if rows is None else rows(x.shape[0]))
+def _static_pair(static: StaticQuant, inv: float, sx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return static(x, inv), sx
 
 
 def build_store(layers, names, device, dtype: torch.dtype, kernel: Quant | None, report: dict) -> Fp8Weights:
@@ -233,11 +204,11 @@ def build_store(layers, names, device, dtype: torch.dtype, kernel: Quant | None,
 
 
 def build_checkpoint_store(layers, scales: list[dict], names, device, dtype: torch.dtype, kernel: StaticQuant | None,
-                           mode: str, report: dict) -> Fp8Weights:
+                           report: dict) -> Fp8Weights:
     """The GEMMs of a ModelOpt FP8 checkpoint: each layer's e4m3 weights as loaded (`fuse_parts`), `scales[i]`
     {slot attribute: (weight scale, input scale)} from the load; activations by `kernel` (the Triton static
-    quantizer) where it gives `quant_static`'s bits, else the twin; `_scaled_mm` tensor-wise ("tensor") or
-    row-wise ("channel") on CUDA, the twin GEMM on the CPU."""
+    quantizer) where it gives `quant_static`'s bits, else the twin; `_scaled_mm` tensor-wise on CUDA, the twin
+    GEMM on the CPU."""
     static: StaticQuant = quant_static
     if kernel is not None:
         x = (torch.randn(8, 320, device=device) * 9).to(dtype)
@@ -250,13 +221,13 @@ def build_checkpoint_store(layers, scales: list[dict], names, device, dtype: tor
             report["fp8_quant_error"] = repr(exc)[:300]
         static = kernel if same else quant_static
         report["fp8_quant"] = "triton static" if same else "twin static"
-        mm = scaled_mm_cuda if mode == "tensor" else cuda_scaled_mm(device, dtype)
+        mm = scaled_mm_cuda
     else:
         mm = scaled_mm_twin
     store = Fp8Weights(quant_rows, mm)
     report["fp8_mm"] = mm.__name__
     report["fp8_gemms"] = ",".join(names)
-    report["fp8_scales"] = f"checkpoint ({mode})"
+    report["fp8_scales"] = "checkpoint (tensor)"
     for layer, by_slot in zip(layers, scales):
         for attr, (sw, s_in) in by_slot.items():
             store.add_checkpoint(getattr(layer, attr), sw, s_in, static)

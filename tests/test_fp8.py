@@ -182,32 +182,26 @@ def test_quant_static_is_round_to_nearest_even_saturated():
     assert torch.equal(fp8.quant_static(x[3:4], 0.5).view(torch.uint8), fp8.quant_static(x, 0.5)[3:4].view(torch.uint8))
 
 
-def test_fuse_parts_keeps_bits_or_requantizes_to_the_largest_scale():
+def test_fuse_parts_requantizes_to_the_largest_scale():
     gen = torch.Generator().manual_seed(3)
     parts = [(torch.randn(n, 32, generator=gen) * 100).to(fp8.FP8) for n in (8, 4, 4)]
-    same, s, s_in, changed = fp8.fuse_parts(parts, [0.5, 0.5, 0.5], [0.1, 0.1, 0.1], "tensor")
+    same, s, s_in, changed = fp8.fuse_parts(parts, [0.5, 0.5, 0.5], [0.1, 0.1, 0.1])
     assert changed == 0 and s.dim() == 0 and float(s) == 0.5 and s_in == pytest.approx(0.1)
     assert all(a is b for a, b in zip(same, parts))  # equal scales: the bits on disk, untouched
-    out, s, s_in, changed = fp8.fuse_parts(parts, [0.5, 0.25, 0.125], [0.1, 0.3, 0.2], "tensor")
+    out, s, s_in, changed = fp8.fuse_parts(parts, [0.5, 0.25, 0.125], [0.1, 0.3, 0.2])
     assert changed == 2 and float(s) == 0.5 and s_in == pytest.approx(0.3)  # one input: the widest scale
     assert out[0] is parts[0]
     for q, new, scale in zip(parts[1:], out[1:], (0.25, 0.125)):
         want = _round_e4m3(q.double().numpy() * scale / 0.5)
         assert np.array_equal(new.double().numpy(), want)
-    kept, s, _, changed = fp8.fuse_parts(parts, [0.5, 0.25, 0.125], [0.1, 0.3, 0.2], "channel")
-    assert changed == 0 and all(a is b for a, b in zip(kept, parts)) and s.shape == (1, 16)
-    assert s.flatten().tolist() == [0.5] * 8 + [0.25] * 4 + [0.125] * 4
-    with pytest.raises(ValueError, match="unknown fp8 scale mode"):
-        fp8.fuse_parts(parts, [1.0] * 3, [1.0] * 3, "block")
 
 
-@pytest.mark.parametrize("mode", ["tensor", "channel"])
-def test_checkpoint_linear_is_the_dequantized_product(mode):
+def test_checkpoint_linear_is_the_dequantized_product():
     """The twin GEMM of a checkpoint weight: round(x / s_in) · (q · s_w), summed exactly, one rounding to f16."""
     gen = torch.Generator().manual_seed(4)
     parts = [(torch.randn(n, 64, generator=gen) * 60).to(fp8.FP8) for n in (24, 8)]
     ws, ins = [0.004, 0.002], [0.02, 0.02]
-    qs, sw, s_in, _ = fp8.fuse_parts(parts, ws, ins, mode)
+    qs, sw, s_in, _ = fp8.fuse_parts(parts, ws, ins)
     wq = torch.cat(qs)
     store = fp8.Fp8Weights()
     store.add_checkpoint(wq, sw, s_in, fp8.quant_static)
@@ -216,9 +210,7 @@ def test_checkpoint_linear_is_the_dequantized_product(mode):
     x[2, 5] = 100.0  # beyond the calibrated range: saturates at 448 * s_in
     y = store.linear(x, wq, None)
     xq = _round_e4m3(x.float().numpy() * np.float32(fp8.inverse_scale(s_in)))
-    scale_cols = np.concatenate([np.full(n, s) for n, s in zip((24, 8), ws)]) if mode == "channel" else \
-        np.full(32, max(ws))
-    ref = (xq @ (wq.double().numpy() * scale_cols[:, None]).T) * np.float64(np.float32(s_in))
+    ref = (xq @ (wq.double().numpy() * max(ws)).T) * np.float64(np.float32(s_in))
     assert y.dtype == torch.float16
     assert np.allclose(y.double().numpy(), ref, rtol=2 ** -10, atol=1e-6)
     assert torch.equal(store.linear(x[4:6], wq, None), y[4:6])
@@ -233,16 +225,13 @@ def fp8_port(tmp_path_factory):
     return port, reference_dir(port, "fp8", root)
 
 
-@pytest.mark.parametrize("mode", ["tensor", "channel"])
-def test_checkpoint_route_close_to_its_dequantized_reference(fp8_port, mode):
+def test_checkpoint_route_close_to_its_dequantized_reference(fp8_port):
     """An FP8 checkpoint on the fp8 route (the twins here; CUDA runs the same arithmetic) keeps the e4m3 weights
     as loaded, and its letter logits stay near the checkpoint's weights dequantized through the f32 reference."""
-    from basal_local.backends.torch.options import TorchOptions
-
     port, ref_dir = fp8_port
     md, ref, prefixes = load_backend(ref_dir)
-    _, quant, _ = load_backend(port, dtype="fp8", options=TorchOptions(fp8_scales=mode))
-    assert quant.fwd.gemm == "fp8" and quant.fwd.report["fp8_scales"] == f"checkpoint ({mode})"
+    _, quant, _ = load_backend(port, dtype="fp8")
+    assert quant.fwd.gemm == "fp8" and quant.fwd.report["fp8_scales"] == "checkpoint (tensor)"
     layer = quant.layers[0]
     assert all(getattr(layer, f"{n}_weight").dtype == fp8.FP8 for n in ("qkv", "o_proj", "gate_up", "down_proj"))
     slots = ("qkv_weight", "o_proj_weight", "gate_up_weight", "down_proj_weight")
@@ -251,11 +240,11 @@ def test_checkpoint_route_close_to_its_dequantized_reference(fp8_port, mode):
     # one byte per projection weight (no f16 copy), two per other tensor, and the scales
     assert quant.memory()["weights_bytes"] == proj + 2 * rest + quant.fwd.fp8_bytes
     assert quant.fwd.fp8_bytes == sum(s.numel() * 4 for by in quant.fp8_checkpoint for s, _ in by.values())
-    assert (quant.fp8_requantized > 0) == (mode == "tensor")  # q/k/v and gate/up scales differ in a random model
+    assert quant.fp8_requantized > 0  # q/k/v and gate/up scales differ in a random model
     specs = random_specs(md, random.Random(3))
     a, b, worst, scale = _against(ref, quant, pack_prompts(specs, prefixes))
     # e4m3 activations at calibrated static scales (2**-4 relative rounding per layer input, a few values
-    # saturating): measured 5.1 % (tensor) and 3.4 % (channel) of the largest logit here; f16 alone 0.08 %
+    # saturating): measured 5.1 % of the largest logit here; f16 alone 0.08 %
     assert worst <= 0.1 * max(1.0, scale), (worst, scale)
     assert np.mean([np.argmax(x) == np.argmax(y) for x, y in zip(a, b)]) >= 0.9
     alone = readout_logits(quant, pack_prompts(specs[-1:], prefixes))[0]
@@ -360,20 +349,18 @@ def small_fp8_port(tmp_path_factory):
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["tensor", "channel"])
-def test_cuda_checkpoint_route_bitwise_invariant_and_close(small_fp8_port, mode):
+def test_cuda_checkpoint_route_bitwise_invariant_and_close(small_fp8_port):
     """auto on CUDA runs an FP8 checkpoint on its own e4m3 GEMMs (the Triton static quantizer, _scaled_mm at the
     verified row counts): a prompt alone, amid others and eager gives the same bits, and the letter logits stay
     within the twin's envelope of the dequantized f32 reference."""
-    from basal_local.backends.torch.options import TorchOptions
     from basal_local.engine.packer import PromptSpec
 
     port, ref_dir = small_fp8_port
-    md, backend, prefixes = load_backend(port, device="cuda", dtype="auto", options=TorchOptions(fp8_scales=mode))
+    md, backend, prefixes = load_backend(port, device="cuda", dtype="auto")
     assert backend.dtype_name == "fp8" and backend.fwd.gemm == "fp8" and backend.graphs is not None
     report = backend.fwd.report
     assert report["fp8_quant"] == "triton static", report.get("fp8_quant_error")
-    assert report["fp8_mm"] in (("scaled_mm_cuda",) if mode == "tensor" else ("scaled_mm_cuda", "scaled_mm_cuda_bf16"))
+    assert report["fp8_mm"] == "scaled_mm_cuda"
     assert backend.layers[0].qkv_weight.dtype == fp8.FP8
     rng = random.Random(11)
     specs = [s for seed in range(6) for s in random_specs(md, random.Random(seed))]

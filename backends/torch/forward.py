@@ -87,7 +87,7 @@ class Forward:
             names = [n for n in FP8_GEMMS if n in self.options.fp8_gemms]
             kernel = self.ops.quant_static if self.use_triton else None
             self._fp8 = fp8.build_checkpoint_store(self.b.layers, self.b.fp8_checkpoint, names, self.b.device,
-                                                   self.b.dtype, kernel, self.options.fp8_scales, self.report)
+                                                   self.b.dtype, kernel, self.report)
             self.report["fp8_requantized_parts"] = self.b.fp8_requantized
             self.fp8_bytes = self._fp8.nbytes()
             base = self._fp8.linear

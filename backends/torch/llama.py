@@ -148,8 +148,8 @@ class TorchBackend:
 
     def _load_fp8_checkpoint(self, cfg) -> tuple[dict[str, torch.Tensor], list[dict]]:
         """A ModelOpt FP8 checkpoint as it is: e4m3 projection weights on the device (the fused ones' parts at
-        one scale where `fp8_scales` is "tensor": fp8.fuse_parts), everything else in the run dtype, and per
-        layer {weight slot: (weight scale, input scale)}. Projections outside `fp8_gemms` are dequantized."""
+        one scale: fp8.fuse_parts), everything else in the run dtype, and per layer {weight slot: (weight scale,
+        input scale)}. Projections outside `fp8_gemms` are dequantized."""
         from basal_local.cuda_kernels import fp8
         from basal_local.model.formats import torch_tensors
 
@@ -177,7 +177,7 @@ class TorchBackend:
                 if names[slot] not in self.options.fp8_gemms:
                     weights.update({k: (q.float() * w).to(self.dtype) for k, q, w in zip(keys, qs, ws)})
                     continue
-                qs, sw, s_in, changed = fp8.fuse_parts(qs, ws, ins, self.options.fp8_scales)
+                qs, sw, s_in, changed = fp8.fuse_parts(qs, ws, ins)
                 weights.update(zip(keys, qs))
                 by_slot[f"{slot}_weight"] = (sw, s_in)
                 requantized += changed

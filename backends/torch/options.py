@@ -14,8 +14,6 @@ from dataclasses import asdict, dataclass, fields
 GEMM_ROUTES = ("verified", "chunked", "cublas")
 # the projections that dtype fp8 may quantize; the others stay f16 at their own verified row counts
 FP8_GEMMS = ("qkv", "o", "gate_up", "down")
-# how a ModelOpt FP8 checkpoint's per-part scales meet in a fused GEMM (cuda_kernels/fp8.py `fuse_parts`)
-FP8_SCALES = ("tensor", "channel")
 # tree attention's (block_m, block_n, warps, stages): part of the numerics contract (the key tile fixes the
 # order of the softmax reduction), the same for every call of a process
 DEFAULT_TILING = (64, 64, 4, 2)
@@ -36,9 +34,6 @@ class TorchOptions:
     gemm_chunk: int = 512  # rows per call of the chunked route (and the verified route's fallback)
     gemm_timed: bool = True  # time the verified row counts at load (False: always the smallest that holds)
     lt_margin: float = 0.02  # a pinned algorithm must beat torch's own call by this share
-    # an FP8 checkpoint's fused q/k/v and gate/up: "tensor" (parts requantized to their largest scale, one scale
-    # per GEMM, as vLLM loads them) or "channel" (every part's bits kept, a scale per output channel)
-    fp8_scales: str = "tensor"
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_ROUTES:
@@ -46,8 +41,6 @@ class TorchOptions:
         unknown = sorted(set(self.fp8_gemms) - set(FP8_GEMMS))
         if unknown:
             raise ValueError(f"fp8_gemms: unknown projection {unknown[0]!r} ({', '.join(FP8_GEMMS)})")
-        if self.fp8_scales not in FP8_SCALES:
-            raise ValueError(f"unknown fp8_scales {self.fp8_scales!r} ({', '.join(FP8_SCALES)})")
         if len(self.attention_tiling) != 4 or min(self.attention_tiling) < 1 or self.gemm_chunk < 1:
             raise ValueError("attention_tiling takes 4 positive integers, gemm_chunk a positive integer")
 
