@@ -7,7 +7,7 @@ larger forward; the verified route (`gemm.CallSizes`) then pads such calls up to
 down projection runs 352 rows). cuBLASLt lists several algorithms for a shape (`algos`), and some of them run
 the K loop in one piece at that very row count: an algorithm whose results are bit-equal to the large-M call is
 as invariant as the padded call and does less work. Which algorithm runs is chosen once at load by measurement
-(`gemm.pin_algos`), never per batch, and the bits are checked on this device first.
+(`gemm.lt_choices`), never per batch, and the bits are checked on this device first.
 
 The library is the one torch already loaded (its `libcublasLt`), so nothing is installed. Where it cannot be
 found or a call fails (another platform or library version), `available()` is False and the verified route

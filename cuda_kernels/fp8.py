@@ -131,7 +131,7 @@ def cuda_scaled_mm(device: torch.device | str, out_dtype: torch.dtype) -> Scaled
 class Fp8Weights:
     """The float8 copies of a model's GEMM weights, found by the f16 weight tensor they replace.
 
-    `linear(x, w, bias)` has F.linear's signature, so `gemm.sized_linear` and `gemm.plan_sizes` use it as is."""
+    `linear(x, w, bias)` has F.linear's signature, so `gemm.sized_linear` and `gemm.build_linear` use it as is."""
 
     def __init__(self, quant: Quant = quant_rows, mm: ScaledMM = scaled_mm_twin) -> None:
         self.quant, self.mm = quant, mm

@@ -13,7 +13,7 @@ result cannot depend on the batch. The engine already runs forwards at fixed siz
   them). If the smallest is too large for small forwards, a fixed chunk (one size) is used instead, which is
   invariant by construction.
 - `CallSizes` then picks, for a call of m rows, the smallest allowed size that holds m, or a larger one where
-  that is faster by more than a quarter (`time_sizes`: timed once at load on the device). Which allowed size
+  that is faster by more than a quarter (`build_linear`: timed once at load on the device). Which allowed size
   runs never changes a row's bits, so the timing may pick differently on another day without changing an
   answer: cuBLAS's choice of kernel by M is uneven (max preset, gate/up: 268 us at 448 rows, 163 at 464), and
   padding such a call up to a size where it picks a better kernel is faster than running it as it comes.
@@ -34,11 +34,13 @@ import torch
 import torch.nn.functional as F
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# a pinned cuBLASLt algorithm must beat torch's own call at its row count by this share (`lt_choices`)
+LT_MARGIN = 0.02
 
 
 class CallSizes:
     """The row counts a weight's GEMMs may be issued with (ascending, verified to give the same bits), and the
-    seconds of one call at some of them (`time_sizes`). `call(rows)`: the size a call of `rows` rows runs at:
+    seconds of one call at some of them (timed at load). `call(rows)`: the size a call of `rows` rows runs at:
     the smallest size that holds them, unless a larger timed one is faster by more than MARGIN. A GEMM timed
     alone differs from the same GEMM inside a whole forward by up to ~20 % (max preset, q/k/v at 320 rows: 35.8 us
     alone, 29.6 in the graph), so only gross outliers count (gate/up at 448 rows: 268 us, at 464: 163; the
@@ -183,15 +185,6 @@ def graph_seconds(calls: dict, device: torch.device, reps: int = 8) -> dict:
     return times
 
 
-def time_sizes(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int], linear: Linear = F.linear,
-               reps: int = 8, dtype: torch.dtype | None = None) -> dict[int, float]:
-    """Seconds of one call at each of `sizes` on the weight's CUDA device (`graph_seconds`)."""
-    if not sizes:
-        return {}
-    x = torch.randn(max(sizes), weight.shape[1], device=weight.device, dtype=torch.float32).to(dtype or weight.dtype)
-    return graph_seconds({m: (lambda xm=x[:m]: linear(xm, weight, bias)) for m in sizes}, weight.device, reps)
-
-
 def lt_choices(weight: torch.Tensor, bias: torch.Tensor | None, top: int, sizes: Sequence[int], lt,
                library_times: dict[int, float], timer=graph_seconds, seed: int = 0,
                margin: float = 0.05) -> tuple[dict[int, object], dict[int, float]]:
@@ -250,16 +243,6 @@ class PinnedCall:
         return self.lt.matmul(x if x.is_contiguous() else x.contiguous(), weight, bias, algo)
 
 
-def plan_sizes(weight: torch.Tensor, bias: torch.Tensor | None, candidates: Sequence[int], max_floor: int,
-               chunk: int, linear: Linear = F.linear, dtype: torch.dtype | None = None) -> dict:
-    """The row counts this weight's GEMMs may use: the verified candidates if they start at or below
-    `max_floor`, else the fixed chunk [chunk]. Deterministic for a given device and library (no timing)."""
-    sizes, agrees = agreeing_sizes(weight, bias, candidates, linear, dtype=dtype)
-    if sizes and sizes[0] <= max_floor:
-        return {"sizes": sizes, "route": "verified", "agrees": agrees}
-    return {"sizes": [chunk], "route": "chunk", "agrees": agrees}
-
-
 class SizedGemm:
     """One weight shape's GEMM at its verified row counts: `sized_linear` through the pinned calls."""
 
@@ -277,7 +260,7 @@ class SizedGemm:
 
 def open_lt(device, options, report: dict):
     """A cuBLASLt GEMM on this CUDA device, or None where options turn it off or it cannot run here."""
-    if not options.cublaslt or not options.gemm_timed:
+    if not options.cublaslt:
         report["cublaslt"] = "off (option)"
         return None
     from . import cublaslt
@@ -296,20 +279,26 @@ def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, options, candi
                  timed_max: int = 1024, report_sizes: Sequence[int] = (),
                  dtype: torch.dtype | None = None) -> tuple[SizedGemm, dict]:
     """The GEMM of one weight shape issued only at row counts that give the same bits on this device, checked
-    here (`plan_sizes`); on CUDA those are timed (`time_sizes`) and, with `lt`, cuBLASLt algorithms pinned where
-    they agree and are faster (`lt_choices`). Returns it and what was chosen (for the load report). `dtype`:
-    the activations' (the weight's unless given)."""
-    plan = plan_sizes(weight, bias, candidates, floor_max, options.gemm_chunk, base, dtype)
+    here (`agreeing_sizes`): those if the smallest is at most `floor_max` rows, else the fixed chunk of
+    `options.gemm_chunk` rows (the same shape every call: invariant by construction). On CUDA the verified sizes
+    up to `timed_max` are timed (`graph_seconds`) and, with `lt`, cuBLASLt algorithms pinned where they agree and
+    are faster by LT_MARGIN (`lt_choices`). Deterministic for a given device and library but for the timing,
+    which never changes a bit. Returns it and what was chosen (for the load report). `dtype`: the activations'
+    (the weight's unless given)."""
+    verified, agrees = agreeing_sizes(weight, bias, candidates, base, dtype=dtype)
+    route = "verified" if verified and verified[0] <= floor_max else "chunk"
+    allowed = verified if route == "verified" else [options.gemm_chunk]
     times, pins = {}, {}
-    if weight.is_cuda and plan["route"] == "verified" and options.gemm_timed:
-        times = time_sizes(weight, bias, [m for m in plan["sizes"] if m <= timed_max], base, dtype=dtype)
+    if weight.is_cuda and route == "verified":
+        x = torch.randn(timed_max, weight.shape[1], device=weight.device).to(dtype or weight.dtype)
+        times = graph_seconds({m: (lambda xm=x[:m]: base(xm, weight, bias)) for m in allowed if m <= timed_max},
+                              weight.device)
         if lt is not None:
-            pins, lt_times = lt_choices(weight, bias, candidates[-1], lt_sizes, lt, times, margin=options.lt_margin)
+            pins, lt_times = lt_choices(weight, bias, candidates[-1], lt_sizes, lt, times, margin=LT_MARGIN)
             times.update(lt_times)
-    sizes = CallSizes(sorted(set(plan["sizes"]) | set(pins)), times)
+    sizes = CallSizes(sorted(set(allowed) | set(pins)), times)
     calls = {m: sizes.call(m) for m in report_sizes if m <= min(timed_max, sizes[-1])}
-    report = {"route": plan["route"], "sizes": plan["sizes"][0] if plan["route"] == "verified" else options.gemm_chunk,
-              "disagree": [m for m, ok in plan["agrees"].items() if not ok and m <= 1024],
+    report = {"route": route, "sizes": allowed[0], "disagree": [m for m, ok in agrees.items() if not ok and m <= 1024],
               "padded_calls": {m: c for m, c in calls.items() if c != m},
               **({"cublaslt_at": sorted(pins)} if pins else {})}
     return SizedGemm(sizes, PinnedCall(base, lt if pins else None, pins)), report

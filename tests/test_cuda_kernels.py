@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from basal_local.backends.torch.options import TorchOptions
 from basal_local.cuda_kernels import gemm, twins
 from basal_local.cuda_kernels import plan as tplan
 from basal_local.engine.packer import pack_prompts
@@ -308,8 +309,12 @@ def test_verified_gemm_sizes_and_sized_linear():
     w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
     sizes, agrees = gemm.agreeing_sizes(w, b, [4, 16, 64, 128, 256], linear=drifting)
     assert sizes == [64, 128, 256] and not agrees[16] and agrees[64]
-    assert gemm.plan_sizes(w, b, [4, 16, 64, 128, 256], 512, 32, linear=drifting)["sizes"] == [64, 128, 256]
-    assert gemm.plan_sizes(w, b, [4, 16, 64, 128, 256], 32, 32, linear=drifting)["sizes"] == [32]
+    # the verified sizes where the smallest is small enough, else one fixed chunk of rows
+    verified, report = gemm.build_linear(w, b, TorchOptions(gemm_chunk=32), [4, 16, 64, 128, 256], drifting)
+    assert list(verified.sizes) == [64, 128, 256] and report["route"] == "verified" and report["disagree"] == [4, 16]
+    chunk, report = gemm.build_linear(w, b, TorchOptions(gemm_chunk=32), [4, 16, 64, 128, 256], drifting,
+                                      floor_max=32)
+    assert list(chunk.sizes) == [32] and report["route"] == "chunk" and report["sizes"] == 32
     x = torch.randn(600, 16, generator=gen)
     full = gemm.sized_linear(x, w, b, sizes, linear=drifting)
     assert torch.allclose(full, torch.nn.functional.linear(x, w, b), atol=1e-5)

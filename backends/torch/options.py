@@ -32,8 +32,6 @@ class TorchOptions:
     # measurement-only
     attention_tiling: tuple[int, int, int, int] = DEFAULT_TILING
     gemm_chunk: int = 512  # rows per call of the chunked route (and the verified route's fallback)
-    gemm_timed: bool = True  # time the verified row counts at load (False: always the smallest that holds)
-    lt_margin: float = 0.02  # a pinned algorithm must beat torch's own call by this share
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_ROUTES:
