@@ -98,26 +98,3 @@ def silu_mul(gate_up: torch.Tensor, out_rows: int | None = None) -> torch.Tensor
 def letter_logits(h: torch.Tensor, lm_head: torch.Tensor, letters: torch.Tensor) -> torch.Tensor:
     """f32 dot products of the readout rows with the letters' lm_head rows: [R, L]."""
     return h.float() @ lm_head[letters].float().T
-
-
-def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) as ceil(M / chunk) library GEMMs of exactly `chunk` rows each.
-
-    A GEMM library picks its kernel (tiles, split-K, reduction order) from the shape; here every call has the
-    shape [chunk, K] x [K, N] whatever M is, so a row's bits never depend on how many rows come with it
-    (rows of a GEMM do not interact). The rows are zero-padded up to a multiple of `chunk`."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m == 0:
-        return x.new_empty(0, n)
-    padded = -(-m // chunk) * chunk
-    if padded != m or x.stride(0) != k or x.stride(1) != 1:
-        x = F.pad(x, (0, 0, 0, padded - m)).contiguous()
-    out = x.new_empty(padded, n)
-    wt = weight.t()
-    for s in range(0, padded, chunk):
-        if bias is None:
-            torch.mm(x[s:s + chunk], wt, out=out[s:s + chunk])
-        else:
-            torch.addmm(bias, x[s:s + chunk], wt, out=out[s:s + chunk])
-    return out[:m]

@@ -271,19 +271,34 @@ def test_alternative_tiling_is_dropped_where_it_differs_or_fails():
         assert said in probe.report["attention_alt_tiling"]
 
 
-def test_chunked_linear_twin_is_row_invariant():
-    """M-chunked GEMM (the default f16/bf16 GEMM route on CUDA): equals F.linear, pads to whole chunks, and a
-    row's bits are the same alone, at any offset, or amid many rows, because every library call has one shape."""
+def test_chunked_route_calls_the_library_with_whole_chunks_only(tiny_model):
+    """--gemm chunked: every library call has exactly `gemm_chunk` rows whatever M is (the last piece padded), so
+    a row's bits are the same alone, at any offset, or amid many rows (rows of a GEMM do not interact); the
+    forward on it gives the f32 reference's logits within f16 rounding."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(37, 16, generator=gen)
     w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
-    full = twins.chunked_linear(x, w, b, 8)
-    assert full.shape == (37, 24) and torch.allclose(full, torch.nn.functional.linear(x, w, b), atol=1e-5)
-    for start, rows in ((0, 1), (5, 4), (30, 7), (3, 33)):
-        assert torch.equal(twins.chunked_linear(x[start:start + rows], w, b, 8), full[start:start + rows])
+    rows = []
+
+    def library(x, w, b):
+        rows.append(x.shape[0])
+        return torch.nn.functional.linear(x, w, b)
+    chunk = gemm.CallSizes([8])
+    full = gemm.sized_linear(x, w, b, chunk, library)
+    assert rows == [8] * 5 and full.shape == (37, 24)
+    assert torch.allclose(full, torch.nn.functional.linear(x, w, b), atol=1e-5)
+    for start, n in ((0, 1), (5, 4), (30, 7), (3, 33)):
+        assert torch.equal(gemm.sized_linear(x[start:start + n], w, b, chunk, library), full[start:start + n])
     strided = x.t().contiguous().t()  # a non-contiguous view gives the same bits
-    assert torch.equal(twins.chunked_linear(strided, w, None, 8), twins.chunked_linear(x, w, None, 8))
-    assert twins.chunked_linear(x[:0], w, b, 8).shape == (0, 24)
+    assert torch.equal(gemm.sized_linear(strided, w, None, chunk), gemm.sized_linear(x, w, None, chunk))
+    assert gemm.sized_linear(x[:0], w, b, chunk).shape == (0, 24)
+    md, ref, prefixes = load_backend(tiny_model)
+    _, chunked, _ = load_backend(tiny_model, dtype="f16", options=TorchOptions(gemm="chunked", gemm_chunk=64))
+    assert chunked.fwd.gemm == "chunked"
+    pack = pack_prompts(random_specs(md, random.Random(2)), prefixes)
+    a, c = readout_logits(ref, pack), readout_logits(chunked, pack)
+    scale = max(float(np.abs(v).max()) for v in a)
+    assert max(float(np.abs(u - v).max()) for u, v in zip(a, c)) <= 1e-2 * max(1.0, scale)
 
 
 def test_row_pieces_use_allowed_sizes_only():

@@ -61,8 +61,9 @@ class Forward:
         # dtype fp8: the fp8 GEMMs at verified row counts; f32 keeps plain cuBLAS (exact f32; no TF32)
         self.gemm = "fp8" if backend.dtype_name == "fp8" else "cublas" if backend.dtype == torch.float32 \
             else options.gemm
-        if self.gemm == "chunked":
-            self.linear = lambda x, w, b: twins.chunked_linear(x, w, b, options.gemm_chunk)
+        if self.gemm == "chunked":  # every library call of exactly gemm_chunk rows: invariant by construction
+            chunk = gemm.CallSizes([options.gemm_chunk])
+            self.linear = lambda x, w, b: gemm.sized_linear(x, w, b, chunk)
         elif self.gemm == "cublas":
             self.linear = F.linear
         else:
