@@ -20,7 +20,6 @@ import ctypes
 import functools
 import os
 import threading
-from typing import NamedTuple
 
 import torch
 
@@ -42,15 +41,6 @@ _DTYPES = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF}
 class _Heuristic(ctypes.Structure):
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
-
-
-class Algo(NamedTuple):
-    """One algorithm the heuristic offered for a shape: its opaque descriptor, workspace and rank."""
-
-    raw: bytes
-    workspace: int
-    waves: float
-    rank: int
 
 
 def _loaded_library_path() -> str | None:
@@ -147,9 +137,9 @@ class LtGemm:
             _check(self.lib.cublasLtMatmulDescSetAttribute(desc, _DESC_BIAS_POINTER, ctypes.byref(ptr), 8), "bias")
 
     def algos(self, w: torch.Tensor, bias: torch.Tensor | None, m: int, count: int = 16,
-              no_split: bool = False) -> list[Algo]:
-        """The heuristic's algorithms for x [m, K] @ w.T (+ bias), best estimate first (`no_split`: only those
-        without a split-K reduction, where the library can filter them)."""
+              no_split: bool = False) -> list[bytes]:
+        """The heuristic's algorithms for x [m, K] @ w.T (+ bias), best estimate first, each as its opaque
+        descriptor (`no_split`: only those without a split-K reduction, where the library can filter them)."""
         lib = self.lib
         n, k = w.shape
         with self._lock:
@@ -171,18 +161,17 @@ class LtGemm:
                                                         ctypes.byref(found))
             if status != 0:
                 return []
-            return [Algo(bytes(r.algo), int(r.workspace), float(r.waves), i)
-                    for i, r in enumerate(results[:found.value]) if r.state == 0]
+            return [bytes(r.algo) for r in results[:found.value] if r.state == 0]
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
 
-    def matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, algo: Algo) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, algo: bytes) -> torch.Tensor:
         """x @ w.T (+ bias) with `algo` on the current stream (capturable in a CUDA graph)."""
         m, k = x.shape
         n = w.shape[0]
         assert x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        raw = (ctypes.c_uint64 * 8).from_buffer_copy(algo.raw)
+        raw = (ctypes.c_uint64 * 8).from_buffer_copy(algo)
         stream = torch.cuda.current_stream(x.device).cuda_stream
         with self._lock:
             desc, a, b, d = self._layouts(n, k, m, x.dtype, bias is not None)

@@ -205,19 +205,16 @@ def lt_choices(weight: torch.Tensor, bias: torch.Tensor | None, top: int, sizes:
         if m > top:
             continue
         head, tail = x[:m].contiguous(), x[top - m:].contiguous()
-        seen, agreeing = set(), []
-        for no_split in (False, True):
-            for algo in lt.algos(weight, bias, m, no_split=no_split):
-                if algo.raw in seen:
-                    continue
-                seen.add(algo.raw)
-                try:
-                    same = torch.equal(lt.matmul(head, weight, bias, algo), full[:m]) and \
-                        torch.equal(lt.matmul(tail, weight, bias, algo), full[top - m:])
-                except RuntimeError:  # an algorithm the library offers but cannot run here
-                    continue
-                if same:
-                    agreeing.append(algo)
+        agreeing = []
+        # each algorithm offered once: the list with split-K filtered out holds some the first 16 leave out
+        for algo in dict.fromkeys([*lt.algos(weight, bias, m), *lt.algos(weight, bias, m, no_split=True)]):
+            try:
+                same = torch.equal(lt.matmul(head, weight, bias, algo), full[:m]) and \
+                    torch.equal(lt.matmul(tail, weight, bias, algo), full[top - m:])
+            except RuntimeError:  # an algorithm the library offers but cannot run here
+                continue
+            if same:
+                agreeing.append(algo)
         if not agreeing:
             continue
         timed = timer({i: (lambda a=a, h=head: lt.matmul(h, weight, bias, a)) for i, a in enumerate(agreeing)},

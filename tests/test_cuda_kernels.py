@@ -361,13 +361,10 @@ class _FakeLt:
         self.offered, self.no_split, self.last, self.calls = offered, no_split, None, []
 
     def algos(self, w, bias, m, count=16, no_split=False):
-        from basal_local.cuda_kernels.cublaslt import Algo
-
-        names = (self.no_split if no_split else self.offered).get(m, [])
-        return [Algo(name.encode(), 0, 1.0, i) for i, name in enumerate(names)]
+        return [name.encode() for name in (self.no_split if no_split else self.offered).get(m, [])]
 
     def matmul(self, x, w, bias, algo):
-        self.last = algo.raw.decode()
+        self.last = algo.decode()
         self.calls.append((x.shape[0], self.last))
         y = torch.nn.functional.linear(x, w, bias)
         return y if self.last.startswith("same") else (y.double() + 1e-3).float()
@@ -403,7 +400,7 @@ def test_pinned_library_algorithms_agree_and_are_chosen_by_time():
         return out
 
     pins, times = gemm.lt_choices(w, b, cands[-1], cands, fake, library, timer=timer)
-    assert {m: a.raw.decode() for m, a in pins.items()} == {16: "same-fast", 256: "same256"}
+    assert {m: a.decode() for m, a in pins.items()} == {16: "same-fast", 256: "same256"}
     assert times == {16: 1.0, 256: 4.0}
     assert not any(n.startswith("off") for n in timed_names)  # only agreeing algorithms are timed
     assert timed_names.count("same-fast") == 1  # offered twice (split-K filtered and not), tried once
