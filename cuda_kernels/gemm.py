@@ -53,15 +53,6 @@ class CallSizes:
         self.times = dict(times or {})
         self._memo: dict[int, int] = {}
 
-    def __getitem__(self, i: int) -> int:  # a sequence of sizes, as before timing existed
-        return self.sizes[i]
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def __iter__(self):
-        return iter(self.sizes)
-
     def call(self, rows: int) -> int:
         if rows not in self._memo:
             fits = [s for s in self.sizes if s >= rows]
@@ -74,10 +65,10 @@ class CallSizes:
         return self._memo[rows]
 
 
-def row_pieces(m: int, sizes: Sequence[int] | CallSizes) -> list[tuple[int, int, int]]:
-    """(first row, rows, library M) of each call covering m rows; every M is one of `sizes` (ascending): whole
-    calls of the largest size, then the rest at `sizes.call(rest)` (CallSizes) or the smallest size holding it."""
-    top = sizes[-1]
+def row_pieces(m: int, sizes: CallSizes) -> list[tuple[int, int, int]]:
+    """(first row, rows, library M) of each call covering m rows; every M is one of `sizes`: whole calls of the
+    largest size, then the rest at `sizes.call(rest)`."""
+    top = sizes.sizes[-1]
     out = []
     start = 0
     while m - start > top:
@@ -85,13 +76,12 @@ def row_pieces(m: int, sizes: Sequence[int] | CallSizes) -> list[tuple[int, int,
         start += top
     rest = m - start
     if rest > 0:
-        call = sizes.call(rest) if isinstance(sizes, CallSizes) else next(s for s in sizes if s >= rest)
-        out.append((start, rest, call))
+        out.append((start, rest, sizes.call(rest)))
     return out
 
 
 def sized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 sizes: Sequence[int] | CallSizes, linear: Linear = F.linear) -> torch.Tensor:
+                 sizes: CallSizes, linear: Linear = F.linear) -> torch.Tensor:
     """x [m, K] @ weight[N, K].T (+ bias), issued to `linear` only with row counts from `sizes`.
 
     Whole pieces read x in place; only the last piece is copied into a padded block. Several pieces (a
@@ -294,7 +284,7 @@ def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, options, candi
             pins, lt_times = lt_choices(weight, bias, candidates[-1], lt_sizes, lt, times, margin=LT_MARGIN)
             times.update(lt_times)
     sizes = CallSizes(sorted(set(allowed) | set(pins)), times)
-    calls = {m: sizes.call(m) for m in report_sizes if m <= min(timed_max, sizes[-1])}
+    calls = {m: sizes.call(m) for m in report_sizes if m <= min(timed_max, sizes.sizes[-1])}
     report = {"route": route, "sizes": allowed[0], "disagree": [m for m, ok in agrees.items() if not ok and m <= 1024],
               "padded_calls": {m: c for m, c in calls.items() if c != m},
               **({"cublaslt_at": sorted(pins)} if pins else {})}

@@ -168,7 +168,7 @@ def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
     down = fast._gemm_key(layer.down_proj_weight, layer.down_proj_bias)
     assert down in fast._gemms
     # as a library that agrees from 256 rows on, and where (timed) 320 rows run much faster than 288 or 304
-    allowed = [s for s in fast._gemms[down].sizes if s >= 256]
+    allowed = [s for s in fast._gemms[down].sizes.sizes if s >= 256]
     assert {256, 288, 304, 320, 8192} <= set(allowed)
     fast._gemms[down].sizes = gemm.CallSizes(allowed, {256: 3.0, 288: 5.0, 304: 5.0, 320: 3.0, 336: 6.0})
     assert fast.padded_rows(200, layer.down_proj_weight, layer.down_proj_bias) == 256
@@ -187,7 +187,7 @@ def test_padded_gemm_inputs_are_written_in_place(tiny_model, monkeypatch):
                                                             readout_logits(backend, pack)))
     assert worst <= 1e-5, worst
     down_rows = [rows for rows, is_down in calls if is_down]
-    assert down_rows and all(rows in fast._gemms[down].sizes for rows in down_rows), down_rows
+    assert down_rows and all(rows in fast._gemms[down].sizes.sizes for rows in down_rows), down_rows
 
 
 def test_mlp_temporaries_are_freed_as_soon_as_used(tiny_model, monkeypatch):
@@ -302,12 +302,13 @@ def test_chunked_route_calls_the_library_with_whole_chunks_only(tiny_model):
 
 
 def test_row_pieces_use_allowed_sizes_only():
-    from basal_local.cuda_kernels.gemm import row_pieces
+    from basal_local.cuda_kernels.gemm import CallSizes, row_pieces
 
-    assert row_pieces(300, [256, 512]) == [(0, 300, 512)]
-    assert row_pieces(256, [256, 512]) == [(0, 256, 256)]
-    assert row_pieces(1100, [256, 512]) == [(0, 512, 512), (512, 512, 512), (1024, 76, 256)]
-    assert row_pieces(0, [64]) == []
+    sizes = CallSizes([256, 512])
+    assert row_pieces(300, sizes) == [(0, 300, 512)]
+    assert row_pieces(256, sizes) == [(0, 256, 256)]
+    assert row_pieces(1100, sizes) == [(0, 512, 512), (512, 512, 512), (1024, 76, 256)]
+    assert row_pieces(0, CallSizes([64])) == []
 
 
 def test_verified_gemm_sizes_and_sized_linear():
@@ -326,15 +327,15 @@ def test_verified_gemm_sizes_and_sized_linear():
     assert sizes == [64, 128, 256] and not agrees[16] and agrees[64]
     # the verified sizes where the smallest is small enough, else one fixed chunk of rows
     verified, report = gemm.build_linear(w, b, TorchOptions(gemm_chunk=32), [4, 16, 64, 128, 256], drifting)
-    assert list(verified.sizes) == [64, 128, 256] and report["route"] == "verified" and report["disagree"] == [4, 16]
+    assert verified.sizes.sizes == [64, 128, 256] and report["route"] == "verified" and report["disagree"] == [4, 16]
     chunk, report = gemm.build_linear(w, b, TorchOptions(gemm_chunk=32), [4, 16, 64, 128, 256], drifting,
                                       floor_max=32)
-    assert list(chunk.sizes) == [32] and report["route"] == "chunk" and report["sizes"] == 32
+    assert chunk.sizes.sizes == [32] and report["route"] == "chunk" and report["sizes"] == 32
     x = torch.randn(600, 16, generator=gen)
-    full = gemm.sized_linear(x, w, b, sizes, linear=drifting)
+    full = gemm.sized_linear(x, w, b, gemm.CallSizes(sizes), linear=drifting)
     assert torch.allclose(full, torch.nn.functional.linear(x, w, b), atol=1e-5)
     for start, rows in ((0, 1), (7, 30), (250, 100), (0, 600)):
-        assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, sizes, linear=drifting),
+        assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, gemm.CallSizes(sizes), linear=drifting),
                            full[start:start + rows])
 
     def gapped(x, w, b):  # also a different rounding at exactly 128 rows (cuBLAS's split-K in between)
@@ -345,9 +346,9 @@ def test_verified_gemm_sizes_and_sized_linear():
     assert [p[2] for p in gemm.row_pieces(600, timed)] == [256, 256, 256] and timed.call(10) == 256
     assert gemm.CallSizes(sizes).call(10) == 64  # untimed: the smallest that holds the rows
     assert gemm.CallSizes(sizes, {64: 2.0, 256: 1.6}).call(10) == 64  # 20 % faster alone: not trusted, no padding
-    full = gemm.sized_linear(x, w, b, sizes, linear=gapped)
+    full = gemm.sized_linear(x, w, b, gemm.CallSizes(sizes), linear=gapped)
     for start, rows in ((0, 1), (7, 100), (250, 128), (0, 600)):
-        for allowed in (sizes, timed):
+        for allowed in (gemm.CallSizes(sizes), timed):
             assert torch.equal(gemm.sized_linear(x[start:start + rows], w, b, allowed, linear=gapped),
                                full[start:start + rows])
 
