@@ -93,12 +93,6 @@ def fuse_parts(parts: Sequence[torch.Tensor], weight_scales: Sequence[float],
     return out, scale, float(max(input_scales)), sum(s != top for s in weight_scales)
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [N, K] as float8 rows (one scale per output channel) and its scales as [1, N] f32."""
-    q, scale = quant_rows(w)
-    return q.contiguous(), scale.view(1, -1).contiguous()
-
-
 def scaled_mm_twin(xq: torch.Tensor, wq: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """The reference of the fp8 GEMM: exact fp8 products summed in f32, scaled, rounded once to out_dtype."""
@@ -139,8 +133,8 @@ class Fp8Weights:
 
     def add(self, w: torch.Tensor) -> None:
         if id(w) not in self._by_id:
-            q, s = quantize_weight(w)
-            self._by_id[id(w)] = (w, q, s, self.quant)  # w kept: a dead tensor's id could be reused
+            q, s = quant_rows(w)  # float8 rows [N, K], one scale per output channel (as [1, N] f32)
+            self._by_id[id(w)] = (w, q, s.view(1, -1), self.quant)  # w kept: a dead tensor's id could be reused
 
     def add_checkpoint(self, wq: torch.Tensor, weight_scale: torch.Tensor, input_scale: float,
                        static: StaticQuant) -> None:
@@ -181,7 +175,6 @@ def build_store(layers, names, device, dtype: torch.dtype, kernel: Quant | None,
     activation quantizer and the scaled GEMM of this device: `kernel` (the Triton quantizer) where it gives
     `quant_rows`' bits, else the twin; on the CPU the twin GEMM. The f16 weights stay as the keys."""
     if kernel is not None:
-        quant = kernel
         x = (torch.randn(8, 320, device=device) * 9).to(dtype)
         try:
             (qa, sa), (qb, sb) = kernel(x), quant_rows(x)

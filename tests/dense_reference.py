@@ -61,13 +61,21 @@ def _rope(x: torch.Tensor, positions: np.ndarray, theta: float) -> torch.Tensor:
     return xf * cos + torch.cat([-xf[..., d // 2:], xf[..., :d // 2]], -1) * sin
 
 
+def cached_kv(backend, key: str, length: int | None = None) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(tokens, per layer (K, V)) of a cached prefix's first `length` tokens, read from the torch backend's pool."""
+    fwd = backend.fwd
+    offset, n = fwd.prefix_rows[key]
+    n = n if length is None else length
+    return n, [(k[offset:offset + n], v[offset:offset + n]) for k, v in zip(fwd.prefix_k, fwd.prefix_v)]
+
+
 @torch.inference_mode()
 def forward(backend, batch) -> np.ndarray:
     """The letter logits [R, L] of a packed batch, over a CPU torch backend's weights and cached prefixes."""
     cfg = backend.config
     hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     lengths = batch.prefix_lengths or [None] * len(batch.prefixes)
-    prefixes = [backend.cached_kv(name, n) for name, n in zip(batch.prefixes, lengths)]
+    prefixes = [cached_kv(backend, name, n) for name, n in zip(batch.prefixes, lengths)]
     mask = dense_mask(batch, [p[0] for p in prefixes])
     x = backend.embed_tokens[torch.from_numpy(batch.token_ids.astype(np.int64))]
     for i, layer in enumerate(backend.layers):

@@ -257,7 +257,8 @@ def test_cuda_fp8_quantizer_matches_twin_and_gemm_matches_dequantized():
         assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb), (m, k)
     w = (torch.randn(384, 256, device="cuda", generator=g) * 0.05).to(torch.float16)
     x = torch.randn(300, 256, device="cuda", generator=g).to(torch.float16)
-    wq, sw = fp8.quantize_weight(w)
+    wq, sw = fp8.quant_rows(w)
+    sw = sw.view(1, -1)  # the weight's scales per output channel
     xq, sx = kernels.quant_rows(x)
     mm = fp8.cuda_scaled_mm("cuda", torch.float16)
     got = mm(xq, wq, sx, sw, torch.float16).float()

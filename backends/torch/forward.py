@@ -83,19 +83,17 @@ class Forward:
     def _verified(self):
         """cuBLAS (or the fp8 GEMM) at verified row counts per weight shape (`gemm.build_linear`)."""
         base = F.linear
-        if self.gemm == "fp8" and getattr(self.b, "fp8_checkpoint", None) is not None:
-            # a ModelOpt FP8 checkpoint: its e4m3 weights as loaded, its static scales (llama.py's load)
+        if self.gemm == "fp8":
             names = [n for n in FP8_GEMMS if n in self.options.fp8_gemms]
-            kernel = self.ops.quant_static if self.use_triton else None
-            self._fp8 = fp8.build_checkpoint_store(self.b.layers, self.b.fp8_checkpoint, names, self.b.device,
-                                                   self.b.dtype, kernel, self.report)
-            self.report["fp8_requantized_parts"] = self.b.fp8_requantized
-            self.fp8_bytes = self._fp8.nbytes()
-            base = self._fp8.linear
-        elif self.gemm == "fp8":
-            names = [n for n in FP8_GEMMS if n in self.options.fp8_gemms]
-            kernel = self.ops.quant_rows if self.use_triton else None
-            self._fp8 = fp8.build_store(self.b.layers, names, self.b.device, self.b.dtype, kernel, self.report)
+            if getattr(self.b, "fp8_checkpoint", None) is not None:
+                # a ModelOpt FP8 checkpoint: its e4m3 weights as loaded, its static scales (llama.py's load)
+                kernel = self.ops.quant_static if self.use_triton else None
+                self._fp8 = fp8.build_checkpoint_store(self.b.layers, self.b.fp8_checkpoint, names, self.b.device,
+                                                       self.b.dtype, kernel, self.report)
+                self.report["fp8_requantized_parts"] = self.b.fp8_requantized
+            else:
+                self._fp8 = fp8.build_store(self.b.layers, names, self.b.device, self.b.dtype,
+                                            self.ops.quant_rows if self.use_triton else None, self.report)
             self.fp8_bytes = self._fp8.nbytes()
             base = self._fp8.linear
         candidates = sorted(set(TOKEN_BUCKETS) | set(READOUT_BUCKETS) | set(range(GEMM_STEP, TIMED_MAX + 1, GEMM_STEP)))

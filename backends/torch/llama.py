@@ -26,12 +26,6 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f
 # activations, float8 e4m3 GEMMs (cuda_kernels/fp8.py)
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def _on_device(fn=None, inference: bool = True):
     """Run a backend method with its own GPU current (one replica per GPU: CUDA graphs, streams and Triton
     launches use the thread's current device, which is cuda:0 unless set); `inference`: in inference mode too
@@ -63,7 +57,7 @@ class TorchBackend:
 
     def __init__(self, device: str = "auto", attention: str = "auto", memory_limit: str | float | None = None,
                  options: TorchOptions | None = None) -> None:
-        self.device = resolve_device(device)
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.options = options or TorchOptions()
         # --gpu-memory (backends/memory.py): the value as given, and in bytes once the device is known (load)
         self.memory_limit = memory_limit
@@ -338,12 +332,6 @@ class TorchBackend:
                 free = min(free, self.memory_limit_bytes - torch.cuda.memory_reserved())
                 total = self.memory_limit_bytes
         return max(0, int(free)), int(total)
-
-    def cached_kv(self, key: str, length: int | None = None) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """(tokens, per layer (K, V)) of a cached prefix's first `length` tokens (tests read them)."""
-        offset, n = self.fwd.prefix_rows[key]
-        n = n if length is None else length
-        return n, [(k[offset:offset + n], v[offset:offset + n]) for k, v in zip(self.fwd.prefix_k, self.fwd.prefix_v)]
 
     @_on_device
     def final_hidden(self, token_ids: np.ndarray) -> np.ndarray:
