@@ -68,10 +68,8 @@ def _lib() -> ctypes.CDLL | None:
         except OSError:
             continue
         c_void_p, c_int = ctypes.c_void_p, ctypes.c_int
-        lib.cublasLtMatmul.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
-                                       c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, ctypes.c_size_t,
-                                       c_void_p]
-        lib.cublasLtMatmul.restype = c_int
+        # every function returns its cublasStatus_t as an int (ctypes' default restype)
+        lib.cublasLtMatmul.argtypes = [c_void_p] * 14 + [ctypes.c_size_t, c_void_p]  # ..., workspace size, stream
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                                                        c_void_p, c_int, c_void_p, c_void_p]
         lib.cublasLtMatrixLayoutCreate.argtypes = [c_void_p, c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]

@@ -24,7 +24,6 @@ Pure torch (the kernel is passed in), so the CPU tests run the same functions wi
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -142,7 +141,9 @@ class Fp8Weights:
         quantized by `static` with the input scale."""
         inv = inverse_scale(input_scale)
         sx = torch.tensor(input_scale, dtype=torch.float32, device=wq.device)
-        quant = functools.partial(_static_pair, static, inv, sx)
+
+        def quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return static(x, inv), sx
         self._by_id[id(wq)] = (wq, wq, weight_scale, quant)
 
     def has(self, w: torch.Tensor) -> bool:
@@ -164,10 +165,6 @@ class Fp8Weights:
         if bias is not None:
             out += bias
         return out
-
-
-def _static_pair(static: StaticQuant, inv: float, sx: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return static(x, inv), sx
 
 
 def build_store(layers, names, device, dtype: torch.dtype, kernel: Quant | None, report: dict) -> Fp8Weights:

@@ -198,8 +198,7 @@ class Forward:
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.b.config
-        return 2 * len(self.b.layers) * cfg.num_key_value_heads * cfg.head_dim * \
-            torch.tensor([], dtype=self.b.dtype).element_size()
+        return 2 * len(self.b.layers) * cfg.num_key_value_heads * cfg.head_dim * self.b.dtype.itemsize
 
     def fill_plan(self, batch: PackedBatch) -> tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]]]:
         """Where the forward stores the K/V its fills keep: per token its pool row + 1 (0: none; RoPE stores it

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from basal_local.cuda_kernels import fp8, triton_available
+
 from .. import host
 from ..base import ModelInfo, PackedBatch, Ready
 from .options import TorchOptions
@@ -62,8 +64,6 @@ class TorchBackend:
         # --gpu-memory (backends/memory.py): the value as given, and in bytes once the device is known (load)
         self.memory_limit = memory_limit
         self.memory_limit_bytes: int | None = None
-        from basal_local.cuda_kernels import triton_available
-
         kernels = self.device.startswith("cuda") and triton_available()
         if attention == "auto":
             attention = "tree" if kernels else "sdpa"
@@ -132,8 +132,6 @@ class TorchBackend:
                          sum(t.numel() * t.element_size() for t in self._tensors()))
 
     def _check_fp8_gpu(self) -> None:
-        from basal_local.cuda_kernels import fp8
-
         ok, what = fp8.fp8_supported(self.device)
         if not ok:
             dequant = " (--dtype f16 loads this FP8 checkpoint dequantized)" if self.format.family == "fp8" else ""
@@ -144,7 +142,6 @@ class TorchBackend:
         """A ModelOpt FP8 checkpoint as it is: e4m3 projection weights on the device (the fused ones' parts at
         one scale: fp8.fuse_parts), everything else in the run dtype, and per layer {weight slot: (weight scale,
         input scale)}. Projections outside `fp8_gemms` are dequantized."""
-        from basal_local.cuda_kernels import fp8
         from basal_local.model.formats import torch_tensors
 
         weights: dict[str, torch.Tensor] = {}
