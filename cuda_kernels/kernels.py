@@ -109,7 +109,16 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for start in range(0, n_keys, BLOCK_N):
+        # key tiles wholly inside the cached prefix: its rows are contiguous in the pool, so they load without
+        # the range lookup and the masks (a question about a long cached document spends nearly all its keys
+        # here); the same tiles and the same `_attend` as the general loop below, so the same bits
+        n_full = tl.minimum(n_pre, n_keys) // BLOCK_N * BLOCK_N
+        rows_pre = (pre_off + offs_n)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :]
+        for start in range(0, n_full, BLOCK_N):
+            k = tl.load(PK + rows_pre + start * stride_pt)
+            v = tl.load(PV + rows_pre + start * stride_pt)
+            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
+        for start in range(n_full, n_keys, BLOCK_N):
             k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
                             stride_kt, stride_vt, stride_pt, HEAD_DIM)
             m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
