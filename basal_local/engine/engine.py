@@ -31,11 +31,12 @@ from ..protocol.questions import DecisionRequest
 from ..settings import EngineSettings
 from ..telemetry import BatchRecord, Telemetry
 from .evidence import attach_evidence
+from .fills import plan_fills
 from .gate import DeviceGate
 from .lane import Flight, Lane
 from .packer import pack_prompts
 from .plan import RequestPlan, finish, packed_size, plan_request
-from .prefix_cache import PrefixCache, budget_bytes, plan_fills
+from .prefix_cache import PrefixCache, budget_bytes
 from .pretty import batch_tree, unit_label
 from .requests import RoundResult, run_request
 from .scheduler import Job

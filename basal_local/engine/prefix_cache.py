@@ -29,8 +29,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from basal_local.backends.memory import WARM_OVERHEAD, parse_limit
 
 from ..model.tokenizer import common_prefix_len
@@ -383,75 +381,3 @@ class Lease:
         for entry in self.used:
             entry.refs -= 1
         self.used, self.filled = [], []
-
-
-def shared_prefix(specs: Sequence) -> list[int]:
-    """The tokens all of a request's prompts share (template + state + what its questions share); all but the last
-    token of a one-prompt request: what a batch stores for it, and what routing looks for."""
-    ids0 = specs[0].token_ids if type(specs[0].token_ids) is list else list(specs[0].token_ids)
-    shared = len(ids0) - 1
-    for spec in specs[1:]:
-        ids = spec.token_ids if type(spec.token_ids) is list else list(spec.token_ids)
-        shared = min(shared, common_prefix_len(ids0, ids))
-    return ids0[:max(0, shared)]
-
-
-def document_overlap(known: Sequence[list[int]], shared: list[int]) -> int:
-    """The most tokens `shared` has in common with any of `known` (a replica's recent documents); a quick look at
-    the first tokens first (documents after the same template differ early)."""
-    best = 0
-    head = min(len(shared), 256)
-    for doc in known:
-        if doc[:head] == shared[:head]:
-            best = max(best, common_prefix_len(doc, shared))
-    return best
-
-
-def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]:
-    """Hold every entry the packed forwards continue, and reserve an entry for each job's shared prefix (the
-    tokens all its prompts share: template + state + what the questions share; all but the last token of a
-    one-prompt job) where the batch computes at least FILL_MIN_TOKENS of it, attached to the forward as a
-    `Fill` of its first prompt's token indices. Returns per job the tokens its prompts continue from the cache
-    (the most of any of its prompts); counts hits (a job continuing a cached state) and misses."""
-    from basal_local.backends.base import Fill
-
-    for b in pack.batches:
-        for name in dict.fromkeys(b.prefixes):
-            lease.use(name)
-    bounds = []
-    for b in pack.batches:
-        starts = np.searchsorted(b.token_block, np.arange(len(b.block_parent)))
-        bounds.append((starts, np.append(starts[1:], b.num_tokens)))
-    cached, hits, hit_tokens, at = [], 0, 0, 0
-    for job in jobs:
-        n = len(job.specs)
-        best, hit, first = 0, False, None
-        for p in range(at, at + n):
-            bn, r, _ = pack.readouts[p]
-            b = pack.batches[bn]
-            chain = [int(b.token_block[b.readout_index[r]])]
-            while b.block_parent[chain[-1]] >= 0:
-                chain.append(int(b.block_parent[chain[-1]]))
-            chain.reverse()
-            j = int(b.block_prefix[chain[0]])
-            name = b.prefixes[j] if j >= 0 else None
-            used = (b.prefix_lengths[j] if b.prefix_lengths else 0) if j >= 0 else 0
-            best = max(best, used)
-            hit = hit or is_state(name)
-            if first is None:
-                first = (b, bounds[bn], chain, name, used)
-        shared = shared_prefix(specs[at:at + n])
-        at += n
-        cached.append(best)
-        hits += hit
-        hit_tokens += best if hit else 0
-        b, (starts, ends), chain, name, used = first
-        if len(shared) - used < FILL_MIN_TOKENS:
-            continue
-        entry = lease.fill(shared)
-        if entry is None:
-            continue
-        idx = np.concatenate([np.arange(starts[c], ends[c], dtype=np.int64) for c in chain])[: len(shared) - used]
-        b.fills.append(Fill(entry.name, entry.offset, name, used, idx))
-    lease.count(len(jobs), hits, hit_tokens)
-    return cached

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import EngineSettings
+from ..engine.fills import document_overlap, shared_prefix
 from ..engine.plan import RequestPlan, plan_request
-from ..engine.prefix_cache import FILL_MIN_TOKENS, HIT_MIN_TOKENS, document_overlap, shared_prefix
+from ..engine.prefix_cache import FILL_MIN_TOKENS, HIT_MIN_TOKENS
 from ..engine.protocol import EngineUnavailable
 from ..engine.scheduler import EngineStopped
 from ..model.directory import ModelDir
