@@ -9,7 +9,8 @@
 #    One line per stage: "STAGE: ok (N s) SUMMARY", "STAGE: skipped: WHY" (no second GPU, no CUDA, no old wheel,
 #    or not enough of BUDGET, default 570 s, left), or "STAGE: FAILED (N s)" and the tail of its log (a daemon that
 #    did not start: its own log's tail); the next stage still runs. Records (bench and HTTP JSON, answers, daemon
-#    logs, STAGE.log with the stage's whole output, summary.txt with these lines) land in $OUT (default /tmp/out).
+#    logs, STAGE.log with the stage's whole output) land in $OUT (default /tmp/out) as records.tgz, beside
+#    summary.txt with these lines and machine.txt (PACK=0: as files).
 # Stages (run in the order given):
 #   tests      tests/test_cuda.py, test_cuda_kernels.py, test_fp8.py from a copy of tests/ ($TESTS to choose)
 #   bench      per preset of PRESETS (default "mini 4.5B max"): in-process bench at f16 (--repeat 2 --invariance 8,
@@ -59,6 +60,10 @@ site() {  # install dist/gpu/$1 (new or old) with the carried dependencies into 
 }
 if ls "$D"/new/*.whl > /dev/null 2>&1; then site new || exit 1; export PYTHONPATH=$R/new
 else echo "no wheel in $D/new (bash tools/gpu.sh prepare): the installed basal_local runs"; fi
+CLIENT=${PYTHONPATH:-}  # the clients (HTTP bench, answers) are always this tree's, also against the old daemon
+# the run tool brings back only a few files: at exit, every record but the summary goes into records.tgz
+pack() { local t; t=$(mktemp); (cd "$OUT" && tar czf "$t" --exclude=summary.txt . && find . -mindepth 1 \
+  ! -name summary.txt ! -name machine.txt -delete) && mv "$t" "$OUT/records.tgz"; }
 (cd "$R" && $PY -c "import basal_local.server.daemon, litestar, uvicorn" && $PY -m basal_local.cli serve -h) \
   > /dev/null || { echo "the daemon does not import: see bash tools/gpu.sh prepare"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
@@ -129,10 +134,10 @@ served() {  # NAME "CLIENTS:REQUESTS[:i] ..." SERVE-ARGS...: HTTP runs and the a
   local name=$1 runs=$2 r; shift 2
   model "$M" "$PRESET" && serve "$name" --model "$M" "$@" || return 1
   for r in $runs; do IFS=: read -r c q i <<< "$r"
-    cli bench --http "$U" --json --clients "$c" --requests "$q" ${i:+--invariance 8} > "$OUT/http-$name-c$c.json" ||
-      { halt; return 1; }
+    PYTHONPATH=$CLIENT cli bench --http "$U" --json --clients "$c" --requests "$q" ${i:+--invariance 8} \
+      > "$OUT/http-$name-c$c.json" || { halt; return 1; }
   done
-  tool gpu.py answers "$U" "$OUT/answers-$name.json" 64; curl -s "$U/api/stats" > "$OUT/stats-$name.json"; halt
+  PYTHONPATH=$CLIENT tool gpu.py answers "$U" "$OUT/answers-$name.json" 64; curl -s "$U/api/stats" > "$OUT/stats-$name.json"; halt
   [ "$name" = 1gpu ] || [ ! -f "$OUT/answers-1gpu.json" ] ||
     tool gpu.py compare "$OUT/answers-1gpu.json" "$OUT/answers-$name.json" | tee "$OUT/compare-$name.json"
 }
@@ -207,3 +212,4 @@ for s in ${STAGES:-tests bench http}; do
       *) echo "$s: FAILED $took${line:+ $line}; $OUT/$s.log ends:"; tail -15 "$OUT/$s.log" | sed 's/^/    /';; esac
   fi | tee -a "$OUT/summary.txt"
 done
+[ "${PACK:-1}" = 0 ] || pack
