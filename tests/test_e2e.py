@@ -252,7 +252,7 @@ def test_bench_command_in_process_and_http(daemon, tiny_model):
     out = cli_run(["bench", "--model", str(tiny_model), "--device", "cpu", "--decisions", "20", "--json"],
                   capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
-    assert result["decisions"] == 20 and result["single_ms"]["median"] > 0
+    assert result["decisions"] == 20 and result["single_ms"]["median"] > 0 < result["single_forward_ms"]["median"]
     assert result["throughput"]["batch32"]["packed_tokens"] < result["throughput"]["batch32"]["unpacked_tokens"]
     out = cli_run(["bench", "--http", daemon.url, "--clients", "8",
                           "--requests", "40", "--json"], capture_output=True, text=True, check=True)

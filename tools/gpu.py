@@ -48,7 +48,8 @@ def summary(*paths: str) -> None:
         elif "single_ms" in r:
             base = (f", vs {r['baseline']['mode']} {r['speedup_single_median']}x single, {r['speedup_batch32']}x b32"
                     if "baseline" in r else "")
-            out.append(f"{name} {r['single_ms']['median']} ms (p95 {r['single_ms']['p95']}), b32 "
+            fwd = f" (plan+pack+forward {r['single_forward_ms']['median']} ms)" if "single_forward_ms" in r else ""
+            out.append(f"{name} {r['single_ms']['median']} ms (p95 {r['single_ms']['p95']}){fwd}, b32 "
                        f"{r['throughput']['batch32']['decisions_per_s']}/s{inv}{base}")
         else:
             out.append(f"{name} no figures")

@@ -24,6 +24,7 @@ from ..api.systemone import validate_systemone
 from ..engine.engine import ModelEngine
 from ..engine.gate import DeviceGate
 from ..engine.lane import Flight
+from ..engine.packer import pack_prompts
 from ..engine.scheduler import Job
 from ..model.directory import ModelDir, load_model_dir
 from ..protocol.questions import DecisionRequest
@@ -126,7 +127,7 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
         bench.decide([r])
     # all of it: template K/V, on CUDA graph capture of every bucket, and the first forwards (kernel compiles)
     warmup_s = time.perf_counter() - bench.warm_started
-    latencies = []
+    latencies, forward_only = [], []
     packed = []
     phase(f"single decisions ({len(requests) * repeat})")
     ticker = Ticker("single decisions", len(requests) * repeat)
@@ -137,6 +138,12 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
             pack = bench.decide([r]).pack
             latencies.append((time.perf_counter() - t) * 1000.0)
             packed.append(pack.packed_tokens + sum(row.used for row in pack.rows))
+            # the same decision as plan -> pack -> backend.forward only (no answers, no batch record): what this
+            # bench timed before it went through the engine's path, for side by sides with older commits
+            t = time.perf_counter()
+            for b in pack_prompts(bench.engine.plan(r).prompt_specs(), bench.engine.prefixes).batches:
+                backend.forward(b)
+            forward_only.append((time.perf_counter() - t) * 1000.0)
     throughput = {}
     for size in (16, 32):
         phase(f"batches of {size}")
@@ -164,6 +171,8 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
         "warmup_s": round(warmup_s, 2),
         "decisions": len(latencies),
         "single_ms": {"median": round(statistics.median(latencies), 3), "p95": round(percentile(latencies, .95), 3)},
+        "single_forward_ms": {"median": round(statistics.median(forward_only), 3),
+                              "p95": round(percentile(forward_only, .95), 3)},
         "packed_tokens_p50": statistics.median(packed), "throughput": throughput,
         "memory": backend.memory(), "python": platform.python_version(),
         **({"mlx": _mlx_version()} if backend.name == "mlx" else {"torch": _torch_version()}),
