@@ -23,7 +23,8 @@
 #   dashboard  NVML telemetry in /api/stats and the event stream, the GPU memory split, the dashboard headless
 #   unload     5 unload/load cycles, in process and in a worker process: memory back, answers bit for bit
 #   kill       tools/loadtest.py --kill-every: worker processes (one per GPU) killed under load
-#   ab         dist/gpu/old against dist/gpu/new: bench pairs, HTTP 1/32 clients, proc2, answers compared
+#   ab         dist/gpu/old against dist/gpu/new: bench pairs (the first with --long-doc --invariance 8), HTTP 1/32
+#              clients and proc2 (each daemon measured by this tree's client), answers compared
 #   profile    kernel time per family of a single decision and of 32 (tools/gpu.py profile)
 # PRESET (default 4.5B) is the model of the stages after bench. R (default /tmp/gpu) is the scratch folder: the
 # installed wheels and the models, built once per preset (rm -rf it to rebuild). DEV=cpu PRESET=tiny rehearses
@@ -186,7 +187,7 @@ st_ab() {
   ls "$D"/old/*.whl > /dev/null 2>&1 || { say "no wheel in $D/old: bash tools/gpu.sh prepare OLD"; return 3; }
   site old || return 1; model "$M" "$PRESET" || return 1
   local v order=${ORDER:-old new}; local again; again=$(echo "$order" | awk '{print $2, $1}')
-  for v in $order; do PYTHONPATH=$R/$v bench "ab-$v" "$M" || return 1; done
+  for v in $order; do PYTHONPATH=$R/$v bench "ab-$v" "$M" --long-doc --invariance 8 || return 1; done
   for v in $order; do PYTHONPATH=$R/$v served "ab-$v" "1:268 32:1280" --device "$DEV" || return 1; done
   for v in $order; do [ "$(left)" -gt 120 ] &&
     { PYTHONPATH=$R/$v served "ab-proc2-$v" "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1; }
@@ -202,7 +203,7 @@ st_profile() {
 }
 
 declare -A NEED=([tests]=150 [bench]=240 [cache]=200 [http]=120 [proc2]=90 [gpu2]=150 [dashboard]=60 [unload]=90
-                 [kill]=90 [ab]=300 [profile]=60)
+                 [kill]=90 [ab]=340 [profile]=60)
 for s in ${STAGES:-tests bench http}; do
   [ -n "${NEED[$s]:-}" ] || { echo "$s: unknown stage (see the header of tools/gpu.sh)"; continue; }
   t=$(date +%s); : > "$R/line"
