@@ -171,7 +171,9 @@ def probs(answers: dict) -> np.ndarray:
     return np.array(out, dtype=np.float64)
 
 
-def make_engine(model_dir, cache: str = "auto", backend: str = "torch", **kw) -> ModelEngine:
+def make_engine(model_dir, cache: str = "auto", backend: str = "torch", wrap=None, **kw) -> ModelEngine:
+    """A started engine on the CPU; `wrap`: a class the loaded backend is handed to (a backend that holds or
+    times its forwards), the engine's backend then."""
     if backend == "mlx":
         from basal_local.backends.mlx import MLXBackend
 
@@ -179,6 +181,8 @@ def make_engine(model_dir, cache: str = "auto", backend: str = "torch", **kw) ->
     else:
         b = TorchBackend(device="cpu")
     b.load(model_dir, "f32")
+    if wrap is not None:
+        b = wrap(b)
     engine = ModelEngine(load_model_dir(model_dir), b, DeviceGate(), Telemetry(),
                          EngineSettings(long_tokens=kw.pop("long_tokens", 0), prefix_cache=cache, **kw))
     engine.start()
@@ -267,11 +271,8 @@ class _Held:
 
 
 def test_the_same_new_document_arriving_at_once_is_computed_once(tiny_model, reference):
-    b = TorchBackend(device="cpu")
-    b.load(tiny_model, "f32")
-    held = _Held(b)
-    engine = ModelEngine(load_model_dir(tiny_model), held, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
-    engine.start()
+    engine = make_engine(tiny_model, wrap=_Held)
+    held = engine.backend
     try:
         doc = document(30)
         blocker = engine.submit(engine.plan(validate_systemone(body(document(31), 0), M)))
@@ -481,11 +482,8 @@ def test_a_request_about_a_document_a_batch_in_flight_is_storing_waits_for_it(ti
     """Two requests about one new document, the second formed into a batch while the first's batch is still
     on the device: the second waits for that batch and continues the document from the cache (a hit) instead
     of computing it again beside it; its answers are the reference's."""
-    b = TorchBackend(device="cpu")
-    b.load(tiny_model, "f32")
-    pipe = _Pipelined(b)
-    engine = ModelEngine(load_model_dir(tiny_model), pipe, DeviceGate(), Telemetry(), EngineSettings(long_tokens=0))
-    engine.start()
+    engine = make_engine(tiny_model, wrap=_Pipelined)
+    pipe = engine.backend
     try:
         for seed in (40, 41):  # the lane learns the device time of batches this size: the next ones overlap
             ask(engine, body(document(seed), 0))
