@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from basal_local.backends.base import Fill
+from basal_local.backends.host import block_bounds, block_chains
 
 from ..model.tokenizer import common_prefix_len
 from .prefix_cache import FILL_MIN_TOKENS, Lease, is_state
@@ -45,28 +46,21 @@ def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]
     for b in pack.batches:
         for name in dict.fromkeys(b.prefixes):
             lease.use(name)
-    bounds = []
-    for b in pack.batches:
-        starts = np.searchsorted(b.token_block, np.arange(len(b.block_parent)))
-        bounds.append((starts, np.append(starts[1:], b.num_tokens)))
+    bounds = [block_bounds(b.token_block, len(b.block_parent)) for b in pack.batches]
+    chains = [block_chains(b.block_parent) for b in pack.batches]
     cached, hits, hit_tokens, at = [], 0, 0, 0
     for job in jobs:
         n = len(job.specs)
-        best, hit, first, places = 0, False, None, []
+        best, hit, places = 0, False, []
         for p in range(at, at + n):
             bn, r, _ = pack.readouts[p]
             b = pack.batches[bn]
-            chain = [int(b.token_block[b.readout_index[r]])]
-            while b.block_parent[chain[-1]] >= 0:
-                chain.append(int(b.block_parent[chain[-1]]))
-            chain.reverse()
+            chain = chains[bn][int(b.token_block[b.readout_index[r]])]
             j = int(b.block_prefix[chain[0]])
             name = b.prefixes[j] if j >= 0 else None
             used = (b.prefix_lengths[j] if b.prefix_lengths else 0) if j >= 0 else 0
             best = max(best, used)
             hit = hit or is_state(name)
-            if first is None:
-                first = (b, bounds[bn], chain, name, used)
             places.append((bn, chain, name, used))
         shared = _packed_shared(places, pack.batches, bounds)
         if shared is None:
@@ -76,14 +70,15 @@ def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]
         cached.append(best)
         hits += hit
         hit_tokens += best if hit else 0
-        b, (starts, ends), chain, name, used = first
+        bn, chain, name, used = places[0]
         if shared - used < FILL_MIN_TOKENS:
             continue
         entry = lease.fill(list(ids0[:shared]))
         if entry is None:
             continue
+        starts, ends = bounds[bn]
         idx = np.concatenate([np.arange(starts[c], ends[c], dtype=np.int64) for c in chain])[: shared - used]
-        b.fills.append(Fill(entry.name, entry.offset, name, used, idx))
+        pack.batches[bn].fills.append(Fill(entry.name, entry.offset, name, used, idx))
     lease.count(len(jobs), hits, hit_tokens)
     return cached
 

@@ -171,7 +171,7 @@ def prefix_view(prefixes) -> TemplatePrefixes | Any:
 
 def split_cached_prefix(spec: PromptSpec, prefixes) -> tuple[str | None, int, list[int]]:
     """(name of the cached prefix the prompt continues, or None; how many of its tokens; the ids after them)."""
-    ids = spec.token_ids if type(spec.token_ids) is list else list(spec.token_ids)
+    ids = _as_list(spec.token_ids)
     view = prefix_view(prefixes)
     generation = getattr(view, "generation", None)  # the state cache's: bumped whenever a lookup may change
     memo = spec.memo
