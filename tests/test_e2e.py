@@ -259,6 +259,11 @@ def test_bench_command_in_process_and_http(daemon, tiny_model):
     result = json.loads(out.stdout)
     assert result["requests"] == 40 and result["errors"] == 0 and result["req_per_s"] > 0
     assert result["latency_ms"]["p50"] <= result["latency_ms"]["p99"]
+    # the slowest 1 % (of 40: one) with the daemon's own queue and compute times
+    (slow,) = result["slowest"]
+    assert slow["latency_ms"] >= result["latency_ms"]["p99"] - 1e-6
+    assert slow["queue_ms"] >= 0 and slow["compute_ms"] > 0 and slow["batch_requests"] >= 1
+    assert slow["queue_ms"] + slow["compute_ms"] <= slow["latency_ms"] + 1
 
 
 def test_access_log_line(tiny_model):

@@ -54,10 +54,11 @@ class Client:
         self.https = parts.scheme == "https"
         self.headers = {"Content-Type": "application/json", **auth_headers(api_key)}
         self.conn: http.client.HTTPConnection | None = None
+        self.timings: tuple[float | None, ...] = (None, None)
 
     def post(self, path: str, data: bytes) -> tuple[bytes, int]:
-        """(body, x-basal-batch-requests) of a 200 answer; raises Refused on another status, OSError when the
-        connection fails."""
+        """(body, x-basal-batch-requests) of a 200 answer (`self.timings`: its x-basal-queue-ms and
+        x-basal-compute-ms); raises Refused on another status, OSError when the connection fails."""
         if self.conn is None:
             kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
             self.conn = kind(self.host, self.port, timeout=600)
@@ -80,6 +81,8 @@ class Client:
                 message = ""
             raise Refused(resp.status, f"HTTP {resp.status}" + (f": {str(message)[:80]}" if message else ""),
                           retry_after_s(resp.headers) if resp.status == 529 else 0.0)
+        self.timings = tuple(float(v) if (v := resp.headers.get(f"x-basal-{h}-ms")) else None
+                             for h in ("queue", "compute"))
         return body, int(resp.headers.get("x-basal-batch-requests", "1"))
 
 
@@ -110,6 +113,7 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
     total = total or len(bodies)
     latencies: list[float] = []
     batch_sizes: list[int] = []
+    answered: list[tuple] = []  # (sent s, latency, queue ms, compute ms, batch)
     failures: collections.Counter[str] = collections.Counter()
     retried = [0]
     lock = threading.Lock()
@@ -148,6 +152,7 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
                     with lock:
                         latencies.append((time.perf_counter() - t) * 1000.0)
                         batch_sizes.append(size)
+                        answered.append((t - t0, latencies[-1], *conn.timings, size))
                     break
                 with lock:
                     failures[reason] += 1
@@ -184,6 +189,10 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
                                   "p95": round(percentile(latencies, .95), 2),
                                   "p99": round(percentile(latencies, .99), 2)},
                    "mean_batch_requests": round(sum(batch_sizes) / len(batch_sizes), 2)})
+    # the slowest 1 % as the daemon timed them: a tail of queue waits (batch forming) or of long batches?
+    slowest = sorted(answered, key=lambda a: -a[1])[:max(1, len(answered) // 100)]
+    result["slowest"] = [{"sent_s": round(a[0], 3), "latency_ms": round(a[1], 2), "queue_ms": a[2],
+                          "compute_ms": a[3], "batch_requests": a[4]} for a in sorted(slowest)]
     return result
 
 
