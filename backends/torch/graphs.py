@@ -103,7 +103,7 @@ class Graphs:
         """The captured graph a batch fits, with its inputs uploaded (and the pool copies to make after it,
         `Forward.fill_plan`); None where it runs eagerly."""
         if batch.num_tokens > TOKEN_BUCKETS[-1] or len(batch.readout_index) > READOUT_BUCKETS[-1] or \
-                len(batch.letter_ids) > LETTER_CAP:
+                len(batch.letter_ids) > LETTER_CAP or self.fwd.splits(batch):
             return None
         size = self.bucket(batch.num_tokens)
         r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))
@@ -126,7 +126,7 @@ class Graphs:
     def forward(self, batch: PackedBatch) -> np.ndarray:
         found = self._graph_for(batch)
         if found is None:
-            *_, logits = self.fwd.steps(batch)
+            *_, logits = self.fwd.steps(batch, sync=False)
             return logits
         entry, after = found
         entry.graph.replay()
@@ -140,7 +140,7 @@ class Graphs:
         start.record()
         found = self._graph_for(batch)
         if found is None:
-            *_, logits = self.fwd.steps(batch)
+            *_, logits = self.fwd.steps(batch, sync=False)
             return Ready(logits)
         entry, after = found
         uploaded = torch.cuda.Event()
@@ -196,8 +196,10 @@ class Graphs:
         the first long request finds its kernels, library handles and memory ready (a 16.5k-token document
         took 3.3 s the first time and 1.0 s after on the H200, docs/PERFORMANCE.md)."""
         n = min(LONG_WARMUP_TOKENS, self.fwd.b.config.max_position_embeddings - 1)
-        if n > TOKEN_BUCKETS[-1]:
-            for _ in self.fwd.steps(dummy(n, 4, children=4)):
+        # the long one, then one of 3,072 tokens past the first split bound (plan.py): both tilings' split
+        # kernels compiled now (the long one's tiling is the one a few questions off a cached document use)
+        for size in (n, 3072) if n > TOKEN_BUCKETS[-1] else ():
+            for _ in self.fwd.steps(dummy(size, 4, children=4), sync=False):
                 pass
 
 
