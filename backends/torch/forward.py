@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -362,7 +363,7 @@ class Forward:
     # ---- the eager forward ---------------------------------------------------------------------------------
     def upload(self, batch: PackedBatch, fill: np.ndarray | None = None) -> dict:
         buf, layout = self.host_inputs(batch, batch.num_tokens, fill=fill)
-        v = self.views(torch.from_numpy(buf).to(self.b.device), layout)
+        v = self.views(self._to_device(buf), layout)
         slots = max((int(buf[o + 7:o + n:tplan.RECORD].max(initial=0)) for o, n in
                      (layout["tiles"], layout["tiles_last"])), default=0)
         if slots:  # split tiles: their chunks' partials (kernels.split_scratch), one buffer for every layer
@@ -371,9 +372,17 @@ class Forward:
             v["scratch"] = self.ops.split_scratch(slots, cfg.num_key_value_heads, rows, cfg.head_dim, self.b.device)
         return v
 
-    def steps(self, batch: PackedBatch, capture: list | None = None, sync: bool = True) -> Iterator[np.ndarray | None]:
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(a)
+        if torch.device(self.b.device).type == "cuda":  # pinned: the copy waits for none of the device's work before it
+            host = host.pin_memory()
+        return host.to(self.b.device, non_blocking=True)
+
+    def steps(self, batch: PackedBatch, capture: list | None = None, sync: bool = True,
+              on_device: bool = False) -> Iterator[Any]:
         """The eager forward, a layer per step (`sync`: the device idle at each step, for a long lane that
-        parks between them)."""
+        parks between them); the letter logits last, as an array (`on_device`: the device tensor, not waited
+        for)."""
         fill, after = self.fill_plan(batch)
         v = self.upload(batch, fill)
         for h in self.layers(v, capture, sync=sync):
@@ -381,8 +390,9 @@ class Forward:
                 yield None
             else:
                 self.copy_after(after)
-                letters = torch.from_numpy(batch.letter_ids.astype(np.int64)).to(self.b.device)
-                yield finite(self.letter_logits(h[:len(batch.readout_index)], letters).cpu().numpy())
+                logits = self.letter_logits(h[:len(batch.readout_index)],
+                                            self._to_device(batch.letter_ids.astype(np.int64)))
+                yield logits if on_device else finite(logits.cpu().numpy())
 
     def hidden(self, batch: PackedBatch) -> torch.Tensor:
         """The final-normed hidden states of the batch's readout rows."""

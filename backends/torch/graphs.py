@@ -15,7 +15,7 @@ import torch
 
 from basal_local.cuda_kernels.gemm import no_gc
 
-from ..base import PackedBatch, Ready
+from ..base import PackedBatch
 from .forward import LETTER_CAP, READOUT_BUCKETS, TOKEN_BUCKETS, Forward, finite
 
 MAX_GRAPHS = 96
@@ -133,15 +133,19 @@ class Graphs:
         self.fwd.copy_after(after)
         return finite(entry.logits.cpu().numpy()[:len(batch.readout_index), :len(batch.letter_ids)])
 
-    def launch(self, batch: PackedBatch) -> Launched | Ready:
-        """`forward` without waiting for the device: the graph is replayed and its logits copied back
-        asynchronously; the eager path (no graph fits) runs to the end here."""
+    def launch(self, batch: PackedBatch) -> Launched:
+        """`forward` without waiting for the device: the graph replayed (or the eager forward enqueued where
+        no graph fits) and its logits copied back asynchronously."""
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         found = self._graph_for(batch)
-        if found is None:
-            *_, logits = self.fwd.steps(batch, sync=False)
-            return Ready(logits)
+        if found is None:  # an eager forward (split tiles, or past the graphs' sizes), not waited for either
+            *_, logits = self.fwd.steps(batch, sync=False, on_device=True)
+            host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+            host.copy_(logits, non_blocking=True)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            return Launched(host, *logits.shape, start, end)
         entry, after = found
         uploaded = torch.cuda.Event()
         uploaded.record()
