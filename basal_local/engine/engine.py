@@ -207,7 +207,9 @@ class ModelEngine:
 
     def round_cost(self, plan: RequestPlan, specs: Sequence[Any]) -> int:
         """Tokens a round of `plan` would compute here now (what this engine's cache holds excluded)."""
-        return packed_size(specs, self.prefixes) if self.cache is not None else plan.packed_tokens
+        if self.cache is None:
+            return plan.packed_tokens
+        return plan.size_against(self.prefixes) if specs is plan.prompt_specs() else packed_size(specs, self.prefixes)
 
     def waiting(self) -> int:
         return sum(lane.waiting() for lane in self.lanes())

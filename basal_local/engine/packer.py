@@ -23,6 +23,17 @@ TREE_MAX_TOKENS = 32768
 FORWARD_MAX_TOKENS = 8192
 
 
+@dataclass(eq=False)
+class SharedHead:
+    """The first `length` ids of every prompt of one request (`ids`: one of those prompts, or more of it): what a
+    lookup or a sort reads once per request instead of once per prompt (a document's 18k ids)."""
+
+    ids: Sequence[int]
+    length: int
+    # the state cache's walk over those ids, and when: (cache, generation, walk) (PrefixCache.walk)
+    walk: Any = None
+
+
 @dataclass
 class PromptSpec:
     """One prompt to read out: its full token ids, its language (row key) and its letter ids."""
@@ -32,6 +43,7 @@ class PromptSpec:
     letter_ids: Sequence[int]
     # what the state cache answered for it, and when (split_cached_prefix): (cache, generation, name, used)
     memo: Any = field(default=None, compare=False, repr=False)
+    head: SharedHead | None = field(default=None, compare=False, repr=False)  # what it shares with its request
 
 
 @dataclass
@@ -84,7 +96,7 @@ class PrefixTrie:
 
     def insert(self, tokens: Sequence[int], prompt: int) -> int:
         """Insert a prompt; returns the number of tokens it added."""
-        tokens = list(tokens)
+        tokens = _as_list(tokens)
         if not tokens:
             raise ValueError("empty prompt after the cached prefix")
         node, i = self.root, 0
@@ -177,6 +189,13 @@ def split_cached_prefix(spec: PromptSpec, prefixes) -> tuple[str | None, int, li
     memo = spec.memo
     if generation is not None and memo is not None and memo[0] is view and memo[1] == generation:
         name, used = memo[2], memo[3]
+    elif generation is not None and spec.head is not None:
+        # the walk over the ids the request's prompts share, once per request; each prompt walks on from there
+        head = spec.head
+        if head.walk is None or head.walk[0] is not view or head.walk[1] != generation:
+            head.walk = (view, generation, view.walk(head.ids, head.length))
+        name, used = view.split(ids, spec.lang, head.walk[2])
+        spec.memo = (view, generation, name, used)
     else:
         name, used = view.split(ids, spec.lang)
         if generation is not None:
@@ -233,7 +252,9 @@ def pack_prompts(prompts: Sequence[PromptSpec], prefixes=None,
     # questions about the same state next to each other: stable order by token ids within a language
     # (lists, not tuples: a request's prompts share the document's int objects, and lists of them compare about
     # 8x faster here than tuples built from them: 0.46 vs 3.6 ms for ten 18k-token prompts)
-    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].lang, _as_list(prompts[i].token_ids)))
+    skip = _shared_by_language(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].lang,
+                                                       _as_list(prompts[i].token_ids)[skip[prompts[i].lang]:]))
     for i in order:
         spec = prompts[i]
         prefix, used, ids = split_cached_prefix(spec, view)
@@ -261,6 +282,32 @@ def pack_prompts(prompts: Sequence[PromptSpec], prefixes=None,
         batches.append(_emit(group, prompts, len(batches), readouts))
     return PackPlan(batches, readouts, sum(r.trie.num_tokens for r in rows),
                     sum(len(p.token_ids) for p in prompts), rows)
+
+
+def _shared_by_language(prompts: Sequence[PromptSpec]) -> dict[str, int]:
+    """Per language, how many leading ids all its prompts are known to share (their requests' `head`s, compared
+    once per request): the sort by ids compares only what follows (the same order, without 18k ids per compare)."""
+    heads: dict[str, dict[int, SharedHead] | None] = {}
+    for spec in prompts:
+        known = heads.setdefault(spec.lang, {})
+        if spec.head is None or spec.head.length <= 0:
+            heads[spec.lang] = None  # a prompt without a head: nothing is known to be shared
+        elif known is not None:
+            known.setdefault(id(spec.head), spec.head)
+    skip = {}
+    for lang, known in heads.items():
+        if not known:
+            skip[lang] = 0
+            continue
+        first, *others = known.values()
+        ids0, shared = _as_list(first.ids), first.length
+        for other in others:
+            shared = min(shared, other.length)
+            ids = _as_list(other.ids)
+            if ids0[:shared] != ids[:shared]:
+                shared = common_prefix_len(ids0[:shared], ids[:shared])
+        skip[lang] = shared
+    return skip
 
 
 def _emit(rows: list[_Row], prompts: Sequence[PromptSpec], batch_no: int,

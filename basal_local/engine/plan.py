@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..model.directory import Calibration
-from ..model.tokenizer import BasalTokenizer
+from ..model.tokenizer import BasalTokenizer, common_prefix_len
 from ..protocol.act import ActError, act_answer
 from ..protocol.decision import argmax_first, average_orders, calibrate
 from ..protocol.errors import AnswerRefused, ContextTooLong
@@ -27,7 +27,7 @@ from ..protocol.outcome import Outcome, QuestionOutcome
 from ..protocol.questions import DecisionRequest, Question, detect_language
 from ..protocol.render import orders, render_prompt, render_question
 from ..protocol.tools import tool_answer
-from .packer import PromptSpec, TrieSizer
+from .packer import PromptSpec, SharedHead, TrieSizer
 
 UnitKey = tuple[str, str, int]  # (question id, role, index)
 
@@ -65,19 +65,34 @@ class RequestPlan:
     error: AnswerRefused | None = None  # set by finish when an answer refuses (act max_error without defer)
     context: tuple[BasalTokenizer, int, Any] | None = None  # tokenizer, positions, the prefixes' view
     background: bool = False  # batch work: computed only when no interactive request waits (scheduler)
+    shared_tokens: int = 0  # leading ids every prompt of this round shares, as tokenized once (encode_shared)
 
     # the prompts, built once: each spec keeps what the state cache answered for it (PromptSpec.memo), so the
     # plan's size, the engine's round cost and the packer look a long document up once between them
     _specs: list[PromptSpec] | None = field(default=None, init=False, repr=False, compare=False)
+    # what `packed_tokens` was sized against: (the prefixes' view, its generation) (`size_against`)
+    _sized: tuple[Any, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def prompt_specs(self) -> list[PromptSpec]:
         if self._specs is None:
-            self._specs = [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
+            first = self.questions[0].token_ids[0] if self.questions else []
+            head = SharedHead(first, self.shared_tokens) if self.shared_tokens else None
+            self._specs = [PromptSpec(ids, qp.lang, qp.letter_ids, head=head)
+                           for qp in self.questions for ids in qp.token_ids]
         return self._specs
+
+    def size_against(self, prefixes: Any) -> int:
+        """Tokens a round computes against `prefixes` (packed_size of the prompts): `packed_tokens` again while the
+        state cache is the one it was sized against and unchanged since (its generation)."""
+        generation = getattr(prefixes, "generation", None)
+        if generation is not None and self._sized is not None and self._sized[0] is prefixes \
+                and self._sized[1] == generation:
+            return self.packed_tokens
+        return packed_size(self.prompt_specs(), prefixes)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the specs: their memo refers to this process's state cache."""
-        return {**self.__dict__, "_specs": None}
+        return {**self.__dict__, "_specs": None, "_sized": None}
 
 
 def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, str, list[list[int]], list[str], str,
@@ -112,19 +127,28 @@ def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, st
 
 
 def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalTokenizer,
-                    max_positions: int) -> tuple[list[QuestionPlan], int]:
+                    max_positions: int) -> tuple[list[QuestionPlan], int, int]:
+    """The units' plans, their tokens in all, and how many leading ids every prompt shares (`encode_shared`)."""
     texts = [p for unit in units for p in unit[3]]
     ids: list[list[int]] = []
     # where the state ends in the prompts: the tokenizer keeps the ids of template + state of a long document
     state = request.state_text
     at = texts[0].find(state) if texts and len(state) >= 1024 else -1
     remember = at + len(state) if at >= 0 else 0
+    shared = 0
     if units and len(request.state_text) > max_positions:
         # a long state is in every prompt: measure the first unit's prompts alone before the rest
-        ids = tokenizer.encode_batch(units[0][3], remember)
+        ids, shared = tokenizer.encode_shared(units[0][3], remember)
         _check_context(units[0][0], ids, max_positions, request.model)
     if len(texts) > len(ids):
-        ids += tokenizer.encode_batch(texts[len(ids):], remember)
+        rest, more = tokenizer.encode_shared(texts[len(ids):], remember)
+        if ids:  # what the two calls share: at most what each shares within itself
+            more = min(shared, more)
+            head = ids[0][:more]
+            shared = more if rest[0][:more] == head else common_prefix_len(rest[0][:more], head)
+        else:
+            shared = more
+        ids += rest
     plans, at = [], 0
     for q, lang, perms, prompts, role, index, members in units:
         token_ids = ids[at: at + len(prompts)]
@@ -132,7 +156,7 @@ def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalToken
         _check_context(q, token_ids, max_positions, request.model)
         plans.append(QuestionPlan(q, lang, perms, prompts, token_ids, tokenizer.letter_ids[: len(perms[0])],
                                   role, index, members))
-    return plans, sum(len(t) for t in ids)
+    return plans, sum(len(t) for t in ids), shared
 
 
 def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positions: int,
@@ -140,11 +164,20 @@ def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positi
     """Render and tokenize every round-1 unit; raises ContextTooLong for too-long prompts."""
     started = time.perf_counter()
     check_size_cheaply(request, tokenizer, max_positions)
-    plans, tokens = _tokenize_units(request, _render_units(request, tokenizer.bos), tokenizer, max_positions)
-    plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, prefixes or {}))
-    plan.packed_tokens = packed_size(plan.prompt_specs(), prefixes or {})
+    plans, tokens, shared = _tokenize_units(request, _render_units(request, tokenizer.bos), tokenizer,
+                                            max_positions)
+    plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, prefixes or {}),
+                       shared_tokens=shared)
+    _size(plan, prefixes or {})
     plan.planning_s = time.perf_counter() - started
     return plan
+
+
+def _size(plan: RequestPlan, prefixes: Any) -> None:
+    generation = getattr(prefixes, "generation", None)  # read first: a change while sizing makes it stale
+    plan.packed_tokens = packed_size(plan.prompt_specs(), prefixes)
+    if generation is not None:
+        plan._sized = (prefixes, generation)
 
 
 def _check_context(q: Question, token_ids: list[list[int]], max_positions: int, model: str) -> None:
@@ -203,11 +236,11 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
         prompts = [render_prompt(request.state_text, q.instructions_text, texts, p, lang, tokenizer.bos)
                    for p in perms]
         units.append((q, lang, perms, prompts, "final", 0, chosen))
-    plans, tokens = _tokenize_units(request, units, tokenizer, max_positions)
+    plans, tokens, shared = _tokenize_units(request, units, tokenizer, max_positions)
     follow = RequestPlan(request, plans, plan.input_tokens + tokens, 0, arrival=plan.arrival, round=2,
                          carried=dict(plan.carried), evidence=plan.evidence, context=plan.context,
-                         background=plan.background)
-    follow.packed_tokens = packed_size(follow.prompt_specs(), prefixes)
+                         background=plan.background, shared_tokens=shared)
+    _size(follow, prefixes)
     follow.planning_s = plan.planning_s + time.perf_counter() - started
     return follow
 

@@ -93,6 +93,24 @@ class _Node:
     pinned: Entry | None = field(default=None, repr=False)  # a template among them: what a prompt that ends its match here continues
 
 
+@dataclass(eq=False)
+class Walk:
+    """Where a lookup stands after the edges within a request's shared tokens (`PrefixCache.walk`), as of the
+    tree's `generation`: the node reached, the tokens matched, the entry and the template passed; `done` when the
+    lookup ends there whatever follows; `edge` and `agreed`, the next edge where it goes on past the shared tokens
+    and how many of its tokens they match."""
+
+    node: _Node
+    generation: int
+    i: int = 0
+    holder: Entry | None = None
+    pinned: Entry | None = None
+    pinned_at: int = 0
+    done: bool = False
+    edge: _Node | None = None
+    agreed: int = 0
+
+
 @dataclass
 class Match:
     """What a prompt continues: an entry's first `length` tokens (length < the prompt's)."""
@@ -124,25 +142,28 @@ class PrefixCache:
         self.on_drop: Callable[[str], None] | None = None  # the backend forgets an entry's name (MLX frees it)
 
     # ---- lookups ---------------------------------------------------------------------------------------------
-    def match(self, ids: Sequence[int]) -> Match | None:
-        """The longest computed prefix of `ids` (at most len(ids) - 1 tokens: the last token is always computed)."""
+    def match(self, ids: Sequence[int], start: Walk | None = None) -> Match | None:
+        """The longest computed prefix of `ids` (at most len(ids) - 1 tokens: the last token is always computed).
+        `start`: `walk` over ids' first tokens, the same answer without reading them again (ignored once the tree
+        changed since)."""
         ids = ids if type(ids) is list else list(ids)
         with self.lock:
-            node, i, holder = self.root, 0, None
-            pinned, pinned_at = None, 0  # the template the walk passed, and how far it covered
+            if start is None or start.generation != self.generation:
+                start = Walk(self.root, self.generation)
+            node, i, holder, pinned, pinned_at = start.node, start.i, start.holder, start.pinned, start.pinned_at
+            edge, agreed = start.edge, start.agreed  # the walk's next edge and how many of its tokens match
             limit = len(ids) - 1
-            while i < limit:
-                child = node.children.get(ids[i])
+            while not start.done and i < limit:
+                child = edge if edge is not None else node.children.get(ids[i])
                 if child is None:
                     break
                 n = len(child.tokens)
-                k = common_prefix_len(child.tokens, ids[i:i + n]) if n > 1 else 1  # >= 1: the first token matched
-                # within a template a prompt continues the template itself (pinned: it never holds a row a
-                # document's entry would otherwise free)
-                holder = child.pinned or next(iter(child.entries.values()))
-                i += k
-                if child.pinned is not None:
-                    pinned, pinned_at = child.pinned, min(i, child.pinned.length)
+                if edge is not None:  # only the edge's tokens past the walk's are compared
+                    k = agreed + common_prefix_len(child.tokens[agreed:], ids[i + agreed:i + n])
+                    edge = None
+                else:
+                    k = common_prefix_len(child.tokens, ids[i:i + n]) if n > 1 else 1  # >= 1: the first token matched
+                holder, i, pinned, pinned_at = self._passed(child, k, i, holder, pinned, pinned_at)
                 if k < n:
                     break
                 node = child
@@ -151,6 +172,47 @@ class PrefixCache:
             if not holder.pinned and pinned is not None and min(i, limit) - pinned_at < HIT_MIN_TOKENS:
                 return Match(pinned, min(pinned_at, limit))
             return Match(holder, min(i, limit))
+
+    @staticmethod
+    def _passed(child: _Node, k: int, i: int, holder: Entry | None, pinned: Entry | None,
+                pinned_at: int) -> tuple[Entry, int, Entry | None, int]:
+        """A lookup matched k tokens of `child`'s edge from ids[i]: the entry it continues, its new length, the
+        template it passed and how far that covered."""
+        # within a template a prompt continues the template itself (pinned: it never holds a row a document's
+        # entry would otherwise free)
+        holder = child.pinned or next(iter(child.entries.values()))
+        i += k
+        if child.pinned is not None:
+            pinned, pinned_at = child.pinned, min(i, child.pinned.length)
+        return holder, i, pinned, pinned_at
+
+    def walk(self, ids: Sequence[int], length: int) -> Walk:
+        """`match`'s walk over the first `length` of `ids` (the tokens every prompt of a request shares, each
+        prompt at least `length` long), once for all those prompts: `match(prompt, walk)` goes on from there."""
+        ids = ids if type(ids) is list else list(ids)
+        with self.lock:
+            w = Walk(self.root, self.generation)
+            stop = min(length, len(ids)) - 1  # below every such prompt's limit (its length - 1)
+            while w.i < stop:
+                child = w.node.children.get(ids[w.i])
+                if child is None:
+                    w.done = True
+                    break
+                n = len(child.tokens)
+                if w.i + n > stop:  # the edge goes on past the shared tokens: compare its part within them once
+                    m = stop - w.i
+                    k = common_prefix_len(child.tokens[:m], ids[w.i:stop]) if m > 1 else 1
+                    if k == m:
+                        w.edge, w.agreed = child, m
+                        break
+                else:
+                    k = common_prefix_len(child.tokens, ids[w.i:w.i + n]) if n > 1 else 1
+                w.holder, w.i, w.pinned, w.pinned_at = self._passed(child, k, w.i, w.holder, w.pinned, w.pinned_at)
+                if k < n:
+                    w.done = True
+                    break
+                w.node = child
+            return w
 
     def in_flight(self, ids: Sequence[int]) -> bool:
         """Whether a batch in flight is storing at least FILL_MIN_TOKENS more of `ids` than a lookup finds now:
@@ -165,9 +227,9 @@ class PrefixCache:
             have = m.length if m else 0
             return any(common_prefix_len(e.tokens, ids) - have >= FILL_MIN_TOKENS for e in pending)
 
-    def split(self, ids: Sequence[int], lang: str = "") -> tuple[str | None, int]:
+    def split(self, ids: Sequence[int], lang: str = "", start: Walk | None = None) -> tuple[str | None, int]:
         """(name of the entry a prompt continues, or None; how many of its tokens): the packer's view."""
-        m = self.match(ids)
+        m = self.match(ids, start)
         return (m.entry.name, m.length) if m else (None, 0)
 
     # ---- the templates ---------------------------------------------------------------------------------------

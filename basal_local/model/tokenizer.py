@@ -144,15 +144,22 @@ class BasalTokenizer:
         the text the prompts share (template + state) is tokenized once and long texts in pieces; with
         `remember` (the characters of the first text that are template + state), that shared text's ids are kept,
         so the next request about the same document tokenizes only its questions (`REMEMBER_*`)."""
+        return self.encode_shared(texts, remember)[0]
+
+    def encode_shared(self, texts: Sequence[str], remember: int = 0) -> tuple[list[list[int]], int]:
+        """`encode_batch`, and how many leading ids every text's ids share because they were tokenized once for
+        all of them (at most their common prefix; 0 where nothing was shared, all of a single text's ids)."""
         texts = list(texts)
         if not texts:
-            return []
+            return [], 0
         if not self._splits:
-            return self._run(texts)
+            ids = self._run(texts)
+            return ids, len(ids[0]) if len(ids) == 1 else 0
         known = self._known(texts)
         if known is not None:  # a kept text every prompt starts with, at a point where ids may be cut
             head, ids = known
-            return [ids + tail for tail in self.encode_batch([t[len(head):] for t in texts])]
+            tails, shared = self.encode_shared([t[len(head):] for t in texts])
+            return [ids + tail for tail in tails], len(ids) + shared
         cut = len(texts[0])
         if len(texts) > 1:
             cut = safe_cut(texts[0], min(common_prefix_len(texts[0], t) for t in texts[1:]))
@@ -161,9 +168,11 @@ class BasalTokenizer:
             head = texts[0][:keep]
             ids = [i for chunk in self._run(self._pieces(head)) for i in chunk]
             self._remember(head, ids)
-            return [ids + tail for tail in self.encode_batch([t[keep:] for t in texts])]
+            tails, shared = self.encode_shared([t[keep:] for t in texts])
+            return [ids + tail for tail in tails], len(ids) + shared
         if len(texts) == 1:
-            cut = 0
+            ids = [i for chunk in self._run(self._pieces(texts[0])) for i in chunk]
+            return [ids], len(ids)
         shared = cut >= SHARED_MIN_CHARS
         parts = [self._pieces(texts[0][:cut])] + [[t[cut:]] for t in texts] if shared else \
             [self._pieces(t) for t in texts]
@@ -172,7 +181,9 @@ class BasalTokenizer:
         for ps in parts:
             joined.append([i for chunk in ids[at:at + len(ps)] for i in chunk])
             at += len(ps)
-        return [joined[0] + tail for tail in joined[1:]] if shared else joined
+        if shared:
+            return [joined[0] + tail for tail in joined[1:]], len(joined[0])
+        return joined, 0
 
     def _known(self, texts: list[str]) -> tuple[str, list[int]] | None:
         """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut)."""
