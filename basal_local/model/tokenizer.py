@@ -146,23 +146,28 @@ class BasalTokenizer:
         so the next request about the same document tokenizes only its questions (`REMEMBER_*`)."""
         return self.encode_shared(texts, remember)[0]
 
-    def encode_shared(self, texts: Sequence[str], remember: int = 0) -> tuple[list[list[int]], int]:
+    def encode_shared(self, texts: Sequence[str], remember: int = 0,
+                      shared_chars: int = 0) -> tuple[list[list[int]], int]:
         """`encode_batch`, and how many leading ids every text's ids share because they were tokenized once for
-        all of them (at most their common prefix; 0 where nothing was shared, all of a single text's ids)."""
+        all of them (at most their common prefix; 0 where nothing was shared, all of a single text's ids).
+        `shared_chars`: the caller knows that every text starts with the first that many characters of the first
+        (rendered from one template + state): they are compared once, not once per text."""
         texts = list(texts)
         if not texts:
             return [], 0
         if not self._splits:
             ids = self._run(texts)
             return ids, len(ids[0]) if len(ids) == 1 else 0
-        known = self._known(texts)
+        known = self._known(texts, shared_chars)
         if known is not None:  # a kept text every prompt starts with, at a point where ids may be cut
             head, ids = known
             tails, shared = self.encode_shared([t[len(head):] for t in texts])
             return [ids + tail for tail in tails], len(ids) + shared
         cut = len(texts[0])
         if len(texts) > 1:
-            cut = safe_cut(texts[0], min(common_prefix_len(texts[0], t) for t in texts[1:]))
+            skip = min(shared_chars, len(texts[0]))
+            rest = texts[0][skip:]
+            cut = safe_cut(texts[0], skip + min(common_prefix_len(rest, t[skip:]) for t in texts[1:]))
         keep = safe_cut(texts[0], min(remember, cut) + 1) if remember else 0
         if keep >= REMEMBER_MIN_CHARS:
             head = texts[0][:keep]
@@ -185,17 +190,22 @@ class BasalTokenizer:
             return [joined[0] + tail for tail in joined[1:]], len(joined[0])
         return joined, 0
 
-    def _known(self, texts: list[str]) -> tuple[str, list[int]] | None:
-        """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut)."""
+    def _known(self, texts: list[str], shared_chars: int = 0) -> tuple[str, list[int]] | None:
+        """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut); the
+        texts all start with the first `shared_chars` characters of the first (`encode_shared`)."""
+        first = texts[0]
         with self._shared_lock:
             best = None
             for head, ids in self._shared.items():
                 n = len(head)
+                if best is not None and n <= len(best[0]):
+                    continue
+                if not all(len(t) > n and t[n] == " " for t in texts) or first[max(0, n - 16):n] != head[-16:]:
+                    continue  # a quick look at where the kept text ends, before comparing all of it
                 # t[:n] == head, not t.startswith(head): a slice has the narrowest character width of its
                 # content, as head does, so the two compare as bytes; startswith compares char by char when the
                 # widths differ (a wide character after the state: 2 ms per 70k-character prompt)
-                if (best is None or n > len(best[0])) and all(len(t) > n and t[n] == " " and t[:n] == head
-                                                                for t in texts):
+                if first[:n] == head and (n <= shared_chars or all(t[:n] == head for t in texts[1:])):
                     best = (head, ids)
             if best is not None:
                 self._shared.move_to_end(best[0])
