@@ -103,7 +103,8 @@ MUTATIONS = [
       "tests/test_parity.py::test_generated_models_match_transformers"),
     m("sizer-not-shared", "the batch sizer counts a prompt's shared prefix once (TrieSizer)",
       "basal_local/engine/packer.py",
-      "added += self.tries.setdefault((spec.lang, prefix, used), PrefixTrie()).insert(ids, 0)", "added += len(ids)",
+      "added += self.tries.setdefault((spec.lang, prefix, used), PrefixTrie()).insert(ids, 0, used, spec.head)",
+      "added += len(ids) - used",
       "tests/test_queue_order.py"),
     # hygiene and the harness
     m("assert-in-product", "runtime checks are errors, not asserts stripped by python -O",

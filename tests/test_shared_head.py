@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from basal_local.api.systemone import validate_systemone
-from basal_local.engine.packer import PromptSpec, SharedHead, pack_prompts
+from basal_local.engine.packer import PrefixTrie, PromptSpec, SharedHead, pack_prompts
 from basal_local.engine.plan import packed_size, plan_request
 from basal_local.engine.prefix_cache import HIT_MIN_TOKENS, PrefixCache
 from basal_local.model import load_model_dir
@@ -106,8 +106,41 @@ def test_packing_and_sizing_with_shared_heads_equal_them_without(seed):
         without += [PromptSpec(list(p), lang, [3, 4]) for p in prompts]
     for prefixes in (cache, template):
         assert packed_size(with_heads, prefixes) == packed_size(without, prefixes)
-        _pack_equal(pack_prompts(with_heads, prefixes, max_row_tokens=300, max_forward_tokens=400),
-                    pack_prompts(without, prefixes, max_row_tokens=300, max_forward_tokens=400))
+        for depth in (2, 3, 8):
+            _pack_equal(pack_prompts(with_heads, prefixes, 300, 400, depth), pack_prompts(without, prefixes, 300, 400,
+                                                                                          depth))
+
+
+def _shape(trie: PrefixTrie) -> list:
+    return [(b.tokens, b.depth, b.start, b.readouts, sorted(b.index), parent) for b, parent in trie.blocks()]
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_a_trie_walks_a_requests_shared_blocks_as_it_would_compare_them(seed):
+    """Prompts inserted after the cached prefix (`start`), requests one after another or interleaved, deep
+    enough for the depth limit: the same blocks, depths, readouts and sizes with the heads as without."""
+    rng = random.Random(seed)
+    depth = rng.choice([1, 2, 3, 4, 8])
+    start = rng.randrange(0, 4)
+    with_heads, without = PrefixTrie(start, depth), PrefixTrie(start, depth)
+    base = [rng.randrange(0, 3) for _ in range(rng.randrange(5, 60))]
+    requests = []
+    for _ in range(rng.randrange(1, 5)):
+        doc = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(0, 3) for _ in range(rng.randrange(0, 9))]
+        prompts = [doc + [rng.randrange(0, 3) for _ in range(rng.randrange(0, 6))] for _ in range(rng.randrange(1, 7))]
+        prompts = [p for p in prompts if len(p) > start] or [doc + [5] * (start + 1)]
+        shared = min(len(p) for p in prompts)
+        while any(p[:shared] != prompts[0][:shared] for p in prompts):
+            shared -= 1
+        head = SharedHead(prompts[0], rng.randrange(0, shared + 1))
+        requests.append([(p, head) for p in prompts])
+    order = [x for r in requests for x in r]
+    if rng.random() < 0.5:
+        rng.shuffle(order)
+    for n, (p, head) in enumerate(order):
+        assert with_heads.insert(p, n, start, head) == without.insert(p[start:], n)
+        assert with_heads.num_tokens == without.num_tokens
+    assert _shape(with_heads) == _shape(without)
 
 
 @pytest.fixture(scope="module")

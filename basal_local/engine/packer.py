@@ -80,10 +80,14 @@ class PrefixTrie:
         self.max_depth = max_depth
         self.num_tokens = 0
         self.num_prompts = 0
+        # the prompt inserted last: its request's head and the blocks a prompt starting like it walks through,
+        # (block, index of the block's first token in the prompt) (`insert`)
+        self._last: tuple[SharedHead | None, list[tuple[_Block, int]]] = (None, [])
 
-    def growth(self, tokens: Sequence[int]) -> int:
-        """Tokens that inserting this prompt would add (exact unless the depth limit splits it off)."""
-        node, i = self.root, 0
+    def growth(self, tokens: Sequence[int], start: int = 0) -> int:
+        """Tokens that inserting this prompt (its tokens from `start`) would add (exact unless the depth limit
+        splits it off)."""
+        node, i = self.root, start
         while i < len(tokens):
             child = node.index.get(tokens[i])
             if child is None:
@@ -94,27 +98,45 @@ class PrefixTrie:
             node, i = child, i + k
         return 0
 
-    def insert(self, tokens: Sequence[int], prompt: int) -> int:
-        """Insert a prompt; returns the number of tokens it added."""
+    def insert(self, tokens: Sequence[int], prompt: int, start: int = 0, head: SharedHead | None = None) -> int:
+        """Insert a prompt (its tokens from `start`); returns the number of tokens it added. `head`: what the
+        prompt shares with the others of its request; right after one of them, the blocks the two share are
+        walked without comparing their tokens again."""
         tokens = _as_list(tokens)
-        if not tokens:
+        if len(tokens) <= start:
             raise ValueError("empty prompt after the cached prefix")
-        node, i = self.root, 0
+        node, i = self.root, start
         self.num_prompts += 1
+        path: list[tuple[_Block, int]] = []
+        agreed = 0  # tokens of the next block known to match (the head ends inside it)
+        if head is not None and self._last[0] is head:
+            for block, at in self._last[1]:
+                if at + len(block.tokens) > head.length:
+                    agreed = max(0, head.length - at)
+                    break
+                path.append((block, at))
+                node, i = block, at + len(block.tokens)
+        self._last = (head, path)
         while True:
             if i == len(tokens):
                 node.readouts.append(prompt)
                 return 0
             child = node.index.get(tokens[i])
             if child is None or child.depth >= self.max_depth:
-                return self._add_leaf(node, tokens[i:], prompt, shareable=node.depth + 1 < self.max_depth)
-            k = _common_length(child.tokens, tokens[i:i + len(child.tokens)])
-            if k == len(child.tokens):
+                return self._add_leaf(node, tokens, i, prompt, node.depth + 1 < self.max_depth, path)
+            n = len(child.tokens)
+            if agreed:
+                k = agreed + _common_length(child.tokens[agreed:], tokens[i + agreed:i + n])
+                agreed = 0
+            else:
+                k = _common_length(child.tokens, tokens[i:i + n])
+            if k == n:
+                path.append((child, i))
                 node, i = child, i + k
                 continue
             if _subtree_depth(child) + 1 > self.max_depth:
                 # splitting would push this subtree past the depth limit: the prompt goes unshared
-                return self._add_leaf(node, tokens[i:], prompt, shareable=False)
+                return self._add_leaf(node, tokens, i, prompt, False, path)
             # split the child at k: a shared middle block, the old tail under it
             mid = _Block(child.tokens[:k], child.depth, child.start)
             child.tokens = child.tokens[k:]
@@ -125,18 +147,21 @@ class PrefixTrie:
                 mid.index[child.tokens[0]] = child
             node.children[node.children.index(child)] = mid
             node.index[mid.tokens[0]] = mid
+            path.append((mid, i))
             if i + k == len(tokens):
                 mid.readouts.append(prompt)
                 return 0
-            return self._add_leaf(mid, tokens[i + k:], prompt, shareable=mid.depth + 1 < self.max_depth)
+            return self._add_leaf(mid, tokens, i + k, prompt, mid.depth + 1 < self.max_depth, path)
 
-    def _add_leaf(self, parent: _Block, tokens: list[int], prompt: int, shareable: bool) -> int:
-        leaf = _Block(tokens, parent.depth + 1, parent.start + len(parent.tokens), readouts=[prompt])
+    def _add_leaf(self, parent: _Block, tokens: list[int], at: int, prompt: int, shareable: bool,
+                  path: list[tuple[_Block, int]]) -> int:
+        leaf = _Block(tokens[at:], parent.depth + 1, parent.start + len(parent.tokens), readouts=[prompt])
         parent.children.append(leaf)
         if shareable:
-            parent.index[tokens[0]] = leaf
-        self.num_tokens += len(tokens)
-        return len(tokens)
+            parent.index[leaf.tokens[0]] = leaf
+            path.append((leaf, at))  # only an indexed block is where a later prompt's walk goes
+        self.num_tokens += len(leaf.tokens)
+        return len(leaf.tokens)
 
     def blocks(self) -> list[tuple[_Block, int]]:
         """(block, parent number) in DFS pre-order; parent -1 for top-level blocks."""
@@ -182,7 +207,8 @@ def prefix_view(prefixes) -> TemplatePrefixes | Any:
 
 
 def split_cached_prefix(spec: PromptSpec, prefixes) -> tuple[str | None, int, list[int]]:
-    """(name of the cached prefix the prompt continues, or None; how many of its tokens; the ids after them)."""
+    """(name of the cached prefix the prompt continues, or None; how many of its tokens; the prompt's whole ids,
+    which a trie takes from there: no copy of a document's ids after a template)."""
     ids = _as_list(spec.token_ids)
     view = prefix_view(prefixes)
     generation = getattr(view, "generation", None)  # the state cache's: bumped whenever a lookup may change
@@ -200,7 +226,7 @@ def split_cached_prefix(spec: PromptSpec, prefixes) -> tuple[str | None, int, li
         name, used = view.split(ids, spec.lang)
         if generation is not None:
             spec.memo = (view, generation, name, used)
-    return name, used, ids[used:]
+    return name, used, ids
 
 
 class TrieSizer:
@@ -216,7 +242,7 @@ class TrieSizer:
         added = 0
         for spec in specs:
             prefix, used, ids = split_cached_prefix(spec, self.prefixes)
-            added += self.tries.setdefault((spec.lang, prefix, used), PrefixTrie()).insert(ids, 0)
+            added += self.tries.setdefault((spec.lang, prefix, used), PrefixTrie()).insert(ids, 0, used, spec.head)
         self.tokens += added
         return added
 
@@ -260,12 +286,12 @@ def pack_prompts(prompts: Sequence[PromptSpec], prefixes=None,
         prefix, used, ids = split_cached_prefix(spec, view)
         key = (spec.lang, prefix, used)
         row = open_rows.get(key)
-        full = row is not None and row.trie.num_tokens and row.trie.num_tokens + len(ids) > max_row_tokens
-        if row is None or (full and row.trie.num_tokens + row.trie.growth(ids) > max_row_tokens):
+        full = row is not None and row.trie.num_tokens and row.trie.num_tokens + len(ids) - used > max_row_tokens
+        if row is None or (full and row.trie.num_tokens + row.trie.growth(ids, used) > max_row_tokens):
             row = _Row(spec.lang, prefix, PrefixTrie(used, max_depth), used)
             rows.append(row)
             open_rows[key] = row
-        row.trie.insert(ids, i)
+        row.trie.insert(ids, i, used, spec.head)
     # consecutive rows share a forward while the token sum fits
     groups: list[list[_Row]] = []
     size = 0
