@@ -339,8 +339,8 @@ def _shared_by_language(prompts: Sequence[PromptSpec]) -> dict[str, int]:
 def _emit(rows: list[_Row], prompts: Sequence[PromptSpec], batch_no: int,
           readouts: list[tuple[int, int, list[int]]]) -> PackedBatch:
     token_ids: list[int] = []
-    positions: list[int] = []
-    token_block: list[int] = []
+    block_start: list[int] = []  # per block: the position of its first token, and its length
+    block_length: list[int] = []
     block_parent: list[int] = []
     block_prefix: list[int] = []
     readout_index: list[int] = []
@@ -358,12 +358,11 @@ def _emit(rows: list[_Row], prompts: Sequence[PromptSpec], batch_no: int,
                 prefix_lengths.append(row.used)
         base = len(block_parent)
         for block, parent in row.trie.blocks():
-            b = len(block_parent)
             block_parent.append(-1 if parent < 0 else base + parent)
             block_prefix.append(prefix_no)
             token_ids.extend(block.tokens)
-            positions.extend(range(block.start, block.start + len(block.tokens)))
-            token_block.extend([b] * len(block.tokens))
+            block_start.append(block.start)
+            block_length.append(len(block.tokens))
             if block.readouts:
                 readout_index.append(len(token_ids) - 1)
                 for p in block.readouts:
@@ -373,8 +372,14 @@ def _emit(rows: list[_Row], prompts: Sequence[PromptSpec], batch_no: int,
         for lid in prompts[p].letter_ids:
             columns.append(letters.setdefault(int(lid), len(letters)))
         readouts[p] = (batch_no, r, columns)
+    # each token's position is its block's first plus its place in the block; whole arrays, not a Python int per
+    # token (a document's 18k)
+    lengths = np.asarray(block_length, dtype=np.int64)
+    first_token = np.cumsum(lengths) - lengths
+    positions = np.arange(len(token_ids), dtype=np.int64) + np.repeat(np.asarray(block_start, np.int64) - first_token,
+                                                                      lengths)
+    token_block = np.repeat(np.arange(len(block_length), dtype=np.int32), lengths)
     return PackedBatch(
-        token_ids=np.asarray(token_ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
-        token_block=np.asarray(token_block, dtype=np.int32), block_parent=np.asarray(block_parent, dtype=np.int32),
+        token_ids=np.asarray(token_ids, dtype=np.int64), positions=positions, token_block=token_block, block_parent=np.asarray(block_parent, dtype=np.int32),
         block_prefix=np.asarray(block_prefix, dtype=np.int32), readout_index=np.asarray(readout_index, dtype=np.int64),
         letter_ids=np.asarray(list(letters), dtype=np.int64), prefixes=prefix_names, prefix_lengths=prefix_lengths)
