@@ -177,8 +177,10 @@ def test_a_prompt_is_its_languages_head_and_what_follows():
             assert prompt[len(head):].startswith("\n\n")
 
 
-def test_a_plans_prompts_all_start_with_its_shared_head(tiny_model):
+@pytest.mark.parametrize("splits", [True, False])
+def test_a_plans_prompts_all_start_with_its_shared_head(tiny_model, splits, monkeypatch):
     md = load_model_dir(tiny_model)
+    monkeypatch.setattr(md.tokenizer, "_splits", splits)  # False: every prompt tokenized whole
     state = "Umowa między stronami. " * 150
     body = {"model": md.name, "state": state, "questions": {
         "a": {"type": "noul", "instructions": "Czy umowa jest ważna?"},
@@ -188,6 +190,11 @@ def test_a_plans_prompts_all_start_with_its_shared_head(tiny_model):
         plan = plan_request(validate_systemone(body, md.name), md.tokenizer, max_positions)
         specs = plan.prompt_specs()
         head = specs[0].head
+        if not splits:  # nothing was tokenized once for all of them: no head, nothing assumed
+            assert head is None
+            assert all(list(s.token_ids) == md.tokenizer.encode(p) for s, p in
+                       zip(specs, [p for qp in plan.questions for p in qp.prompts]))
+            continue
         assert head is not None and head.length > len(md.tokenizer.encode(state)) // 2
         assert all(s.head is head and list(s.token_ids[: head.length]) == list(head.ids[: head.length])
                    for s in specs)

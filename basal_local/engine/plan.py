@@ -161,8 +161,9 @@ def _tokenize_units(request: DecisionRequest, units: list[Unit], render: _Prompt
     remember = len(render.heads[units[0][1]]) if units and len(state) >= 1024 else 0
     chars = render.shared_chars()
     shared = 0
-    if units and len(state) > max_positions:
-        # a long state is in every prompt: measure the first unit's prompts alone before the rest
+    if units and len(state) > max_positions and not tokenizer.splits:
+        # a long state is in every prompt: measure the first unit's prompts alone before the rest (a tokenizer
+        # that splits tokenizes the state once for all of them anyway)
         ids, shared = tokenizer.encode_shared(units[0][3], remember, chars)
         _check_context(units[0][0], ids, max_positions, request.model)
     if len(texts) > len(ids):

@@ -131,6 +131,11 @@ class BasalTokenizer:
             raise TokenizerError(f"tokenizer_config.json: bos_token {bos_token!r} is not in the vocabulary")
         self.letter_ids = self._derive_letter_ids()
 
+    @property
+    def splits(self) -> bool:
+        """Whether `encode_batch` tokenizes the text its prompts share once (the vocabulary allows exact cuts)."""
+        return self._splits
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
