@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from basal_local.api.systemone import validate_systemone
+from basal_local.engine.fills import shared_prefix
 from basal_local.engine.packer import PrefixTrie, PromptSpec, SharedHead, pack_prompts
 from basal_local.engine.plan import packed_size, plan_request
 from basal_local.engine.prefix_cache import HIT_MIN_TOKENS, PrefixCache
@@ -104,6 +105,11 @@ def test_packing_and_sizing_with_shared_heads_equal_them_without(seed):
         head = SharedHead(prompts[0], known)
         with_heads += [PromptSpec(p, lang, [3, 4], head=head) for p in prompts]
         without += [PromptSpec(list(p), lang, [3, 4]) for p in prompts]
+    at = 0
+    while at < len(with_heads):  # each request's shared prefix (what a batch stores, what routing compares)
+        n = sum(1 for spec in with_heads if spec.head is with_heads[at].head)
+        assert shared_prefix(with_heads[at:at + n]) == shared_prefix(without[at:at + n])
+        at += n
     for prefixes in (cache, template):
         assert packed_size(with_heads, prefixes) == packed_size(without, prefixes)
         for depth in (2, 3, 8):
