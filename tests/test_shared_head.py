@@ -101,14 +101,22 @@ def test_packing_and_sizing_with_shared_heads_equal_them_without(seed):
         lang = rng.choice(["en", "en", "pl"])
         doc = rng.choice(docs)
         prompts = _request_prompts(rng, template[lang], doc, rng.randrange(1, 6))
-        known = len(template[lang]) + rng.randrange(0, len(doc) + 1)
+        exact = min(len(p) for p in prompts)
+        while any(p[:exact] != prompts[0][:exact] for p in prompts):
+            exact -= 1
+        # the head is a lower bound of what they share: at most all of it
+        known = rng.choice([exact, min(exact, len(template[lang]) + rng.randrange(0, len(doc) + 1))])
         head = SharedHead(prompts[0], known)
         with_heads += [PromptSpec(p, lang, [3, 4], head=head) for p in prompts]
         without += [PromptSpec(list(p), lang, [3, 4]) for p in prompts]
     at = 0
     while at < len(with_heads):  # each request's shared prefix (what a batch stores, what routing compares)
         n = sum(1 for spec in with_heads if spec.head is with_heads[at].head)
-        assert shared_prefix(with_heads[at:at + n]) == shared_prefix(without[at:at + n])
+        ids = [list(spec.token_ids) for spec in without[at:at + n]]
+        common = len(ids[0]) - 1  # token by token: all but the last token of the first prompt at most
+        while any(p[:common] != ids[0][:common] for p in ids):
+            common -= 1
+        assert shared_prefix(with_heads[at:at + n]) == shared_prefix(without[at:at + n]) == ids[0][:common]
         at += n
     for prefixes in (cache, template):
         assert packed_size(with_heads, prefixes) == packed_size(without, prefixes)
