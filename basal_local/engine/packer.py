@@ -46,7 +46,7 @@ class PromptSpec:
     head: SharedHead | None = field(default=None, compare=False, repr=False)  # what it shares with its request
 
 
-@dataclass
+@dataclass(eq=False)  # a block is itself: finding it among its siblings compares identity, not contents
 class _Block:
     tokens: list[int]
     depth: int
