@@ -114,7 +114,7 @@ class _Prompts:
         return len(next(iter(self.heads.values()))) if len(self.heads) == 1 else 0
 
 
-Unit = tuple[Question, str, list[list[int]], list[str], str, int, "list[int] | None"]
+Unit = tuple[Question, str, list[list[int]], list[str], str, int, list[int] | None]  # a readout unit before tokenizing
 
 
 def _render_units(request: DecisionRequest, render: _Prompts) -> list[Unit]:

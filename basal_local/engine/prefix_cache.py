@@ -22,14 +22,12 @@ one lock guards the tree, the allocator and the counters.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-from basal_local.backends.memory import WARM_OVERHEAD, parse_limit
 
 from ..model.tokenizer import common_prefix_len
 
@@ -44,26 +42,6 @@ STATE = "state-"  # the names of entries a batch computed (templates are named b
 
 def is_state(name: str | None) -> bool:
     return bool(name) and name.startswith(STATE)
-
-
-def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ram: int | None = None) -> int:
-    """`--prefix-cache`: the pool's bytes. `device_memory`: (free, total) of the GPU after the weights (None off a
-    GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller one;
-    on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A share is of the GPU's free memory (of
-    the RAM without a GPU)."""
-    text = str(setting).strip().lower()
-    if text == "off":
-        return 0
-    ram = ram if ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if text == "auto":
-        if device_memory is not None:
-            free, total = device_memory
-            return int(max(0, free - WARM_OVERHEAD) * (0.6 if total >= 40e9 else 0.25))
-        return int(min(2 ** 31, 0.05 * ram))
-    kind, number = parse_limit(text, flag="--prefix-cache")
-    if kind == "bytes":
-        return int(number)
-    return int(number * (device_memory[0] if device_memory is not None else ram))
 
 
 @dataclass(eq=False)
@@ -95,10 +73,8 @@ class _Node:
 
 @dataclass(eq=False)
 class Walk:
-    """Where a lookup stands after the edges within a request's shared tokens (`PrefixCache.walk`), as of the
-    tree's `generation`: the node reached, the tokens matched, the entry and the template passed; `done` when the
-    lookup ends there whatever follows; `edge` and `agreed`, the next edge where it goes on past the shared tokens
-    and how many of its tokens they match."""
+    """Where a lookup stands (`PrefixCache.walk`) as of the tree's `generation`: the node reached, the tokens
+    matched (i), the entry it continues, the template it passed and how far that covered."""
 
     node: _Node
     generation: int
@@ -106,8 +82,8 @@ class Walk:
     holder: Entry | None = None
     pinned: Entry | None = None
     pinned_at: int = 0
-    done: bool = False
-    edge: _Node | None = None
+    done: bool = False  # the lookup ends here, whatever follows
+    edge: _Node | None = None  # the edge that goes on past the shared tokens, and how many of its tokens match
     agreed: int = 0
 
 
@@ -144,75 +120,54 @@ class PrefixCache:
     # ---- lookups ---------------------------------------------------------------------------------------------
     def match(self, ids: Sequence[int], start: Walk | None = None) -> Match | None:
         """The longest computed prefix of `ids` (at most len(ids) - 1 tokens: the last token is always computed).
-        `start`: `walk` over ids' first tokens, the same answer without reading them again (ignored once the tree
-        changed since)."""
+        `start`: a `walk` over ids' first tokens, not read again (unless the tree changed since)."""
         ids = ids if type(ids) is list else list(ids)
         with self.lock:
-            if start is None or start.generation != self.generation:
-                start = Walk(self.root, self.generation)
-            node, i, holder, pinned, pinned_at = start.node, start.i, start.holder, start.pinned, start.pinned_at
-            edge, agreed = start.edge, start.agreed  # the walk's next edge and how many of its tokens match
+            fresh = start is None or start.generation != self.generation
             limit = len(ids) - 1
-            while not start.done and i < limit:
-                child = edge if edge is not None else node.children.get(ids[i])
-                if child is None:
-                    break
-                n = len(child.tokens)
-                if edge is not None:  # only the edge's tokens past the walk's are compared
-                    k = agreed + common_prefix_len(child.tokens[agreed:], ids[i + agreed:i + n])
-                    edge = None
-                else:
-                    k = common_prefix_len(child.tokens, ids[i:i + n]) if n > 1 else 1  # >= 1: the first token matched
-                holder, i, pinned, pinned_at = self._passed(child, k, i, holder, pinned, pinned_at)
-                if k < n:
-                    break
-                node = child
-            if holder is None or i <= 0:
+            w = self._advance(ids, Walk(self.root, self.generation) if fresh else dataclasses.replace(start), limit)
+            if w.holder is None or w.i <= 0:
                 return None
-            if not holder.pinned and pinned is not None and min(i, limit) - pinned_at < HIT_MIN_TOKENS:
-                return Match(pinned, min(pinned_at, limit))
-            return Match(holder, min(i, limit))
-
-    @staticmethod
-    def _passed(child: _Node, k: int, i: int, holder: Entry | None, pinned: Entry | None,
-                pinned_at: int) -> tuple[Entry, int, Entry | None, int]:
-        """A lookup matched k tokens of `child`'s edge from ids[i]: the entry it continues, its new length, the
-        template it passed and how far that covered."""
-        # within a template a prompt continues the template itself (pinned: it never holds a row a document's
-        # entry would otherwise free)
-        holder = child.pinned or next(iter(child.entries.values()))
-        i += k
-        if child.pinned is not None:
-            pinned, pinned_at = child.pinned, min(i, child.pinned.length)
-        return holder, i, pinned, pinned_at
+            if not w.holder.pinned and w.pinned is not None and min(w.i, limit) - w.pinned_at < HIT_MIN_TOKENS:
+                return Match(w.pinned, min(w.pinned_at, limit))
+            return Match(w.holder, min(w.i, limit))
 
     def walk(self, ids: Sequence[int], length: int) -> Walk:
-        """`match`'s walk over the first `length` of `ids` (the tokens every prompt of a request shares, each
-        prompt at least `length` long), once for all those prompts: `match(prompt, walk)` goes on from there."""
+        """`match` over ids[:length], what all of a request's prompts share, once for all: `match(prompt, walk)`."""
         ids = ids if type(ids) is list else list(ids)
-        with self.lock:
-            w = Walk(self.root, self.generation)
-            stop = min(length, len(ids)) - 1  # below every such prompt's limit (its length - 1)
-            while w.i < stop:
-                child = w.node.children.get(ids[w.i])
-                if child is None:
-                    w.done = True
+        with self.lock:  # below every such prompt's limit (its length - 1)
+            return self._advance(ids, Walk(self.root, self.generation), min(length, len(ids)) - 1, shared=True)
+
+    @staticmethod
+    def _advance(ids: list[int], w: Walk, stop: int, shared: bool = False) -> Walk:
+        """`w` walked on along `ids` up to `stop`; `shared`: where several prompts' shared tokens end (`w.edge`)."""
+        while not w.done and w.i < stop:
+            child = w.edge if w.edge is not None else w.node.children.get(ids[w.i])
+            if child is None:
+                w.done = True
+                break
+            n = len(child.tokens)
+            if w.edge is not None:  # only the edge's tokens past the shared ones are compared
+                k = w.agreed + common_prefix_len(child.tokens[w.agreed:], ids[w.i + w.agreed:w.i + n])
+                w.edge, w.agreed = None, 0
+            elif shared and w.i + n > stop:  # the edge goes on past the shared tokens: its part within them, once
+                m = stop - w.i
+                k = common_prefix_len(child.tokens[:m], ids[w.i:stop]) if m > 1 else 1
+                if k == m:
+                    w.edge, w.agreed = child, m
                     break
-                n = len(child.tokens)
-                if w.i + n > stop:  # the edge goes on past the shared tokens: compare its part within them once
-                    m = stop - w.i
-                    k = common_prefix_len(child.tokens[:m], ids[w.i:stop]) if m > 1 else 1
-                    if k == m:
-                        w.edge, w.agreed = child, m
-                        break
-                else:
-                    k = common_prefix_len(child.tokens, ids[w.i:w.i + n]) if n > 1 else 1
-                w.holder, w.i, w.pinned, w.pinned_at = self._passed(child, k, w.i, w.holder, w.pinned, w.pinned_at)
-                if k < n:
-                    w.done = True
-                    break
-                w.node = child
-            return w
+            else:
+                k = common_prefix_len(child.tokens, ids[w.i:w.i + n]) if n > 1 else 1  # >= 1: the first token matched
+            # within a template a prompt continues the template itself (pinned: it holds no row an eviction frees)
+            w.holder = child.pinned or next(iter(child.entries.values()))
+            w.i += k
+            if child.pinned is not None:
+                w.pinned, w.pinned_at = child.pinned, min(w.i, child.pinned.length)
+            if k < n:
+                w.done = True
+                break
+            w.node = child
+        return w
 
     def in_flight(self, ids: Sequence[int]) -> bool:
         """Whether a batch in flight is storing at least FILL_MIN_TOKENS more of `ids` than a lookup finds now:
