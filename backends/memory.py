@@ -1,4 +1,5 @@
-"""`--gpu-memory`: how much device memory a backend may use, as a size or as a fraction of the device.
+"""`--gpu-memory`: how much device memory a backend may use, as a size or as a fraction of the device (and what
+`--prefix-cache` gives the state cache's pool, `budget_bytes`).
 
 Checked before the weights load (the weights alone must fit: a clear refusal instead of an out-of-memory error
 half-way through loading) and then enforced by the framework's own allocator: torch's caching allocator per
@@ -9,6 +10,7 @@ only (server/app.py); everything else keeps being served.
 
 from __future__ import annotations
 
+import os
 import re
 
 GB = 1e9
@@ -90,3 +92,23 @@ def first_sentence(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     parts = text.split(". ")
     return ". ".join(parts[:2]).rstrip(".")
+
+
+def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ram: int | None = None) -> int:
+    """`--prefix-cache`: the pool's bytes. `device_memory`: (free, total) of the GPU after the weights (None off a
+    GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller one;
+    on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A share is of the GPU's free memory (of
+    the RAM without a GPU)."""
+    text = str(setting).strip().lower()
+    if text == "off":
+        return 0
+    ram = ram if ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if text == "auto":
+        if device_memory is not None:
+            free, total = device_memory
+            return int(max(0, free - WARM_OVERHEAD) * (0.6 if total >= 40e9 else 0.25))
+        return int(min(2 ** 31, 0.05 * ram))
+    kind, number = parse_limit(text, flag="--prefix-cache")
+    if kind == "bytes":
+        return int(number)
+    return int(number * (device_memory[0] if device_memory is not None else ram))

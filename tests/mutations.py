@@ -98,12 +98,13 @@ MUTATIONS = [
       "tests/test_cuda_kernels.py::test_tile_table_twin_equals_dense_mask"),
     # packing
     m("packer-positions", "packed positions are each token's index in its own prompt",
-      "basal_local/engine/packer.py", "positions.extend(range(block.start, block.start + len(block.tokens)))",
-      "positions.extend(range(block.start + 1, block.start + 1 + len(block.tokens)))",
+      "basal_local/engine/packer.py", "positions = np.arange(len(token_ids), dtype=np.int64) + np.repeat(",
+      "positions = np.arange(1, len(token_ids) + 1, dtype=np.int64) + np.repeat(",
       "tests/test_parity.py::test_generated_models_match_transformers"),
     m("sizer-not-shared", "the batch sizer counts a prompt's shared prefix once (TrieSizer)",
       "basal_local/engine/packer.py",
-      "added += self.tries.setdefault((spec.lang, prefix, used), PrefixTrie()).insert(ids, 0)", "added += len(ids)",
+      "added += self.tries.setdefault((spec.lang, prefix, used), PrefixTrie()).insert(ids, 0, used, spec.head)",
+      "added += len(ids) - used",
       "tests/test_queue_order.py"),
     # hygiene and the harness
     m("assert-in-product", "runtime checks are errors, not asserts stripped by python -O",

@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 from basal_local.api.answers import response_body
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.base import Ready
+from basal_local.backends.memory import budget_bytes
 from basal_local.backends.torch import TorchBackend
 from basal_local.engine.engine import EngineSettings, ModelEngine
 from basal_local.engine.gate import DeviceGate
-from basal_local.engine.prefix_cache import PrefixCache, budget_bytes
+from basal_local.engine.prefix_cache import PrefixCache
 from basal_local.model import load_model_dir
 from basal_local.replicas.inprocess import ReplicaSet
 from basal_local.settings import Settings

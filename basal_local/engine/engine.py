@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from basal_local.backends.base import Backend, PackedBatch, Ready
+from basal_local.backends.memory import budget_bytes
 
 from ..model.directory import ModelDir
 from ..protocol.outcome import Outcome
@@ -36,7 +37,7 @@ from .gate import DeviceGate
 from .lane import Flight, Lane
 from .packer import pack_prompts
 from .plan import RequestPlan, finish, packed_size, plan_request
-from .prefix_cache import PrefixCache, budget_bytes
+from .prefix_cache import PrefixCache
 from .pretty import batch_tree, unit_label
 from .requests import RoundResult, run_request
 from .scheduler import Job
@@ -207,7 +208,9 @@ class ModelEngine:
 
     def round_cost(self, plan: RequestPlan, specs: Sequence[Any]) -> int:
         """Tokens a round of `plan` would compute here now (what this engine's cache holds excluded)."""
-        return packed_size(specs, self.prefixes) if self.cache is not None else plan.packed_tokens
+        if self.cache is None:
+            return plan.packed_tokens
+        return plan.size_against(self.prefixes) if specs is plan.prompt_specs() else packed_size(specs, self.prefixes)
 
     def waiting(self) -> int:
         return sum(lane.waiting() for lane in self.lanes())

@@ -19,10 +19,13 @@ def shared_prefix(specs: Sequence) -> list[int]:
     """The tokens all of a request's prompts share (template + state + what its questions share); all but the last
     token of a one-prompt request: what a batch stores for it, and what routing looks for."""
     ids0 = specs[0].token_ids if type(specs[0].token_ids) is list else list(specs[0].token_ids)
+    head = specs[0].head
+    # the ids the request's head says they all share are not compared again (a document's 18k per prompt)
+    known = head.length if head is not None and all(s.head is head for s in specs) else 0
     shared = len(ids0) - 1
     for spec in specs[1:]:
         ids = spec.token_ids if type(spec.token_ids) is list else list(spec.token_ids)
-        shared = min(shared, common_prefix_len(ids0, ids))
+        shared = min(shared, known + common_prefix_len(ids0[known:], ids[known:]))
     return ids0[:max(0, shared)]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..model.directory import Calibration
-from ..model.tokenizer import BasalTokenizer
+from ..model.tokenizer import BasalTokenizer, common_prefix_len
 from ..protocol.act import ActError, act_answer
 from ..protocol.decision import argmax_first, average_orders, calibrate
 from ..protocol.errors import AnswerRefused, ContextTooLong
@@ -25,9 +25,9 @@ from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
 from ..protocol.outcome import Outcome, QuestionOutcome
 from ..protocol.questions import DecisionRequest, Question, detect_language
-from ..protocol.render import orders, render_prompt, render_question
+from ..protocol.render import option_texts, orders, prompt_head, prompt_tail
 from ..protocol.tools import tool_answer
-from .packer import PromptSpec, TrieSizer
+from .packer import PromptSpec, SharedHead, TrieSizer
 
 UnitKey = tuple[str, str, int]  # (question id, role, index)
 
@@ -65,26 +65,62 @@ class RequestPlan:
     error: AnswerRefused | None = None  # set by finish when an answer refuses (act max_error without defer)
     context: tuple[BasalTokenizer, int, Any] | None = None  # tokenizer, positions, the prefixes' view
     background: bool = False  # batch work: computed only when no interactive request waits (scheduler)
+    shared_tokens: int = 0  # leading ids every prompt of this round shares, as tokenized once (encode_shared)
 
     # the prompts, built once: each spec keeps what the state cache answered for it (PromptSpec.memo), so the
     # plan's size, the engine's round cost and the packer look a long document up once between them
     _specs: list[PromptSpec] | None = field(default=None, init=False, repr=False, compare=False)
+    # what `packed_tokens` was sized against: (the prefixes' view, its generation) (`size_against`)
+    _sized: tuple[Any, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def prompt_specs(self) -> list[PromptSpec]:
         if self._specs is None:
-            self._specs = [PromptSpec(ids, qp.lang, qp.letter_ids) for qp in self.questions for ids in qp.token_ids]
+            first = self.questions[0].token_ids[0] if self.questions else []
+            head = SharedHead(first, self.shared_tokens) if self.shared_tokens else None
+            self._specs = [PromptSpec(ids, qp.lang, qp.letter_ids, head=head)
+                           for qp in self.questions for ids in qp.token_ids]
         return self._specs
+
+    def size_against(self, prefixes: Any) -> int:
+        """Tokens a round computes against `prefixes` (packed_size of the prompts): `packed_tokens` again while the
+        state cache is the one it was sized against and unchanged since (its generation)."""
+        generation = getattr(prefixes, "generation", None)
+        if generation is not None and self._sized is not None and self._sized[0] is prefixes \
+                and self._sized[1] == generation:
+            return self.packed_tokens
+        return packed_size(self.prompt_specs(), prefixes)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the specs: their memo refers to this process's state cache."""
-        return {**self.__dict__, "_specs": None}
+        return {**self.__dict__, "_specs": None, "_sized": None}
 
 
-def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, str, list[list[int]], list[str], str,
-                                                                    int, list[int] | None]]:
+class _Prompts:
+    """Renders a request's prompts with each language's head (template + state) built once (render.prompt_head),
+    and knows the text they all start with."""
+
+    def __init__(self, state: str, bos: str) -> None:
+        self.state, self.bos = state, bos
+        self.heads: dict[str, str] = {}
+
+    def render(self, lang: str, question_text: str, texts: Sequence[str], perm: Sequence[int]) -> str:
+        head = self.heads.get(lang)
+        if head is None:
+            head = self.heads[lang] = prompt_head(self.state, lang, self.bos)
+        return head + prompt_tail(question_text, texts, perm, lang)
+
+    def shared_chars(self) -> int:
+        """Characters every prompt rendered so far starts with, known without comparing them: one language's head."""
+        return len(next(iter(self.heads.values()))) if len(self.heads) == 1 else 0
+
+
+Unit = tuple[Question, str, list[list[int]], list[str], str, int, list[int] | None]  # a readout unit before tokenizing
+
+
+def _render_units(request: DecisionRequest, render: _Prompts) -> list[Unit]:
     """(question, lang, perms, prompts, role, index, members) of every round-1 unit."""
     state = request.state_text
-    units = []
+    units: list[Unit] = []
     for q in request.questions:
         if q.fixed:
             continue
@@ -94,7 +130,7 @@ def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, st
             perms = orders(2)
             for i, label in enumerate(q.options):
                 text = branch_question(lang, q.instructions_text, label)
-                prompts = [render_prompt(state, text, texts, p, lang, bos) for p in perms]
+                prompts = [render.render(lang, text, texts, p) for p in perms]
                 units.append((q, lang, perms, prompts, "branch", i, None))
         elif q.large:
             lang = detect_language(state, q.instructions_text)
@@ -103,28 +139,42 @@ def _render_units(request: DecisionRequest, bos: str) -> list[tuple[Question, st
                 # duplicate texts among all options, not only the group's)
                 texts = [q.options[i] for i in members]
                 perm = list(range(len(members)))
-                prompt = render_prompt(state, q.instructions_text, texts, perm, lang, bos)
-                units.append((q, lang, [perm], [prompt], "group", g, members))
+                units.append((q, lang, [perm], [render.render(lang, q.instructions_text, texts, perm)], "group", g,
+                              members))
         else:
-            lang, perms, prompts = render_question(state, q, bos)
+            lang = detect_language(state, q.instructions_text)
+            texts = option_texts(q, lang)
+            perms = orders(len(texts))
+            prompts = [render.render(lang, q.instructions_text, texts, p) for p in perms]
             units.append((q, lang, perms, prompts, "main", 0, None))
     return units
 
 
-def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalTokenizer,
-                    max_positions: int) -> tuple[list[QuestionPlan], int]:
+def _tokenize_units(request: DecisionRequest, units: list[Unit], render: _Prompts, tokenizer: BasalTokenizer,
+                    max_positions: int) -> tuple[list[QuestionPlan], int, int]:
+    """The units' plans, their tokens in all, and how many leading ids every prompt shares (`encode_shared`)."""
     texts = [p for unit in units for p in unit[3]]
     ids: list[list[int]] = []
-    # where the state ends in the prompts: the tokenizer keeps the ids of template + state of a long document
+    # where the state ends in the prompts (its language's head ends with it): the tokenizer keeps the ids of
+    # template + state of a long document
     state = request.state_text
-    at = texts[0].find(state) if texts and len(state) >= 1024 else -1
-    remember = at + len(state) if at >= 0 else 0
-    if units and len(request.state_text) > max_positions:
-        # a long state is in every prompt: measure the first unit's prompts alone before the rest
-        ids = tokenizer.encode_batch(units[0][3], remember)
+    remember = len(render.heads[units[0][1]]) if units and len(state) >= 1024 else 0
+    chars = render.shared_chars()
+    shared = 0
+    if units and len(state) > max_positions and not tokenizer.splits:
+        # a long state is in every prompt: measure the first unit's prompts alone before the rest (a tokenizer
+        # that splits tokenizes the state once for all of them anyway)
+        ids, shared = tokenizer.encode_shared(units[0][3], remember, chars)
         _check_context(units[0][0], ids, max_positions, request.model)
     if len(texts) > len(ids):
-        ids += tokenizer.encode_batch(texts[len(ids):], remember)
+        rest, more = tokenizer.encode_shared(texts[len(ids):], remember, chars)
+        if ids:  # what the two calls share: at most what each shares within itself
+            more = min(shared, more)
+            head = ids[0][:more]
+            shared = more if rest[0][:more] == head else common_prefix_len(rest[0][:more], head)
+        else:
+            shared = more
+        ids += rest
     plans, at = [], 0
     for q, lang, perms, prompts, role, index, members in units:
         token_ids = ids[at: at + len(prompts)]
@@ -132,7 +182,7 @@ def _tokenize_units(request: DecisionRequest, units: list, tokenizer: BasalToken
         _check_context(q, token_ids, max_positions, request.model)
         plans.append(QuestionPlan(q, lang, perms, prompts, token_ids, tokenizer.letter_ids[: len(perms[0])],
                                   role, index, members))
-    return plans, sum(len(t) for t in ids)
+    return plans, sum(len(t) for t in ids), shared
 
 
 def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positions: int,
@@ -140,11 +190,21 @@ def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positi
     """Render and tokenize every round-1 unit; raises ContextTooLong for too-long prompts."""
     started = time.perf_counter()
     check_size_cheaply(request, tokenizer, max_positions)
-    plans, tokens = _tokenize_units(request, _render_units(request, tokenizer.bos), tokenizer, max_positions)
-    plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, prefixes or {}))
-    plan.packed_tokens = packed_size(plan.prompt_specs(), prefixes or {})
+    render = _Prompts(request.state_text, tokenizer.bos)
+    plans, tokens, shared = _tokenize_units(request, _render_units(request, render), render, tokenizer,
+                                            max_positions)
+    plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, prefixes or {}),
+                       shared_tokens=shared)
+    _size(plan, prefixes or {})
     plan.planning_s = time.perf_counter() - started
     return plan
+
+
+def _size(plan: RequestPlan, prefixes: Any) -> None:
+    generation = getattr(prefixes, "generation", None)  # read first: a change while sizing makes it stale
+    plan.packed_tokens = packed_size(plan.prompt_specs(), prefixes)
+    if generation is not None:
+        plan._sized = (prefixes, generation)
 
 
 def _check_context(q: Question, token_ids: list[list[int]], max_positions: int, model: str) -> None:
@@ -191,7 +251,8 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
         raise RuntimeError("a large-choice plan lost its planning context (tokenizer, positions, prefixes)")
     tokenizer, max_positions, prefixes = plan.context
     started = time.perf_counter()
-    units = []
+    render = _Prompts(request.state_text, tokenizer.bos)
+    units: list[Unit] = []
     for q in request.questions:
         if not q.large:
             continue
@@ -200,14 +261,13 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
         lang = detect_language(request.state_text, q.instructions_text)
         texts = [q.options[i] for i in chosen]
         perms = orders(len(chosen))
-        prompts = [render_prompt(request.state_text, q.instructions_text, texts, p, lang, tokenizer.bos)
-                   for p in perms]
+        prompts = [render.render(lang, q.instructions_text, texts, p) for p in perms]
         units.append((q, lang, perms, prompts, "final", 0, chosen))
-    plans, tokens = _tokenize_units(request, units, tokenizer, max_positions)
+    plans, tokens, shared = _tokenize_units(request, units, render, tokenizer, max_positions)
     follow = RequestPlan(request, plans, plan.input_tokens + tokens, 0, arrival=plan.arrival, round=2,
                          carried=dict(plan.carried), evidence=plan.evidence, context=plan.context,
-                         background=plan.background)
-    follow.packed_tokens = packed_size(follow.prompt_specs(), prefixes)
+                         background=plan.background, shared_tokens=shared)
+    _size(follow, prefixes)
     follow.planning_s = plan.planning_s + time.perf_counter() - started
     return follow
 

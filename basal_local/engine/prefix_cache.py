@@ -22,14 +22,12 @@ one lock guards the tree, the allocator and the counters.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-from basal_local.backends.memory import WARM_OVERHEAD, parse_limit
 
 from ..model.tokenizer import common_prefix_len
 
@@ -44,26 +42,6 @@ STATE = "state-"  # the names of entries a batch computed (templates are named b
 
 def is_state(name: str | None) -> bool:
     return bool(name) and name.startswith(STATE)
-
-
-def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ram: int | None = None) -> int:
-    """`--prefix-cache`: the pool's bytes. `device_memory`: (free, total) of the GPU after the weights (None off a
-    GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller one;
-    on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A share is of the GPU's free memory (of
-    the RAM without a GPU)."""
-    text = str(setting).strip().lower()
-    if text == "off":
-        return 0
-    ram = ram if ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if text == "auto":
-        if device_memory is not None:
-            free, total = device_memory
-            return int(max(0, free - WARM_OVERHEAD) * (0.6 if total >= 40e9 else 0.25))
-        return int(min(2 ** 31, 0.05 * ram))
-    kind, number = parse_limit(text, flag="--prefix-cache")
-    if kind == "bytes":
-        return int(number)
-    return int(number * (device_memory[0] if device_memory is not None else ram))
 
 
 @dataclass(eq=False)
@@ -91,6 +69,22 @@ class _Node:
     parent: _Node | None = field(default=None, repr=False)
     entries: dict[str, Entry] = field(default_factory=dict, repr=False)  # ready entries passing through this node
     pinned: Entry | None = field(default=None, repr=False)  # a template among them: what a prompt that ends its match here continues
+
+
+@dataclass(eq=False)
+class Walk:
+    """Where a lookup stands (`PrefixCache.walk`) as of the tree's `generation`: the node reached, the tokens
+    matched (i), the entry it continues, the template it passed and how far that covered."""
+
+    node: _Node
+    generation: int
+    i: int = 0
+    holder: Entry | None = None
+    pinned: Entry | None = None
+    pinned_at: int = 0
+    done: bool = False  # the lookup ends here, whatever follows
+    edge: _Node | None = None  # the edge that goes on past the shared tokens, and how many of its tokens match
+    agreed: int = 0
 
 
 @dataclass
@@ -124,33 +118,56 @@ class PrefixCache:
         self.on_drop: Callable[[str], None] | None = None  # the backend forgets an entry's name (MLX frees it)
 
     # ---- lookups ---------------------------------------------------------------------------------------------
-    def match(self, ids: Sequence[int]) -> Match | None:
-        """The longest computed prefix of `ids` (at most len(ids) - 1 tokens: the last token is always computed)."""
+    def match(self, ids: Sequence[int], start: Walk | None = None) -> Match | None:
+        """The longest computed prefix of `ids` (at most len(ids) - 1 tokens: the last token is always computed).
+        `start`: a `walk` over ids' first tokens, not read again (unless the tree changed since)."""
         ids = ids if type(ids) is list else list(ids)
         with self.lock:
-            node, i, holder = self.root, 0, None
-            pinned, pinned_at = None, 0  # the template the walk passed, and how far it covered
+            fresh = start is None or start.generation != self.generation
             limit = len(ids) - 1
-            while i < limit:
-                child = node.children.get(ids[i])
-                if child is None:
-                    break
-                n = len(child.tokens)
-                k = common_prefix_len(child.tokens, ids[i:i + n]) if n > 1 else 1  # >= 1: the first token matched
-                # within a template a prompt continues the template itself (pinned: it never holds a row a
-                # document's entry would otherwise free)
-                holder = child.pinned or next(iter(child.entries.values()))
-                i += k
-                if child.pinned is not None:
-                    pinned, pinned_at = child.pinned, min(i, child.pinned.length)
-                if k < n:
-                    break
-                node = child
-            if holder is None or i <= 0:
+            w = self._advance(ids, Walk(self.root, self.generation) if fresh else dataclasses.replace(start), limit)
+            if w.holder is None or w.i <= 0:
                 return None
-            if not holder.pinned and pinned is not None and min(i, limit) - pinned_at < HIT_MIN_TOKENS:
-                return Match(pinned, min(pinned_at, limit))
-            return Match(holder, min(i, limit))
+            if not w.holder.pinned and w.pinned is not None and min(w.i, limit) - w.pinned_at < HIT_MIN_TOKENS:
+                return Match(w.pinned, min(w.pinned_at, limit))
+            return Match(w.holder, min(w.i, limit))
+
+    def walk(self, ids: Sequence[int], length: int) -> Walk:
+        """`match` over ids[:length], what all of a request's prompts share, once for all: `match(prompt, walk)`."""
+        ids = ids if type(ids) is list else list(ids)
+        with self.lock:  # below every such prompt's limit (its length - 1)
+            return self._advance(ids, Walk(self.root, self.generation), min(length, len(ids)) - 1, shared=True)
+
+    @staticmethod
+    def _advance(ids: list[int], w: Walk, stop: int, shared: bool = False) -> Walk:
+        """`w` walked on along `ids` up to `stop`; `shared`: where several prompts' shared tokens end (`w.edge`)."""
+        while not w.done and w.i < stop:
+            child = w.edge if w.edge is not None else w.node.children.get(ids[w.i])
+            if child is None:
+                w.done = True
+                break
+            n = len(child.tokens)
+            if w.edge is not None:  # only the edge's tokens past the shared ones are compared
+                k = w.agreed + common_prefix_len(child.tokens[w.agreed:], ids[w.i + w.agreed:w.i + n])
+                w.edge, w.agreed = None, 0
+            elif shared and w.i + n > stop:  # the edge goes on past the shared tokens: its part within them, once
+                m = stop - w.i
+                k = common_prefix_len(child.tokens[:m], ids[w.i:stop]) if m > 1 else 1
+                if k == m:
+                    w.edge, w.agreed = child, m
+                    break
+            else:
+                k = common_prefix_len(child.tokens, ids[w.i:w.i + n]) if n > 1 else 1  # >= 1: the first token matched
+            # within a template a prompt continues the template itself (pinned: it holds no row an eviction frees)
+            w.holder = child.pinned or next(iter(child.entries.values()))
+            w.i += k
+            if child.pinned is not None:
+                w.pinned, w.pinned_at = child.pinned, min(w.i, child.pinned.length)
+            if k < n:
+                w.done = True
+                break
+            w.node = child
+        return w
 
     def in_flight(self, ids: Sequence[int]) -> bool:
         """Whether a batch in flight is storing at least FILL_MIN_TOKENS more of `ids` than a lookup finds now:
@@ -165,9 +182,9 @@ class PrefixCache:
             have = m.length if m else 0
             return any(common_prefix_len(e.tokens, ids) - have >= FILL_MIN_TOKENS for e in pending)
 
-    def split(self, ids: Sequence[int], lang: str = "") -> tuple[str | None, int]:
+    def split(self, ids: Sequence[int], lang: str = "", start: Walk | None = None) -> tuple[str | None, int]:
         """(name of the entry a prompt continues, or None; how many of its tokens): the packer's view."""
-        m = self.match(ids)
+        m = self.match(ids, start)
         return (m.entry.name, m.length) if m else (None, 0)
 
     # ---- the templates ---------------------------------------------------------------------------------------

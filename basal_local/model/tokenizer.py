@@ -131,6 +131,11 @@ class BasalTokenizer:
             raise TokenizerError(f"tokenizer_config.json: bos_token {bos_token!r} is not in the vocabulary")
         self.letter_ids = self._derive_letter_ids()
 
+    @property
+    def splits(self) -> bool:
+        """Whether `encode_batch` tokenizes the text its prompts share once (the vocabulary allows exact cuts)."""
+        return self._splits
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -144,26 +149,40 @@ class BasalTokenizer:
         the text the prompts share (template + state) is tokenized once and long texts in pieces; with
         `remember` (the characters of the first text that are template + state), that shared text's ids are kept,
         so the next request about the same document tokenizes only its questions (`REMEMBER_*`)."""
+        return self.encode_shared(texts, remember)[0]
+
+    def encode_shared(self, texts: Sequence[str], remember: int = 0,
+                      shared_chars: int = 0) -> tuple[list[list[int]], int]:
+        """`encode_batch`, and how many leading ids every text's ids share because they were tokenized once for
+        all of them (at most their common prefix; 0 where nothing was shared, all of a single text's ids).
+        `shared_chars`: the caller knows that every text starts with the first that many characters of the first
+        (rendered from one template + state): they are compared once, not once per text."""
         texts = list(texts)
         if not texts:
-            return []
+            return [], 0
         if not self._splits:
-            return self._run(texts)
-        known = self._known(texts)
+            ids = self._run(texts)
+            return ids, len(ids[0]) if len(ids) == 1 else 0
+        known = self._known(texts, shared_chars)
         if known is not None:  # a kept text every prompt starts with, at a point where ids may be cut
             head, ids = known
-            return [ids + tail for tail in self.encode_batch([t[len(head):] for t in texts])]
+            tails, shared = self.encode_shared([t[len(head):] for t in texts])
+            return [ids + tail for tail in tails], len(ids) + shared
         cut = len(texts[0])
         if len(texts) > 1:
-            cut = safe_cut(texts[0], min(common_prefix_len(texts[0], t) for t in texts[1:]))
+            skip = min(shared_chars, len(texts[0]))
+            rest = texts[0][skip:]
+            cut = safe_cut(texts[0], skip + min(common_prefix_len(rest, t[skip:]) for t in texts[1:]))
         keep = safe_cut(texts[0], min(remember, cut) + 1) if remember else 0
         if keep >= REMEMBER_MIN_CHARS:
             head = texts[0][:keep]
             ids = [i for chunk in self._run(self._pieces(head)) for i in chunk]
             self._remember(head, ids)
-            return [ids + tail for tail in self.encode_batch([t[keep:] for t in texts])]
+            tails, shared = self.encode_shared([t[keep:] for t in texts])
+            return [ids + tail for tail in tails], len(ids) + shared
         if len(texts) == 1:
-            cut = 0
+            ids = [i for chunk in self._run(self._pieces(texts[0])) for i in chunk]
+            return [ids], len(ids)
         shared = cut >= SHARED_MIN_CHARS
         parts = [self._pieces(texts[0][:cut])] + [[t[cut:]] for t in texts] if shared else \
             [self._pieces(t) for t in texts]
@@ -172,19 +191,26 @@ class BasalTokenizer:
         for ps in parts:
             joined.append([i for chunk in ids[at:at + len(ps)] for i in chunk])
             at += len(ps)
-        return [joined[0] + tail for tail in joined[1:]] if shared else joined
+        if shared:
+            return [joined[0] + tail for tail in joined[1:]], len(joined[0])
+        return joined, 0
 
-    def _known(self, texts: list[str]) -> tuple[str, list[int]] | None:
-        """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut)."""
+    def _known(self, texts: list[str], shared_chars: int = 0) -> tuple[str, list[int]] | None:
+        """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut); the
+        texts all start with the first `shared_chars` characters of the first (`encode_shared`)."""
+        first = texts[0]
         with self._shared_lock:
             best = None
             for head, ids in self._shared.items():
                 n = len(head)
+                if best is not None and n <= len(best[0]):
+                    continue
+                if not all(len(t) > n and t[n] == " " for t in texts) or first[max(0, n - 16):n] != head[-16:]:
+                    continue  # a quick look at where the kept text ends, before comparing all of it
                 # t[:n] == head, not t.startswith(head): a slice has the narrowest character width of its
                 # content, as head does, so the two compare as bytes; startswith compares char by char when the
                 # widths differ (a wide character after the state: 2 ms per 70k-character prompt)
-                if (best is None or n > len(best[0])) and all(len(t) > n and t[n] == " " and t[:n] == head
-                                                                for t in texts):
+                if first[:n] == head and (n <= shared_chars or all(t[:n] == head for t in texts[1:])):
                     best = (head, ids)
             if best is not None:
                 self._shared.move_to_end(best[0])

@@ -42,14 +42,25 @@ def orders(n: int) -> list[list[int]]:
 def render_prompt(state_text: str, question_text: str, texts: Sequence[str], perm: Sequence[int], lang: str,
                   bos: str = "<s>") -> str:
     """One prompt string, byte-exact to the chat template + prefill. Values are never re-scanned."""
+    return prompt_head(state_text, lang, bos) + prompt_tail(question_text, texts, perm, lang)
+
+
+def _user_parts(lang: str) -> tuple[str, str]:
+    """The user turn's format around its {state} field: the literal text before it, the format after it."""
+    before, after = USER_FORMAT[lang].split("{state}")
+    return before.format(), after
+
+
+def prompt_head(state_text: str, lang: str, bos: str = "<s>") -> str:
+    """What every prompt of `lang` about `state_text` starts with: the template up to the state, and the state."""
+    # str.format inserts values verbatim, so braces inside the state are safe; the state is inserted as is here
+    return f"{bos}<|im_start|>system\n{SYSTEM[lang]}<|im_end|>\n<|im_start|>user\n{_user_parts(lang)[0]}{state_text}"
+
+
+def prompt_tail(question_text: str, texts: Sequence[str], perm: Sequence[int], lang: str) -> str:
+    """The rest of a prompt after its `prompt_head`: the question, its options in order `perm`, the prefill."""
     opts = "\n".join(f"{LETTERS[k]}. {texts[perm[k]]}" for k in range(len(perm)))
-    # str.format inserts values verbatim, so braces inside the state are safe.
-    user = USER_FORMAT[lang].format(state=state_text, q=question_text, opts=opts)
-    return (
-        f"{bos}<|im_start|>system\n{SYSTEM[lang]}<|im_end|>\n"
-        f"<|im_start|>user\n{user}<|im_end|>\n"
-        f"<|im_start|>assistant\n{PREFILL}"
-    )
+    return f"{_user_parts(lang)[1].format(q=question_text, opts=opts)}<|im_end|>\n<|im_start|>assistant\n{PREFILL}"
 
 
 def render_question(state_text: str, question: Question, bos: str = "<s>") -> tuple[str, list[list[int]], list[str]]:
