@@ -188,10 +188,10 @@ def test_cuda_split_tiles_match_twin_keep_short_rows_and_batch_invariance():
         base, want, _ = attend(tree, DEFAULT_TILING, None)
         out, _, p = attend(tree, DEFAULT_TILING, tplan.SPLIT_KEYS)
         assert p.n_slots > 0 and not torch.isnan(out).any(), "a row was not written"
-        rel = lambda a: ((a.float() - want).norm() / want.norm()).item()  # noqa: E731
-        print(f"split tiles ({dtype}): {p.num_tiles} records, {p.n_slots} slots, vs twin rel {rel(out):.3g} "
-              f"(unsplit {rel(base):.3g})")
-        assert rel(out) <= 4e-3 and rel(out) <= 2 * rel(base) + 1e-4
+        err, err_base = (((a.float() - want).norm() / want.norm()).item() for a in (out, base))
+        print(f"split tiles ({dtype}): {p.num_tiles} records, {p.n_slots} slots, vs twin rel {err:.3g} "
+              f"(unsplit {err_base:.3g})")
+        assert err <= 4e-3 and err <= 2 * err_base + 1e-4
         short = torch.from_numpy(positions < tplan.SPLIT_KEYS).cuda()
         assert 0 < int(short.sum()) < len(positions)
         assert torch.equal(out[short], base[short])
@@ -421,11 +421,10 @@ def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype):
     answered from the pool (CUDA graphs for the short one, the long lane for the long one), gives bitwise the
     logits of the same request on an engine that never saw the document; the document's first request too."""
     from basal_local.backends.torch import TorchBackend
+    from basal_local.cuda_kernels import plan as tplan
     from basal_local.engine.engine import EngineSettings, ModelEngine
     from basal_local.engine.gate import DeviceGate
     from basal_local.telemetry import Telemetry
-
-    from basal_local.cuda_kernels import plan as tplan
 
     from .test_prefix_cache import body, document, validate_systemone
 
