@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import MAX_RANGES, RECORD
+from .plan import MAX_RANGES, RECORD, SPLIT_KEYS
 
 # key-range slots a tile record holds, as a power of two (the kernel compares a key tile with all of them)
 RANGE_SLOTS = triton.next_power_of_2(MAX_RANGES)
@@ -47,18 +47,20 @@ def _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, 
 
 
 @triton.jit
-def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, SPLIT: tl.constexpr):
-    """One key tile of the online softmax: (m, l, acc) updated in f32."""
+def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK: tl.constexpr):
+    """One key tile of the online softmax: (m, l, acc) updated in f32 (`MASK`: some key may lie past a query;
+    without it, the tile is wholly visible and the select that would keep every score is left out)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    visible = p[None, :] <= q_pos[:, None]
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+    if MASK:
+        s = tl.where(p[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
+    else:
+        s = s * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_exp = m_new
-    if SPLIT:  # a later chunk may hold no key a row sees yet: exp2(-inf - -inf) would be NaN (finite m: same bits)
-        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # a chunk after the first may hold no key a row sees: exp2(-inf - -inf) would be NaN (finite m: the same bits)
+    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_exp)
     pr = tl.math.exp2(s - m_exp[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
@@ -76,7 +78,7 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SCRATCH,
                       N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
                       COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr,
-                      SPLIT: tl.constexpr):
+                      SPLIT: tl.constexpr, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     # one work item per (tile, K/V head): its rows are (query, head) pairs of the REP query heads that read that
     # K/V head, so each key tile is loaded once for all of them (GQA); a row's arithmetic is the same either way
@@ -123,22 +125,46 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SCRATCH,
             k0 = tl.load(rec + 6)
             slot = tl.load(rec + 7) - 1
         rows_pre = (pre_off + offs_n)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :]
-        for start in range(k0, n_full, BLOCK_N):
-            k = tl.load(PK + rows_pre + start * stride_pt)
-            v = tl.load(PV + rows_pre + start * stride_pt)
-            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, SPLIT)
-        for start in range(tl.maximum(n_full, k0), n_keys, BLOCK_N):
-            k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
-                            stride_kt, stride_vt, stride_pt, HEAD_DIM)
-            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, SPLIT)
+        # the keys in chunks of CHUNK positions, each an online softmax of its own, merged in order (`_merge`):
+        # the same arithmetic whether one program walks a tile's chunks or each chunk is its own work item
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        out = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for c0 in range(k0, n_keys, CHUNK):
+            c1 = tl.minimum(c0 + CHUNK, n_keys)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for start in range(c0, tl.minimum(n_full, c1), BLOCK_N):
+                k = tl.load(PK + rows_pre + start * stride_pt)
+                v = tl.load(PV + rows_pre + start * stride_pt)
+                m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, False)
+            for start in range(tl.maximum(n_full, c0), c1, BLOCK_N):
+                k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off,
+                                kvh, stride_kt, stride_vt, stride_pt, HEAD_DIM)
+                m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, True)
+            m, l_sum, out = _merge(m, l_sum, out, m_i, l_i, acc)
         if slot >= 0:
             part = SCRATCH + (slot * n_kv + kvh) * BLOCK_M * (HEAD_DIM + 2)
-            tl.store(part + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
-            tl.store(part + BLOCK_M * HEAD_DIM + offs_m, m_i)
-            tl.store(part + BLOCK_M * (HEAD_DIM + 1) + offs_m, l_i)
+            tl.store(part + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out)
+            tl.store(part + BLOCK_M * HEAD_DIM + offs_m, m)
+            tl.store(part + BLOCK_M * (HEAD_DIM + 1) + offs_m, l_sum)
         else:
-            _store_rows(OUT, acc / l_i[:, None], q_off, query, rows, head, m_valid, offs_d, stride_ot, HEAD_DIM,
+            _store_rows(OUT, out / l_sum[:, None], q_off, query, rows, head, m_valid, offs_d, stride_ot, HEAD_DIM,
                         COMPACT)
+
+
+@triton.jit
+def _merge(m, l_sum, acc, m_j, l_j, acc_j):
+    """(m, l, acc) of the keys so far and of the next chunk -> of both. A weight of exactly 0 selects the other
+    side as it is (no arithmetic: a row whose keys all lie in one chunk keeps that chunk's bits)."""
+    m_new = tl.maximum(m, m_j)
+    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.math.exp2(m - m_exp)
+    b = tl.math.exp2(m_j - m_exp)
+    l_sum = tl.where(b == 0, l_sum, tl.where(a == 0, l_j, l_sum * a + l_j * b))
+    acc = tl.where((b == 0)[:, None], acc, tl.where((a == 0)[:, None], acc_j, acc * a[:, None] + acc_j * b[:, None]))
+    return m_new, l_sum, acc
 
 
 @triton.jit
@@ -156,9 +182,8 @@ def _store_rows(OUT, out, q_off, query, rows, head, m_valid, offs_d, stride_ot, 
 def _merge_kernel(OUT, TILES, QROWS, NT, SCRATCH, stride_ot, N_HEADS: tl.constexpr, REP: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, NPROG: tl.constexpr, COMPACT: tl.constexpr,
                   REC: tl.constexpr):
-    """The output of each split tile: its chunks' partials merged in chunk order (a fixed order: the same bits
-    however the chunks were scheduled). A row whose keys all lie in chunk 0 takes chunk 0's (acc, l) as they
-    are, so it gets the bits an unsplit tile gives it."""
+    """The output of each split tile: its chunks' partials merged in chunk order with `_merge`, as the attention
+    kernel merges them when one program walks the whole tile: the same bits split or not."""
     pid = tl.program_id(0)
     n_kv = N_HEADS // REP
     QPT = BLOCK_M // REP
@@ -179,18 +204,9 @@ def _merge_kernel(OUT, TILES, QROWS, NT, SCRATCH, stride_ot, N_HEADS: tl.constex
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             for j in range(tl.load(rec + 62)):
                 part = SCRATCH + ((slot0 + j) * n_kv + kvh) * BLOCK_M * (HEAD_DIM + 2)
-                acc_j = tl.load(part + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
-                m_j = tl.load(part + BLOCK_M * HEAD_DIM + offs_m)
-                l_j = tl.load(part + BLOCK_M * (HEAD_DIM + 1) + offs_m)
-                m_new = tl.maximum(m, m_j)
-                m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
-                a = tl.math.exp2(m - m_exp)
-                b = tl.math.exp2(m_j - m_exp)
-                # a weight of exactly 0 selects the other side as it is (no arithmetic: no bit moves)
-                l_sum = tl.where(b == 0, l_sum, tl.where(a == 0, l_j, l_sum * a + l_j * b))
-                acc = tl.where((b == 0)[:, None], acc,
-                               tl.where((a == 0)[:, None], acc_j, acc * a[:, None] + acc_j * b[:, None]))
-                m = m_new
+                m, l_sum, acc = _merge(m, l_sum, acc, tl.load(part + BLOCK_M * HEAD_DIM + offs_m),
+                                       tl.load(part + BLOCK_M * (HEAD_DIM + 1) + offs_m),
+                                       tl.load(part + offs_m[:, None] * HEAD_DIM + offs_d[None, :]))
             _store_rows(OUT, acc / l_sum[:, None], q_off, query, rows, kvh * REP + offs_m % REP, m_valid,
                         offs_d, stride_ot, HEAD_DIM, COMPACT)
 
@@ -232,7 +248,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
         q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles, scratch if split else out,
         q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
         N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS, SPLIT=split,
+        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS, SPLIT=split, CHUNK=SPLIT_KEYS,
         num_warps=warps, num_stages=1 if ieee else stages)
     if split:
         _merge_kernel[(nprog,)](out, tiles, q_rows, n_tiles, scratch, out.stride(0), N_HEADS=n_heads,

@@ -19,12 +19,12 @@ One record of `RECORD` int32 per tile:
   [8 + 3r..] (position of the range's first key, its token index in the forward, length), root first
   [62] chunks of the split tile, [63] the whole tile's n_keys (0 where not split)
 
-Split keys: with `split`, a tile of more than `split` key positions becomes one record per chunk of `split`
-positions (chunk j: keys j*split .. (j+1)*split - 1, `n_keys` its end), each storing its partial softmax in a
-scratch slot, merged in chunk order afterwards (kernels.py). A few questions about a long cached document are
-then many short work items instead of a few long ones. Whether a tile splits depends only on its positions and
-the chunk bounds are fixed positions, so a query's bits still never depend on what is packed beside it; a query
-whose keys all lie in the first chunk keeps the bits of an unsplit tile.
+Chunks: the kernel reduces a query's keys in chunks of SPLIT_KEYS positions (fixed bounds: 0, SPLIT_KEYS, ...),
+an online softmax per chunk, merged in chunk order. With `split`, a tile of more key positions becomes one record
+per chunk (`n_keys` the chunk's end), each storing its partial in a scratch slot for a second kernel to merge in
+the same order: the same bits as one program walking all of the tile's chunks. So a forward may split or not as
+suits it (a few questions about a long cached document are a few long work items: split, they are many short
+ones), and a query's bits still never depend on what is packed beside it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from basal_local.backends.host import block_bounds, block_chains
 
 RECORD = 64
 MAX_RANGES = (RECORD - 10) // 3  # 18 blocks deep (the packer stops at 8); words 62, 63: split tiles
-# key positions per chunk of a split tile (a multiple of every tiling's BLOCK_N)
+# key positions per chunk (a multiple of every tiling's BLOCK_N)
 SPLIT_KEYS = 2048
 
 
@@ -59,7 +59,7 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
 
     prefix_rows[j] = (row offset in the prefix K/V buffer, length) of the batch's j-th cached prefix.
     `rows`: only these queries (the readout rows of the last layer), one tile each; else every token.
-    `split`: split tiles of more key positions into chunks of this many (SPLIT_KEYS; see the module's doc).
+    `split`: one record per chunk of this many key positions (SPLIT_KEYS; the module's doc) for longer tiles.
     Built per block in Python and per tile in NumPy (this runs on the host before every forward).
     """
     n_blocks = len(block_parent)

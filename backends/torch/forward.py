@@ -43,6 +43,8 @@ LT_SIZES = tuple(sorted({s for s in TOKEN_BUCKETS if s <= TIMED_MAX} | set(READO
 # where it is faster (docs/CUDA_NOTES.md); used only where it gives the default tiling's bits on this device
 ALT_TILING = (128, 64, 8, 3)
 ALT_MAX_TOKENS = 1024
+# a forward whose keys pass the first chunk splits its tiles (plan.py) below this many work items per SM
+SPLIT_BELOW_PER_SM = 2
 # letter columns of the logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
 
@@ -250,26 +252,33 @@ class Forward:
         return layout, offset
 
     def splits(self, batch: PackedBatch) -> bool:
-        """Whether the batch's attention plan has split tiles (a query past SPLIT_KEYS key positions): those
-        forwards run eagerly, with a merge after each attention (plan.py); the twins never split."""
-        return self.use_triton and batch.num_tokens > 0 and int(batch.positions.max()) >= tplan.SPLIT_KEYS
+        """Whether the batch's long tiles become a work item per key chunk (plan.py; the same bits either way):
+        where keys pass the first chunk and the tiles alone would leave most of the device idle (a few questions
+        about a long cached document). Such forwards run eagerly, a merge after each attention."""
+        if not self.use_triton or not batch.num_tokens or int(batch.positions.max()) < tplan.SPLIT_KEYS:
+            return False
+        work = (batch.num_tokens // self.block_m(batch.num_tokens) + len(batch.block_parent)) * \
+            self.b.config.num_key_value_heads
+        return work < SPLIT_BELOW_PER_SM * self.ops.num_sms(torch.device(self.b.device).index or 0)
 
     def host_inputs(self, batch: PackedBatch, size: int, tile_cap: int | None = None, r_cap: int | None = None,
                     buf: np.ndarray | None = None, fill: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
         """The forward's int32 inputs laid out in one buffer (`buf`, zeroed here, or a new one); `fill` is
         `fill_plan`'s pool row + 1 per token. Without caps (an eager forward) the tables are as large as the
-        plan; with them (a graph's), a larger plan or one with split tiles raises OverflowError."""
+        plan, split where `splits` says; with them (a graph's), never split, and a larger plan raises
+        OverflowError."""
         if batch.num_tokens > size:
             raise RuntimeError(f"forward inputs need {batch.num_tokens} slots, the upload buffer has {size}")
         rows = [self.prefix_rows[name] for name in batch.prefixes]
         if batch.prefix_lengths:  # the rows continue these many tokens of each cached prefix
             rows = [(offset, used) for (offset, _), used in zip(rows, batch.prefix_lengths)]
         args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, self.block_m(size))
-        split = tplan.SPLIT_KEYS if self.use_triton else None
+        eager = tile_cap is None or r_cap is None
+        split = tplan.SPLIT_KEYS if eager and self.splits(batch) else None
         full, last = tplan.tile_plan(*args, split=split), tplan.tile_plan(*args, rows=batch.readout_index, split=split)
-        if tile_cap is None or r_cap is None:
+        if eager:
             tile_cap, r_cap = max(1, full.num_tiles), max(1, last.num_tiles)
-        elif full.num_tiles > tile_cap or last.num_tiles > r_cap or full.n_slots or last.n_slots:
+        elif full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
         layout, total = self.layout(size, tile_cap, r_cap)
         if buf is None:
