@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import MAX_RANGES, RECORD, SPLIT_KEYS
+from .plan import MAX_RANGES, RECORD
 
 # key-range slots a tile record holds, as a power of two (the kernel compares a key tile with all of them)
 RANGE_SLOTS = triton.next_power_of_2(MAX_RANGES)
@@ -47,22 +47,17 @@ def _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, 
 
 
 @triton.jit
-def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK: tl.constexpr):
-    """One key tile of the online softmax: (m, l, acc) updated in f32 (`MASK`: some key may lie past a query;
-    without it, the tile is wholly visible and the select that would keep every score is left out)."""
+def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One key tile of the online softmax: (m, l, acc) updated in f32."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if MASK:
-        s = tl.where(p[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
-    else:
-        s = s * qk_scale
+    visible = p[None, :] <= q_pos[:, None]
+    s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # a chunk after the first may hold no key a row sees: exp2(-inf - -inf) would be NaN (finite m: the same bits)
-    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_exp)
-    pr = tl.math.exp2(s - m_exp[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    pr = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
     acc = acc * alpha[:, None]
     if IEEE:
@@ -73,12 +68,11 @@ def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK
 
 
 @triton.jit
-def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SCRATCH,
+def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
                       stride_qt, stride_kt, stride_vt, stride_pt, stride_ot, qk_scale,
                       N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
-                      COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr,
-                      SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+                      COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr):
     pid = tl.program_id(0)
     # one work item per (tile, K/V head): its rows are (query, head) pairs of the REP query heads that read that
     # K/V head, so each key tile is loaded once for all of them (GQA); a row's arithmetic is the same either way
@@ -119,96 +113,22 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SCRATCH,
         # the range lookup and the masks (a question about a long cached document spends nearly all its keys
         # here); the same tiles and the same `_attend` as the general loop below, so the same bits
         n_full = tl.minimum(n_pre, n_keys) // BLOCK_N * BLOCK_N
-        k0 = 0
-        slot = -1
-        if SPLIT:  # a chunk of a split tile (plan.py): keys k0 .. n_keys - 1, its partial to a scratch slot
-            k0 = tl.load(rec + 6)
-            slot = tl.load(rec + 7) - 1
         rows_pre = (pre_off + offs_n)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :]
-        # the keys in chunks of CHUNK positions, each an online softmax of its own, merged in order (`_merge`):
-        # the same arithmetic whether one program walks a tile's chunks or each chunk is its own work item
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        out = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for c0 in range(k0, n_keys, CHUNK):
-            c1 = tl.minimum(c0 + CHUNK, n_keys)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for start in range(c0, tl.minimum(n_full, c1), BLOCK_N):
-                k = tl.load(PK + rows_pre + start * stride_pt)
-                v = tl.load(PV + rows_pre + start * stride_pt)
-                m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, False)
-            for start in range(tl.maximum(n_full, c0), c1, BLOCK_N):
-                k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off,
-                                kvh, stride_kt, stride_vt, stride_pt, HEAD_DIM)
-                m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, True)
-            m, l_sum, out = _merge(m, l_sum, out, m_i, l_i, acc)
-        if slot >= 0:
-            part = SCRATCH + (slot * n_kv + kvh) * BLOCK_M * (HEAD_DIM + 2)
-            tl.store(part + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out)
-            tl.store(part + BLOCK_M * HEAD_DIM + offs_m, m)
-            tl.store(part + BLOCK_M * (HEAD_DIM + 1) + offs_m, l_sum)
+        for start in range(0, n_full, BLOCK_N):
+            k = tl.load(PK + rows_pre + start * stride_pt)
+            v = tl.load(PV + rows_pre + start * stride_pt)
+            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
+        for start in range(n_full, n_keys, BLOCK_N):
+            k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
+                            stride_kt, stride_vt, stride_pt, HEAD_DIM)
+            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
+        out = acc / l_i[:, None]
+        if COMPACT:
+            dest = q_off + query
         else:
-            _store_rows(OUT, out / l_sum[:, None], q_off, query, rows, head, m_valid, offs_d, stride_ot, HEAD_DIM,
-                        COMPACT)
-
-
-@triton.jit
-def _merge(m, l_sum, acc, m_j, l_j, acc_j):
-    """(m, l, acc) of the keys so far and of the next chunk -> of both. A weight of exactly 0 selects the other
-    side as it is (no arithmetic: a row whose keys all lie in one chunk keeps that chunk's bits)."""
-    m_new = tl.maximum(m, m_j)
-    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.math.exp2(m - m_exp)
-    b = tl.math.exp2(m_j - m_exp)
-    l_sum = tl.where(b == 0, l_sum, tl.where(a == 0, l_j, l_sum * a + l_j * b))
-    acc = tl.where((b == 0)[:, None], acc, tl.where((a == 0)[:, None], acc_j, acc * a[:, None] + acc_j * b[:, None]))
-    return m_new, l_sum, acc
-
-
-@triton.jit
-def _store_rows(OUT, out, q_off, query, rows, head, m_valid, offs_d, stride_ot, HEAD_DIM: tl.constexpr,
-                COMPACT: tl.constexpr):
-    if COMPACT:
-        dest = q_off + query
-    else:
-        dest = rows
-    tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + offs_d[None, :],
-             out.to(OUT.dtype.element_ty), mask=m_valid[:, None])
-
-
-@triton.jit
-def _merge_kernel(OUT, TILES, QROWS, NT, SCRATCH, stride_ot, N_HEADS: tl.constexpr, REP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, NPROG: tl.constexpr, COMPACT: tl.constexpr,
-                  REC: tl.constexpr):
-    """The output of each split tile: its chunks' partials merged in chunk order with `_merge`, as the attention
-    kernel merges them when one program walks the whole tile: the same bits split or not."""
-    pid = tl.program_id(0)
-    n_kv = N_HEADS // REP
-    QPT = BLOCK_M // REP
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    query = offs_m // REP
-    for w in range(pid, tl.load(NT) * n_kv, NPROG):
-        rec = TILES + (w // n_kv) * REC
-        kvh = w % n_kv
-        slot0 = tl.load(rec + 7) - 1
-        if (slot0 >= 0) & (tl.load(rec + 6) == 0):  # chunk 0 of a split tile merges them all
-            q_off = tl.load(rec)
-            n_q = tl.load(rec + 1)
-            m_valid = (query < n_q) & (offs_m < QPT * REP)
-            rows = tl.load(QROWS + q_off + query, mask=m_valid, other=0)
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_sum = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for j in range(tl.load(rec + 62)):
-                part = SCRATCH + ((slot0 + j) * n_kv + kvh) * BLOCK_M * (HEAD_DIM + 2)
-                m, l_sum, acc = _merge(m, l_sum, acc, tl.load(part + BLOCK_M * HEAD_DIM + offs_m),
-                                       tl.load(part + BLOCK_M * (HEAD_DIM + 1) + offs_m),
-                                       tl.load(part + offs_m[:, None] * HEAD_DIM + offs_d[None, :]))
-            _store_rows(OUT, acc / l_sum[:, None], q_off, query, rows, kvh * REP + offs_m % REP, m_valid,
-                        offs_d, stride_ot, HEAD_DIM, COMPACT)
+            dest = rows
+        tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=m_valid[:, None])
 
 
 def queries_per_tile(block_m: int, n_heads: int, n_kv: int) -> int:
@@ -217,22 +137,14 @@ def queries_per_tile(block_m: int, n_heads: int, n_kv: int) -> int:
     return max(1, block_m // (n_heads // n_kv))
 
 
-def split_scratch(slots: int, n_kv: int, block_m: int, head_dim: int, device) -> torch.Tensor:
-    """The partials of `slots` chunks of split tiles (plan.py): per chunk and K/V head, acc, m and l in f32."""
-    return torch.empty(slots * n_kv * block_m * (head_dim + 2), dtype=torch.float32, device=device)
-
-
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
                    prefix_v: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, q_rows: torch.Tensor,
                    n_tiles: torch.Tensor, out: torch.Tensor, compact: bool,
-                   tiling: tuple[int, int, int, int], nprog: int | None = None,
-                   scratch: torch.Tensor | None = None) -> torch.Tensor:
+                   tiling: tuple[int, int, int, int], nprog: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] and k/v [T, Hkv, D] (row-strided views of the fused qkv), prefix_k/v [P, Hkv, D].
 
     tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
     of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work.
-    `scratch` (`split_scratch` of the plan's n_slots at this tiling's block_m): the plan has split tiles; a
-    second kernel merges their chunks.
     `tiling`: (block_m, block_n, warps, stages), the tiles planned with `queries_per_tile(block_m, ...)` queries
     at most (the forward's options)."""
     block_m, block_n, warps, stages = tiling
@@ -243,17 +155,12 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
         prefix_k, prefix_v = k, v
     nprog = nprog or 4 * num_sms(q.device.index or 0)
     ieee = q.dtype == torch.float32
-    split = scratch is not None
     _tree_attn_kernel[(nprog,)](
-        q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles, scratch if split else out,
+        q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles,
         q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
         N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS, SPLIT=split, CHUNK=SPLIT_KEYS,
+        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS,
         num_warps=warps, num_stages=1 if ieee else stages)
-    if split:
-        _merge_kernel[(nprog,)](out, tiles, q_rows, n_tiles, scratch, out.stride(0), N_HEADS=n_heads,
-                                REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, NPROG=nprog, COMPACT=compact,
-                                REC=RECORD, num_warps=warps)
     return out
 
 

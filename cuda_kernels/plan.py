@@ -14,17 +14,7 @@ One record of `RECORD` int32 per tile:
   [3] n_pre   cached-prefix length (keys at positions < n_pre are prefix keys)
   [4] pre_off row of the prefix in the per-layer prefix K/V buffer
   [5] n_r     number of forward key ranges
-  [6] k0      first key position the record visits (a chunk of a split tile; else 0)
-  [7] slot    scratch slot + 1 of a split tile's chunk (0: not split, the record writes its output itself)
   [8 + 3r..] (position of the range's first key, its token index in the forward, length), root first
-  [62] chunks of the split tile, [63] the whole tile's n_keys (0 where not split)
-
-Chunks: the kernel reduces a query's keys in chunks of SPLIT_KEYS positions (fixed bounds: 0, SPLIT_KEYS, ...),
-an online softmax per chunk, merged in chunk order. With `split`, a tile of more key positions becomes one record
-per chunk (`n_keys` the chunk's end), each storing its partial in a scratch slot for a second kernel to merge in
-the same order: the same bits as one program walking all of the tile's chunks. So a forward may split or not as
-suits it (a few questions about a long cached document are a few long work items: split, they are many short
-ones), and a query's bits still never depend on what is packed beside it.
 """
 
 from __future__ import annotations
@@ -36,16 +26,13 @@ import numpy as np
 from basal_local.backends.host import block_bounds, block_chains
 
 RECORD = 64
-MAX_RANGES = (RECORD - 10) // 3  # 18 blocks deep (the packer stops at 8); words 62, 63: split tiles
-# key positions per chunk (a multiple of every tiling's BLOCK_N)
-SPLIT_KEYS = 2048
+MAX_RANGES = (RECORD - 8) // 3  # 18 blocks deep (the packer stops at 8)
 
 
 @dataclass
 class TilePlan:
     tiles: np.ndarray  # [n_tiles, RECORD] int32
     q_rows: np.ndarray  # [n_queries] int32 token index of each query, tile after tile
-    n_slots: int = 0  # scratch slots of split tiles' chunks
 
     @property
     def num_tiles(self) -> int:
@@ -54,12 +41,11 @@ class TilePlan:
 
 def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.ndarray,
               block_prefix: np.ndarray, prefix_rows: list[tuple[int, int]], block_m: int,
-              rows: np.ndarray | None = None, split: int | None = None) -> TilePlan:
+              rows: np.ndarray | None = None) -> TilePlan:
     """Tiles of at most `block_m` queries of one block each.
 
     prefix_rows[j] = (row offset in the prefix K/V buffer, length) of the batch's j-th cached prefix.
     `rows`: only these queries (the readout rows of the last layer), one tile each; else every token.
-    `split`: one record per chunk of this many key positions (SPLIT_KEYS; the module's doc) for longer tiles.
     Built per block in Python and per tile in NumPy (this runs on the host before every forward).
     """
     n_blocks = len(block_parent)
@@ -101,19 +87,6 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
     tiles[:, 0] = q_off
     tiles[:, 1] = n_q_arr
     tiles[:, 2] = np.maximum.reduceat(pos[q_rows], q_off) + 1
-    n_slots = 0
-    if split and int(tiles[:, 2].max()) > split:
-        n_keys = tiles[:, 2].astype(np.int64)
-        chunks = np.where(n_keys > split, -(-n_keys // split), 1)
-        tiles = tiles[np.repeat(np.arange(len(chunks)), chunks)]
-        j = np.arange(len(tiles)) - np.repeat(np.cumsum(chunks) - chunks, chunks)  # chunk index in its tile
-        is_split = np.repeat(chunks > 1, chunks)
-        n_slots = int(is_split.sum())
-        tiles[:, 6] = np.where(is_split, j * split, 0)
-        tiles[:, 7] = np.where(is_split, np.cumsum(is_split), 0)  # a tile's chunks: consecutive slots
-        tiles[:, 62] = np.where(is_split, np.repeat(chunks, chunks), 0)
-        tiles[:, 63] = np.where(is_split, tiles[:, 2], 0)
-        tiles[:, 2] = np.where(is_split, np.minimum(tiles[:, 2], (j + 1) * split), tiles[:, 2])
-    # the longest work first: a persistent grid then ends evenly (the order never changes a result)
-    tiles = tiles[np.argsort(tiles[:, 6] - tiles[:, 2], kind="stable")]
-    return TilePlan(np.ascontiguousarray(tiles), q_rows.astype(np.int32), n_slots)
+    # the longest tiles first: a persistent grid then ends evenly (the order never changes a result)
+    tiles = tiles[np.argsort(-tiles[:, 2], kind="stable")]
+    return TilePlan(np.ascontiguousarray(tiles), q_rows.astype(np.int32))

@@ -21,10 +21,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     out = torch.zeros(out_rows, n_heads, d, dtype=q.dtype, device=q.device)
     for rec in plan.tiles:
-        if rec[6]:  # a later chunk of a split tile: the tile is computed whole at its first chunk
-            continue
         q_off, n_q, n_keys, n_pre, pre_off, n_r = (int(x) for x in rec[:6])
-        n_keys = int(rec[63]) or n_keys
         rows = torch.as_tensor(plan.q_rows[q_off:q_off + n_q], dtype=torch.long, device=q.device)
         key_rows = [torch.arange(n_keys, device=q.device)]
         keys = [prefix_k[pre_off:pre_off + n_pre]]

@@ -139,74 +139,6 @@ def test_cuda_tree_kernel_matches_twin(small_model):
             assert err <= bound
 
 
-def _split_tree(n_pre, sizes, parents, hq, hkv, d, dtype, seed):
-    """A random tree after a cached prefix of n_pre rows (every block reads it): positions, blocks, q/k/v."""
-    token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-    starts, pos = {}, []
-    for b, (n, par) in enumerate(zip(sizes, parents)):
-        starts[b] = n_pre if par < 0 else starts[par] + sizes[par]
-        pos.append(np.arange(starts[b], starts[b] + n))
-    positions = np.concatenate(pos).astype(np.int64)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(len(positions), hq, d, device="cuda", generator=g).to(dtype)
-    k, v = (torch.randn(len(positions), hkv, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    pk, pv = (torch.randn(n_pre, hkv, d, device="cuda", generator=g).to(dtype) for _ in range(2))
-    return positions, token_block, np.array(parents, np.int32), q, k, v, pk, pv
-
-
-def test_cuda_split_tiles_give_the_bits_of_whole_tiles():
-    """The kernel reduces keys in chunks of SPLIT_KEYS positions merged in order, and a split plan gives each chunk
-    its own work item (cuda_kernels/plan.py): the same bits for every row, close to the twin; a subtree's rows
-    are the same bits alone and beside another subtree; both tilings agree."""
-    from basal_local.backends.torch.forward import ALT_TILING
-    from basal_local.cuda_kernels import plan as tplan
-    from basal_local.cuda_kernels import triton_kernels, twins
-
-    kernels = triton_kernels()
-    hq, hkv, d, n_pre = 16, 2, 128, tplan.SPLIT_KEYS - 300
-
-    def attend(tree, tiling, split, rows=None):
-        positions, token_block, parents, q, k, v, pk, pv = tree
-        p = tplan.tile_plan(positions, token_block, parents, np.zeros(len(parents), np.int32), [(0, n_pre)],
-                            kernels.queries_per_tile(tiling[0], hq, hkv), rows=rows, split=split)
-        n_out = len(positions) if rows is None else len(rows)
-        out = torch.full((n_out, hq * d), float("nan"), dtype=q.dtype, device="cuda")
-        scratch = kernels.split_scratch(p.n_slots, hkv, tiling[0], d, "cuda") if p.n_slots else None
-        pos = torch.from_numpy(positions.astype(np.int32)).cuda()
-        kernels.tree_attention(q, k, v, pk, pv, pos, torch.from_numpy(p.tiles).cuda(),
-                               torch.from_numpy(p.q_rows).cuda(),
-                               torch.tensor([p.num_tiles], dtype=torch.int32, device="cuda"), out,
-                               compact=rows is not None, tiling=tiling, scratch=scratch)
-        want = twins.tree_attention(q.float(), k.float(), v.float(), pk.float(), pv.float(), pos, p, n_out,
-                                    compact=rows is not None).view(n_out, -1)
-        return out, want, p
-
-    for dtype in (torch.float16, torch.bfloat16):
-        # root 0 across the first chunk bound, a long child across the second, a short child, a grandchild
-        tree = _split_tree(n_pre, (600, 2500, 40, 30), (-1, 0, 0, 1), hq, hkv, d, dtype, seed=5)
-        base, want, _ = attend(tree, DEFAULT_TILING, None)
-        out, _, p = attend(tree, DEFAULT_TILING, tplan.SPLIT_KEYS)
-        assert p.n_slots > 0 and not torch.isnan(out).any(), "a row was not written"
-        err = ((out.float() - want).norm() / want.norm()).item()
-        print(f"split tiles ({dtype}): {p.num_tiles} records, {p.n_slots} slots, vs twin rel {err:.3g}")
-        assert err <= 4e-3
-        assert torch.equal(out, base)
-        readout = np.array([599, 3099, 3139, 3169])
-        got, _, _ = attend(tree, DEFAULT_TILING, tplan.SPLIT_KEYS, rows=readout)
-        assert torch.equal(got, out[torch.from_numpy(readout).cuda()])
-        # the long child alone under its root: the same bits for both blocks' rows
-        positions_, token_block, parents, q, k, v, pk, pv = tree
-        keep = np.concatenate([np.arange(600), np.arange(600, 3100)])
-        alone = (positions_[keep], token_block[keep], parents[:2], q[keep], k[keep], v[keep], pk, pv)
-        got, _, _ = attend(alone, DEFAULT_TILING, tplan.SPLIT_KEYS)
-        assert torch.equal(got, out[torch.from_numpy(keep).cuda()])
-        try:
-            got, _, _ = attend(tree, ALT_TILING, tplan.SPLIT_KEYS)
-        except Exception:  # noqa: BLE001 - a GPU without the shared memory for the alternative tiling
-            continue
-        assert torch.equal(got, out)
-
-
 def test_cuda_fused_kernels_match_twins():
     from basal_local.cuda_kernels import triton_kernels, twins
 
@@ -416,7 +348,6 @@ def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype):
     answered from the pool (CUDA graphs for the short one, the long lane for the long one), gives bitwise the
     logits of the same request on an engine that never saw the document; the document's first request too."""
     from basal_local.backends.torch import TorchBackend
-    from basal_local.cuda_kernels import plan as tplan
     from basal_local.engine.engine import EngineSettings, ModelEngine
     from basal_local.engine.gate import DeviceGate
     from basal_local.telemetry import Telemetry
@@ -465,7 +396,7 @@ def test_cuda_state_cache_hit_gives_the_bits_of_a_miss(small_model, dtype):
         for doc in (document(80, words=300), document(81, words=3000)):  # main lane, then the long lane
             first, _ = logits(cached, body(doc, 1))
             hit, outcome = logits(cached, body(doc, 2))
-            assert outcome.cached_tokens > (250 if len(doc) < 5000 else tplan.SPLIT_KEYS)  # the long: split tiles
+            assert outcome.cached_tokens > 250
             miss, _ = logits(fresh, body(doc, 2))
             assert len(hit) == len(miss) and all(np.array_equal(a, b) for a, b in zip(hit, miss))
             again, _ = logits(fresh, body(doc, 1))  # fresh computed doc for question 2 first: a hit for 1 now

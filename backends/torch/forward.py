@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -43,8 +42,6 @@ LT_SIZES = tuple(sorted({s for s in TOKEN_BUCKETS if s <= TIMED_MAX} | set(READO
 # where it is faster (docs/CUDA_NOTES.md); used only where it gives the default tiling's bits on this device
 ALT_TILING = (128, 64, 8, 3)
 ALT_MAX_TOKENS = 1024
-# a forward whose keys pass the first chunk splits its tiles (plan.py) below this many work items per SM
-SPLIT_BELOW_PER_SM = 2
 # letter columns of the logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
 
@@ -151,12 +148,11 @@ class Forward:
         return max(1, rows // (cfg.num_attention_heads // cfg.num_key_value_heads))
 
     def _alt_tiling_agrees(self, tiling: tuple[int, int, int, int]) -> bool:
-        """Tree attention of one random tree (a cached prefix, a root across the first split bound, children
-        and a grandchild) with the default tiling and with `tiling`, every row and the readout rows: bit for bit
-        the same?"""
+        """Tree attention of one random tree (a cached prefix, a root, children and a grandchild) with the
+        default tiling and with `tiling`, every row and the readout rows: bit for bit the same?"""
         cfg, dev, dt = self.b.config, self.b.device, self.b.dtype
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        n_pre, sizes, parents = tplan.SPLIT_KEYS - 100, (200, 70, 70, 50), (-1, 0, 0, 1)
+        n_pre, sizes, parents = 40, (200, 70, 70, 50), (-1, 0, 0, 1)
         token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
         starts, pos = {}, []
         for b, (n, par) in enumerate(zip(sizes, parents)):
@@ -174,14 +170,13 @@ class Forward:
         for rows in (None, readout):
             for name, til in (("default", self.tiling), ("alt", tiling)):
                 p = tplan.tile_plan(positions, token_block, np.array(parents, np.int32),
-                                    np.zeros(len(parents), np.int32), [(0, n_pre)],
-                                    max(1, til[0] // (hq // hkv)), rows=rows, split=tplan.SPLIT_KEYS)
+                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)],
+                                    max(1, til[0] // (hq // hkv)), rows=rows)
                 out = torch.zeros(t if rows is None else len(rows), hq * d, dtype=dt, device=dev)
                 self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
                                         torch.from_numpy(p.q_rows).to(dev),
                                         torch.tensor([p.num_tiles], dtype=torch.int32, device=dev), out,
-                                        compact=rows is not None, tiling=til,
-                                        scratch=self.ops.split_scratch(p.n_slots, hkv, til[0], d, dev))
+                                        compact=rows is not None, tiling=til)
                 outs[(rows is None, name)] = out
         return all(torch.equal(outs[(full, "default")], outs[(full, "alt")]) for full in (True, False))
 
@@ -251,34 +246,18 @@ class Forward:
             offset += -(-length // 4) * 4
         return layout, offset
 
-    def splits(self, batch: PackedBatch) -> bool:
-        """Whether the batch's long tiles become a work item per key chunk (plan.py; the same bits either way):
-        where keys pass the first chunk and the tiles alone would leave most of the device idle (a few questions
-        about a long cached document). Such forwards run eagerly, a merge after each attention."""
-        if not self.use_triton or not batch.num_tokens or int(batch.positions.max()) < tplan.SPLIT_KEYS:
-            return False
-        work = (batch.num_tokens // self.block_m(batch.num_tokens) + len(batch.block_parent)) * \
-            self.b.config.num_key_value_heads
-        return work < SPLIT_BELOW_PER_SM * self.ops.num_sms(torch.device(self.b.device).index or 0)
-
-    def host_inputs(self, batch: PackedBatch, size: int, tile_cap: int | None = None, r_cap: int | None = None,
+    def host_inputs(self, batch: PackedBatch, size: int, tile_cap: int, r_cap: int,
                     buf: np.ndarray | None = None, fill: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
         """The forward's int32 inputs laid out in one buffer (`buf`, zeroed here, or a new one); `fill` is
-        `fill_plan`'s pool row + 1 per token. Without caps (an eager forward) the tables are as large as the
-        plan, split where `splits` says; with them (a graph's), never split, and a larger plan raises
-        OverflowError."""
+        `fill_plan`'s pool row + 1 per token."""
         if batch.num_tokens > size:
             raise RuntimeError(f"forward inputs need {batch.num_tokens} slots, the upload buffer has {size}")
         rows = [self.prefix_rows[name] for name in batch.prefixes]
         if batch.prefix_lengths:  # the rows continue these many tokens of each cached prefix
             rows = [(offset, used) for (offset, _), used in zip(rows, batch.prefix_lengths)]
         args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, self.block_m(size))
-        eager = tile_cap is None or r_cap is None
-        split = tplan.SPLIT_KEYS if eager and self.splits(batch) else None
-        full, last = tplan.tile_plan(*args, split=split), tplan.tile_plan(*args, rows=batch.readout_index, split=split)
-        if eager:
-            tile_cap, r_cap = max(1, full.num_tiles), max(1, last.num_tiles)
-        elif full.num_tiles > tile_cap or last.num_tiles > r_cap:
+        full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
+        if full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
         layout, total = self.layout(size, tile_cap, r_cap)
         if buf is None:
@@ -324,8 +303,7 @@ class Forward:
             out = torch.empty(self.padded_rows(rows, layer.o_proj_weight, layer.o_proj_bias), width,
                               dtype=qkv.dtype, device=qkv.device)
             return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
-                                           nt, out, compact=last, tiling=self.alt_tiling if self.alt(t) else self.tiling,
-                                           scratch=v.get("scratch"))
+                                           nt, out, compact=last, tiling=self.alt_tiling if self.alt(t) else self.tiling)
         p = tplan.TilePlan(tiles[:int(nt[0])].cpu().numpy(), q_rows.cpu().numpy())
         out = twins.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], p, rows, compact=last)
         return out.view(rows, width)
@@ -371,37 +349,20 @@ class Forward:
 
     # ---- the eager forward ---------------------------------------------------------------------------------
     def upload(self, batch: PackedBatch, fill: np.ndarray | None = None) -> dict:
-        buf, layout = self.host_inputs(batch, batch.num_tokens, fill=fill)
-        v = self.views(self._to_device(buf), layout)
-        slots = max((int(buf[o + 7:o + n:tplan.RECORD].max(initial=0)) for o, n in
-                     (layout["tiles"], layout["tiles_last"])), default=0)
-        if slots:  # split tiles: their chunks' partials (kernels.split_scratch), one buffer for every layer
-            cfg = self.b.config
-            rows = self.alt_tiling[0] if self.alt(batch.num_tokens) else self.tiling[0]
-            v["scratch"] = self.ops.split_scratch(slots, cfg.num_key_value_heads, rows, cfg.head_dim, self.b.device)
-        return v
+        n_tiles = batch.num_tokens // self.block_m(batch.num_tokens) + len(batch.block_parent) + 1
+        buf, layout = self.host_inputs(batch, batch.num_tokens, n_tiles, max(1, len(batch.readout_index)), fill=fill)
+        return self.views(torch.from_numpy(buf).to(self.b.device), layout)
 
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(a)
-        if torch.device(self.b.device).type == "cuda":  # pinned: the copy waits for none of the device's work before it
-            host = host.pin_memory()
-        return host.to(self.b.device, non_blocking=True)
-
-    def steps(self, batch: PackedBatch, capture: list | None = None, sync: bool = True,
-              on_device: bool = False) -> Iterator[Any]:
-        """The eager forward, a layer per step (`sync`: the device idle at each step, for a long lane that
-        parks between them); the letter logits last, as an array (`on_device`: the device tensor, not waited
-        for)."""
+    def steps(self, batch: PackedBatch, capture: list | None = None) -> Iterator[np.ndarray | None]:
         fill, after = self.fill_plan(batch)
         v = self.upload(batch, fill)
-        for h in self.layers(v, capture, sync=sync):
+        for h in self.layers(v, capture, sync=True):
             if h is None:
                 yield None
             else:
                 self.copy_after(after)
-                logits = self.letter_logits(h[:len(batch.readout_index)],
-                                            self._to_device(batch.letter_ids.astype(np.int64)))
-                yield logits if on_device else finite(logits.cpu().numpy())
+                letters = torch.from_numpy(batch.letter_ids.astype(np.int64)).to(self.b.device)
+                yield finite(self.letter_logits(h[:len(batch.readout_index)], letters).cpu().numpy())
 
     def hidden(self, batch: PackedBatch) -> torch.Tensor:
         """The final-normed hidden states of the batch's readout rows."""

@@ -15,7 +15,7 @@ import torch
 
 from basal_local.cuda_kernels.gemm import no_gc
 
-from ..base import PackedBatch
+from ..base import PackedBatch, Ready
 from .forward import LETTER_CAP, READOUT_BUCKETS, TOKEN_BUCKETS, Forward, finite
 
 MAX_GRAPHS = 96
@@ -103,7 +103,7 @@ class Graphs:
         """The captured graph a batch fits, with its inputs uploaded (and the pool copies to make after it,
         `Forward.fill_plan`); None where it runs eagerly."""
         if batch.num_tokens > TOKEN_BUCKETS[-1] or len(batch.readout_index) > READOUT_BUCKETS[-1] or \
-                len(batch.letter_ids) > LETTER_CAP or self.fwd.splits(batch):
+                len(batch.letter_ids) > LETTER_CAP:
             return None
         size = self.bucket(batch.num_tokens)
         r_cap = next(r for r in READOUT_BUCKETS if r >= len(batch.readout_index))
@@ -126,26 +126,22 @@ class Graphs:
     def forward(self, batch: PackedBatch) -> np.ndarray:
         found = self._graph_for(batch)
         if found is None:
-            *_, logits = self.fwd.steps(batch, sync=False)
+            *_, logits = self.fwd.steps(batch)
             return logits
         entry, after = found
         entry.graph.replay()
         self.fwd.copy_after(after)
         return finite(entry.logits.cpu().numpy()[:len(batch.readout_index), :len(batch.letter_ids)])
 
-    def launch(self, batch: PackedBatch) -> Launched:
-        """`forward` without waiting for the device: the graph replayed (or the eager forward enqueued where
-        no graph fits) and its logits copied back asynchronously."""
+    def launch(self, batch: PackedBatch) -> Launched | Ready:
+        """`forward` without waiting for the device: the graph is replayed and its logits copied back
+        asynchronously; the eager path (no graph fits) runs to the end here."""
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         found = self._graph_for(batch)
-        if found is None:  # an eager forward (split tiles, or past the graphs' sizes), not waited for either
-            *_, logits = self.fwd.steps(batch, sync=False, on_device=True)
-            host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-            host.copy_(logits, non_blocking=True)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            return Launched(host, *logits.shape, start, end)
+        if found is None:
+            *_, logits = self.fwd.steps(batch)
+            return Ready(logits)
         entry, after = found
         uploaded = torch.cuda.Event()
         uploaded.record()
@@ -200,10 +196,8 @@ class Graphs:
         the first long request finds its kernels, library handles and memory ready (a 16.5k-token document
         took 3.3 s the first time and 1.0 s after on the H200, docs/PERFORMANCE.md)."""
         n = min(LONG_WARMUP_TOKENS, self.fwd.b.config.max_position_embeddings - 1)
-        # the long one, then one of 3,072 tokens past the first split bound (plan.py): both tilings' split
-        # kernels compiled now (the long one's tiling is the one a few questions off a cached document use)
-        for size in (n, 3072) if n > TOKEN_BUCKETS[-1] else ():
-            for _ in self.fwd.steps(dummy(size, 4, children=4), sync=False):
+        if n > TOKEN_BUCKETS[-1]:
+            for _ in self.fwd.steps(dummy(n, 4, children=4)):
                 pass
 
 
