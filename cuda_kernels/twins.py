@@ -20,26 +20,43 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
     With `compact`, output row i is the i-th query of the plan (q_rows order), else the token q_rows[i]."""
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     out = torch.zeros(out_rows, n_heads, d, dtype=q.dtype, device=q.device)
-    for rec in plan.tiles:
-        q_off, n_q, n_keys, n_pre, pre_off, n_r = (int(x) for x in rec[:6])
-        rows = torch.as_tensor(plan.q_rows[q_off:q_off + n_q], dtype=torch.long, device=q.device)
-        key_rows = [torch.arange(n_keys, device=q.device)]
-        keys = [prefix_k[pre_off:pre_off + n_pre]]
-        values = [prefix_v[pre_off:pre_off + n_pre]]
+    # once, not per tile: the table as plain ints, the queries and their positions in the plan's order, K and V
+    # side by side ([T, 2 Hkv, D]: one gather and one head repeat a tile for both); a tile writes its slice of
+    # `result`. On the CPU this twin is the forward's attention, and per-tile steps cost more than a small tile
+    tiles = [rec[:6] + [rec[2]] + rec[8:8 + 3 * rec[5]] for rec in plan.tiles.tolist()]
+    if not tiles:
+        return out
+    # the queries the tiles hold (a graph's table is longer: the rest is padding)
+    n_queries = max(rec[0] + rec[1] for rec in tiles)
+    q_rows = torch.as_tensor(plan.q_rows[:n_queries], dtype=torch.long, device=q.device)
+    query_pos = positions.long()[q_rows]
+    queries = q[q_rows].float().transpose(0, 1)  # [Hq, Q, D] in the plan's order
+    result = torch.empty(n_queries, n_heads, d, dtype=q.dtype, device=q.device)  # the same order
+    key_pos = torch.arange(max(rec[6] for rec in tiles), device=q.device)
+    kv = torch.cat([k, v], 1)
+    prefix_kv: dict[tuple[int, int], torch.Tensor] = {}
+    for q_off, n_q, _, n_pre, pre_off, n_r, n_keys, *ranges in tiles:
+        pieces = []
+        if n_pre:
+            if (pre_off, n_pre) not in prefix_kv:
+                prefix_kv[pre_off, n_pre] = torch.cat([prefix_k[pre_off:pre_off + n_pre],
+                                                       prefix_v[pre_off:pre_off + n_pre]], 1)
+            pieces.append(prefix_kv[pre_off, n_pre])
         for r in range(n_r):
-            ps, ts, ln = (int(x) for x in rec[8 + 3 * r: 11 + 3 * r])
-            keys.append(k[ts:ts + ln])
-            values.append(v[ts:ts + ln])
-        kk = torch.cat(keys)[:n_keys].float().transpose(0, 1)  # [Hkv, S, D]
-        vv = torch.cat(values)[:n_keys].float().transpose(0, 1)
-        assert kk.shape[1] == n_keys, "key ranges do not cover the tile's positions"
-        qq = q[rows].float().transpose(0, 1)  # [Hq, n_q, D]
-        kk = kk.repeat_interleave(n_heads // n_kv, 0)
-        vv = vv.repeat_interleave(n_heads // n_kv, 0)
-        mask = key_rows[0][None, :] <= positions[rows].long()[:, None]
-        o = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mask)[0]
-        dest = torch.arange(q_off, q_off + n_q, device=q.device) if compact else rows
-        out[dest] = o.transpose(0, 1).to(q.dtype)
+            _, ts, ln = ranges[3 * r: 3 * r + 3]
+            pieces.append(kv[ts:ts + ln])
+        keys = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[:n_keys]
+        assert keys.shape[0] == n_keys, "key ranges do not cover the tile's positions"
+        # [2 Hq, S, D]: each K/V head repeated for its query heads, K's heads first
+        both = keys.float().transpose(0, 1).repeat_interleave(n_heads // n_kv, 0)
+        mask = key_pos[None, :n_keys] <= query_pos[q_off:q_off + n_q, None]
+        o = F.scaled_dot_product_attention(queries[None, :, q_off:q_off + n_q], both[None, :n_heads],
+                                           both[None, n_heads:], attn_mask=mask)[0]
+        result[q_off:q_off + n_q] = o.transpose(0, 1)
+    if compact:
+        out[:n_queries] = result
+    else:
+        out[q_rows] = result
     return out
 
 

@@ -93,8 +93,8 @@ MUTATIONS = [
       "rec += (first_pos[c], starts[c], ends[c] - starts[c] - 1)",
       "tests/test_tree_attention.py::test_tile_plan_visibility_is_the_dense_rule"),
     m("twin-sees-own-key-late", "the attention twin lets a query see the key at its own position",
-      "cuda_kernels/twins.py", "mask = key_rows[0][None, :] <= positions[rows].long()[:, None]",
-      "mask = key_rows[0][None, :] < positions[rows].long()[:, None]",
+      "cuda_kernels/twins.py", "mask = key_pos[None, :n_keys] <= query_pos[q_off:q_off + n_q, None]",
+      "mask = key_pos[None, :n_keys] < query_pos[q_off:q_off + n_q, None]",
       "tests/test_cuda_kernels.py::test_tile_table_twin_equals_dense_mask"),
     # packing
     m("packer-positions", "packed positions are each token's index in its own prompt",

@@ -71,6 +71,46 @@ def test_tile_table_twin_equals_dense_mask(tiny_model, use_prefix):
     assert (got - want).abs().max().item() <= 1e-5
 
 
+def _tile_by_tile(q, k, v, pk, pv, positions, plan, out_rows, compact=False):
+    """The tree-attention twin in its plainest form: per tile, its keys gathered, each K/V head repeated, one
+    attention call. The CPU forward's bits are these (the twin only does the per-tile steps once)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.zeros(out_rows, hq, q.shape[2], dtype=q.dtype)
+    for rec in plan.tiles:
+        q_off, n_q, n_keys, n_pre, pre_off, n_r = (int(x) for x in rec[:6])
+        rows = torch.as_tensor(plan.q_rows[q_off:q_off + n_q], dtype=torch.long)
+        ranges = [(int(rec[9 + 3 * r]), int(rec[10 + 3 * r])) for r in range(n_r)]
+        kk = torch.cat([pk[pre_off:pre_off + n_pre]] + [k[t:t + n] for t, n in ranges])[:n_keys]
+        vv = torch.cat([pv[pre_off:pre_off + n_pre]] + [v[t:t + n] for t, n in ranges])[:n_keys]
+        kk, vv = (x.float().transpose(0, 1).repeat_interleave(hq // hkv, 0) for x in (kk, vv))
+        mask = torch.arange(n_keys)[None, :] <= positions[rows].long()[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(q[rows].float().transpose(0, 1)[None], kk[None],
+                                                             vv[None], attn_mask=mask)[0]
+        out[torch.arange(q_off, q_off + n_q) if compact else rows] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("use_prefix", [True, False])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tree_attention_twin_is_the_tile_by_tile_attention_bit_for_bit(tiny_model, use_prefix, block_m):
+    md = load_model_dir(tiny_model)
+    for seeds in (range(1), range(2, 5)):
+        batch, prefixes = _packed(md, seeds, use_prefix)
+        q, k, v, pk, pv, rows, _ = _random_qkv(batch, prefixes, seed=len(seeds))
+        pos = torch.from_numpy(batch.positions)
+        args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, block_m)
+        full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
+        assert torch.equal(twins.tree_attention(q, k, v, pk, pv, pos, full, batch.num_tokens),
+                           _tile_by_tile(q, k, v, pk, pv, pos, full, batch.num_tokens))
+        n = len(batch.readout_index)
+        assert torch.equal(twins.tree_attention(q, k, v, pk, pv, pos, last, n, compact=True),
+                           _tile_by_tile(q, k, v, pk, pv, pos, last, n, compact=True))
+        # a CUDA graph's tables: the query rows padded with zeros past the tiles' queries
+        padded = tplan.TilePlan(full.tiles, np.concatenate([full.q_rows, np.zeros(37, np.int32)]))
+        assert torch.equal(twins.tree_attention(q, k, v, pk, pv, pos, padded, batch.num_tokens),
+                           _tile_by_tile(q, k, v, pk, pv, pos, full, batch.num_tokens))
+
+
 def test_tile_keys_are_the_prompt_positions(tiny_model):
     """Every tile visits keys 0..max position of its queries, and its ranges tile them without gaps."""
     md = load_model_dir(tiny_model)

@@ -11,7 +11,7 @@ import pytest
 
 from basal_local.engine import fills
 from basal_local.engine.packer import PromptSpec, pack_prompts
-from basal_local.engine.prefix_cache import PrefixCache
+from basal_local.engine.prefix_cache import FILL_MIN_TOKENS, PrefixCache
 
 
 class Job:
@@ -66,10 +66,29 @@ def test_the_packed_shared_prefix_stores_what_the_token_comparison_stores(seed, 
         assert _fills(jobs, depth, True, monkeypatch) == _fills(jobs, depth, False, monkeypatch)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_job_is_stored_where_the_batch_computes_enough_of_its_shared_prefix(seed):
+    """The rule itself, from the prompts' tokens: a job's shared prefix is stored where at least FILL_MIN_TOKENS
+    of it are computed (past what its first prompt continues), whatever plan_fills skips to find that out."""
+    jobs = _jobs(random.Random(seed))
+    cache = PrefixCache(capacity=1 << 16, bytes_per_token=1)
+    cache.publish(cache.pin("en", [1, 2, 3, 4, 5]))
+    specs = [s for job in jobs for s in job.specs]
+    pack = pack_prompts(specs, cache)
+    want = []
+    for job in jobs:
+        shared = fills.shared_prefix(job.specs)
+        if len(shared) - cache.split(job.specs[0].token_ids)[1] >= FILL_MIN_TOKENS and shared not in want:
+            want.append(shared)
+    fills.plan_fills(jobs, specs, pack, cache.lease())
+    assert sorted(cache.entries[f.name].tokens for b in pack.batches for f in b.fills) == sorted(want)
+
+
 @pytest.mark.parametrize("known", [False, True])
 def test_a_question_about_a_document_needs_no_token_comparison(known, monkeypatch):
     """Five questions in two orders each after one long document, new or already cached: the shared length comes
-    from the tries and the document's tokens are never compared (the lane thread's cost of a state-cache hit)."""
+    from the tries, or is not needed (cached), and the document's tokens are never compared (the lane thread's cost
+    of a state-cache hit)."""
     template = [1, 2, 3, 4, 5]
     doc = [int(t) for t in np.random.default_rng(1).integers(10, 400, 2000)]
     specs = [PromptSpec(template + doc + [q, q + 1, order], "en", [7, 8]) for q in range(500, 510, 2)
@@ -84,6 +103,17 @@ def test_a_question_about_a_document_needs_no_token_comparison(known, monkeypatc
     pack = pack_prompts(specs, cache)
     assert [b.prefix_lengths for b in pack.batches] == [[len(template + doc)] if known else []]
     fills.plan_fills([Job(specs)], specs, pack, cache.lease())
-    assert calls == [] and answers == [len(real(specs))] == [len(template + doc)]
+    # a cached document leaves fewer than FILL_MIN_TOKENS to store: its prompts are not compared at all
+    assert calls == [] and answers == ([] if known else [len(real(specs))]) and len(real(specs)) == len(template + doc)
     stored = [cache.entries[f.name].tokens for b in pack.batches for f in b.fills]
     assert stored == ([] if known else [template + doc])
+
+
+def test_with_the_cache_off_every_job_is_a_miss_and_nothing_is_stored():
+    jobs = _jobs(random.Random(3))
+    cache = PrefixCache(capacity=1 << 16, bytes_per_token=1, enabled=False)
+    specs = [s for job in jobs for s in job.specs]
+    pack = pack_prompts(specs, cache)
+    assert fills.plan_fills(jobs, specs, pack, cache.lease()) == [0] * len(jobs)
+    assert not any(b.fills for b in pack.batches) and not cache.entries
+    assert (cache.stats["hits"], cache.stats["misses"]) == (0, len(jobs))

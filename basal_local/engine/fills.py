@@ -46,10 +46,13 @@ def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]
     one-prompt job) where the batch computes at least FILL_MIN_TOKENS of it, attached to the forward as a
     `Fill` of its first prompt's token indices. Returns per job the tokens its prompts continue from the cache
     (the most of any of its prompts); counts hits (a job continuing a cached state) and misses."""
+    if not lease.cache.enabled:  # --prefix-cache off: nothing read, nothing stored, every job a miss
+        lease.count(len(jobs), 0, 0)
+        return [0] * len(jobs)
     for b in pack.batches:
         for name in dict.fromkeys(b.prefixes):
             lease.use(name)
-    bounds = [block_bounds(b.token_block, len(b.block_parent)) for b in pack.batches]
+    bounds: list = [None] * len(pack.batches)  # block bounds of a forward, once a job of it may be stored
     chains = [block_chains(b.block_parent) for b in pack.batches]
     cached, hits, hit_tokens, at = [], 0, 0, 0
     for job in jobs:
@@ -65,15 +68,23 @@ def plan_fills(jobs: Sequence, specs: Sequence, pack, lease: Lease) -> list[int]
             best = max(best, used)
             hit = hit or is_state(name)
             places.append((bn, chain, name, used))
-        shared = _packed_shared(places, pack.batches, bounds)
-        if shared is None:
-            shared = len(shared_prefix(specs[at:at + n]))
         ids0 = specs[at].token_ids
-        at += n
         cached.append(best)
         hits += hit
         hit_tokens += best if hit else 0
         bn, chain, name, used = places[0]
+        # the shared prefix is at most all but the last token of the first prompt: a job too short to store
+        # needs no comparison of its prompts
+        if len(ids0) - 1 - used < FILL_MIN_TOKENS:
+            at += n
+            continue
+        for b in {p[0] for p in places}:
+            if bounds[b] is None:
+                bounds[b] = block_bounds(pack.batches[b].token_block, len(pack.batches[b].block_parent))
+        shared = _packed_shared(places, pack.batches, bounds)
+        if shared is None:
+            shared = len(shared_prefix(specs[at:at + n]))
+        at += n
         if shared - used < FILL_MIN_TOKENS:
             continue
         entry = lease.fill(list(ids0[:shared]))
