@@ -25,7 +25,7 @@ from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
 from ..protocol.outcome import Outcome, QuestionOutcome
 from ..protocol.questions import DecisionRequest, Question, detect_language
-from ..protocol.render import option_texts, orders, prompt_head, prompt_tail
+from ..protocol.render import kept_head, orders, prompt_tail, render_question
 from ..protocol.tools import tool_answer
 from .packer import PromptSpec, SharedHead, TrieSizer
 
@@ -96,7 +96,7 @@ class RequestPlan:
 
 
 class _Prompts:
-    """Renders a request's prompts with each language's head (template + state) built once (render.prompt_head),
+    """Renders a request's prompts with each language's head (template + state) built once (render.kept_head),
     and knows the text they all start with."""
 
     def __init__(self, state: str, bos: str) -> None:
@@ -104,10 +104,10 @@ class _Prompts:
         self.heads: dict[str, str] = {}
 
     def render(self, lang: str, question_text: str, texts: Sequence[str], perm: Sequence[int]) -> str:
-        head = self.heads.get(lang)
-        if head is None:
-            head = self.heads[lang] = prompt_head(self.state, lang, self.bos)
-        return head + prompt_tail(question_text, texts, perm, lang)
+        return kept_head(self.heads, self.state, lang, self.bos) + prompt_tail(question_text, texts, perm, lang)
+
+    def question(self, q: Question) -> tuple[str, list[list[int]], list[str]]:
+        return render_question(self.state, q, self.bos, self.heads)
 
     def shared_chars(self) -> int:
         """Characters every prompt rendered so far starts with, known without comparing them: one language's head."""
@@ -142,10 +142,7 @@ def _render_units(request: DecisionRequest, render: _Prompts) -> list[Unit]:
                 units.append((q, lang, [perm], [render.render(lang, q.instructions_text, texts, perm)], "group", g,
                               members))
         else:
-            lang = detect_language(state, q.instructions_text)
-            texts = option_texts(q, lang)
-            perms = orders(len(texts))
-            prompts = [render.render(lang, q.instructions_text, texts, p) for p in perms]
+            lang, perms, prompts = render.question(q)
             units.append((q, lang, perms, prompts, "main", 0, None))
     return units
 
@@ -170,8 +167,7 @@ def _tokenize_units(request: DecisionRequest, units: list[Unit], render: _Prompt
         rest, more = tokenizer.encode_shared(texts[len(ids):], remember, chars)
         if ids:  # what the two calls share: at most what each shares within itself
             more = min(shared, more)
-            head = ids[0][:more]
-            shared = more if rest[0][:more] == head else common_prefix_len(rest[0][:more], head)
+            shared = common_prefix_len(rest[0][:more], ids[0][:more])
         else:
             shared = more
         ids += rest

@@ -63,10 +63,20 @@ def prompt_tail(question_text: str, texts: Sequence[str], perm: Sequence[int], l
     return f"{_user_parts(lang)[1].format(q=question_text, opts=opts)}<|im_end|>\n<|im_start|>assistant\n{PREFILL}"
 
 
-def render_question(state_text: str, question: Question, bos: str = "<s>") -> tuple[str, list[list[int]], list[str]]:
-    """Both orders of one question: (language, perms, prompts)."""
+def kept_head(heads: dict[str, str], state_text: str, lang: str, bos: str = "<s>") -> str:
+    """`prompt_head`, built once per language into `heads` (a request's prompts copy a long state once per
+    language, not once per prompt)."""
+    head = heads.get(lang)
+    if head is None:
+        head = heads[lang] = prompt_head(state_text, lang, bos)
+    return head
+
+
+def render_question(state_text: str, question: Question, bos: str = "<s>",
+                    heads: dict[str, str] | None = None) -> tuple[str, list[list[int]], list[str]]:
+    """Both orders of one question: (language, perms, prompts); `heads`: `kept_head`'s, shared across calls."""
     lang = detect_language(state_text, question.instructions_text)
     texts = option_texts(question, lang)
     perms = orders(len(texts))
-    prompts = [render_prompt(state_text, question.instructions_text, texts, p, lang, bos) for p in perms]
-    return lang, perms, prompts
+    head = kept_head({} if heads is None else heads, state_text, lang, bos)
+    return lang, perms, [head + prompt_tail(question.instructions_text, texts, p, lang) for p in perms]
