@@ -111,9 +111,7 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
     model = loaded_default(url, api_key)
     bodies = single_question_requests(model)
     total = total or len(bodies)
-    latencies: list[float] = []
-    batch_sizes: list[int] = []
-    answered: list[tuple] = []  # (sent s, latency, queue ms, compute ms, batch)
+    answered: list[tuple] = []  # per 200: (sent s, latency ms, queue ms, compute ms, batch requests)
     failures: collections.Counter[str] = collections.Counter()
     retried = [0]
     lock = threading.Lock()
@@ -150,9 +148,7 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
                 else:
                     in_a_row = 0
                     with lock:
-                        latencies.append((time.perf_counter() - t) * 1000.0)
-                        batch_sizes.append(size)
-                        answered.append((t - t0, latencies[-1], *conn.timings, size))
+                        answered.append((t - t0, (time.perf_counter() - t) * 1000.0, *conn.timings, size))
                     break
                 with lock:
                     failures[reason] += 1
@@ -161,7 +157,7 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
                 with lock:
                     failures["HTTP 529 after every retry"] += 1
             if progress is not None:
-                progress(len(latencies) + sum(failures.values()), total)
+                progress(len(answered) + sum(failures.values()), total)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     t0 = time.perf_counter()
@@ -175,6 +171,7 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
         stop.set()  # no client sends another request; those in flight are abandoned
         raise
     elapsed = time.perf_counter() - t0
+    latencies = [a[1] for a in answered]
     result: dict[str, Any] = {"mode": "http", "url": url, "clients": clients, "requests": len(latencies),
                               "errors": sum(failures.values()), "retried_529": retried[0], "keep_alive": keep_alive}
     if failures:
@@ -188,7 +185,7 @@ def bench_http(url: str, clients: int, total: int, keep_alive: bool = True, api_
                    "latency_ms": {"p50": round(percentile(latencies, .5), 2),
                                   "p95": round(percentile(latencies, .95), 2),
                                   "p99": round(percentile(latencies, .99), 2)},
-                   "mean_batch_requests": round(sum(batch_sizes) / len(batch_sizes), 2)})
+                   "mean_batch_requests": round(sum(a[4] for a in answered) / len(answered), 2)})
     # the slowest 1 % as the daemon timed them: a tail of queue waits (batch forming) or of long batches?
     slowest = sorted(answered, key=lambda a: -a[1])[:max(1, len(answered) // 100)]
     result["slowest"] = [{"sent_s": round(a[0], 3), "latency_ms": round(a[1], 2), "queue_ms": a[2],

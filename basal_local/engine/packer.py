@@ -329,9 +329,7 @@ def _shared_by_language(prompts: Sequence[PromptSpec]) -> dict[str, int]:
         ids0, shared = _as_list(first.ids), first.length
         for other in others:
             shared = min(shared, other.length)
-            ids = _as_list(other.ids)
-            if ids0[:shared] != ids[:shared]:
-                shared = common_prefix_len(ids0[:shared], ids[:shared])
+            shared = common_prefix_len(ids0[:shared], _as_list(other.ids)[:shared])
         skip[lang] = shared
     return skip
 
