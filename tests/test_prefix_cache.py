@@ -508,6 +508,36 @@ def test_a_request_about_a_document_a_batch_in_flight_is_storing_waits_for_it(ti
         engine.stop(WAIT)
 
 
+def test_a_job_waiting_for_the_flights_document_rides_the_very_next_batch(tiny_model, reference):
+    """While a batch storing a new document is on the device, a request about that document and one about
+    another arrive: the lane answers the flight first and then forms one batch of both (the first a hit), rather
+    than launching the other's batch meanwhile and leaving the waiting request a whole batch later."""
+    engine = make_engine(tiny_model, wrap=_Pipelined)
+    pipe = engine.backend
+    try:
+        for seed in (50, 51):  # the lane learns the device time of batches this size: the next ones overlap
+            ask(engine, body(document(seed), 0))
+        doc, other = document(52), document(53)
+        hits = engine.cache_snapshot()["hits"]
+        pipe.gate.clear()
+        pipe.launched.clear()
+        first = engine.submit(engine.plan(validate_systemone(body(doc, 1), M)))
+        assert pipe.launched.wait(WAIT)
+        waiting = engine.submit(engine.plan(validate_systemone(body(doc, 2), M)))
+        fresh = engine.submit(engine.plan(validate_systemone(body(other, 3), M)))
+        time.sleep(4 * _Pipelined.DEVICE_S)  # past the flight's expected end: the lane looks at its queue
+        pipe.gate.set()
+        one, two, three = first.result(WAIT), waiting.result(WAIT), fresh.result(WAIT)
+        assert two.batch_id == three.batch_id == one.batch_id + 1 and two.batch_requests == 2
+        assert engine.cache_snapshot()["hits"] == hits + 1 and two.cached_tokens > 250
+        for outcome, payload in ((two, body(doc, 2)), (three, body(other, 3))):
+            want, _ = ask(reference, payload)
+            assert np.abs(probs(response_body(outcome, "systemone", 0.0)["answers"]) - want).max() <= 1e-6
+    finally:
+        pipe.gate.set()
+        engine.stop(WAIT)
+
+
 def test_a_document_is_in_flight_from_its_reservation_until_its_batch_completes_or_fails():
     cache = _cache(4000)
     doc = list(range(1000, 1600))

@@ -113,13 +113,16 @@ class Lane:
         with self._cond:
             return sum(job.tokens for job in self.queue) + self.running_tokens
 
-    def _admit(self, block: bool = True) -> list[Job]:
+    def _admit(self, block: bool = True, flight: Flight | None = None, coalesce: bool = True) -> list[Job] | None:
+        """The next batch (empty if none); None where a queued job waits for a document `flight` (the batch in
+        progress) is storing: the lane answers that flight first and then forms the batch, the job continuing the
+        stored document, instead of forming it now and leaving the job for the batch after (a whole batch later)."""
         with self._cond:
             while block and not self.queue and not self._stop:
                 self._cond.wait()
             if not self.queue:
                 return []
-            if block:
+            if block and coalesce:
                 self._coalesce()
             if self._stop:
                 return []
@@ -131,6 +134,9 @@ class Lane:
                 else:
                     live.append(job)
             ready, held = self._hold_documents_in_flight(live)
+            if held and flight is not None and flight.lease is not None and flight.lease.filled:
+                self.queue = live
+                return None
             settings = self.engine.settings
             budget = settings.max_batch_tokens if self.urgent else 0  # the long lane runs one request at a time
             batch, rest = form_batch(ready, budget, self.engine.prefixes, settings.schedule, self.rate)
@@ -176,6 +182,7 @@ class Lane:
 
     def _loop(self) -> None:
         flight: Flight | None = None
+        held = False  # the last admission waited for the flight's documents: the batch forms now, not coalesced
         while True:
             if flight is not None:
                 self._await_lead(flight)
@@ -186,7 +193,9 @@ class Lane:
             batch: list[Job] = []
             launched: Flight | None = None
             try:
-                batch = self._admit(block=flight is None)
+                admitted = self._admit(block=flight is None, flight=flight, coalesce=not held)
+                held = admitted is None
+                batch = admitted or []
                 if batch:
                     self.running_tokens = sum(job.tokens for job in batch) + (flight.pack.packed_tokens
                                                                               if flight else 0)
@@ -194,7 +203,7 @@ class Lane:
                     self._expect(launched)
             except Exception as exc:
                 self._failed(exc, batch)
-            if flight is not None:
+            if flight is not None:  # (held: a queued job waits for its document, answered before the next batch)
                 self._complete(flight)
                 if launched is not None and flight.waited:  # the device took the new batch when this one ended
                     launched.after = flight.ended
