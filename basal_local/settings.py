@@ -140,8 +140,8 @@ class Settings:
                                                                  "float8", kind=list, flag="--fp8-gemms",
                                    metavar="LIST", items=FP8_GEMMS, comma=True, group="torch")
     attention_alt_tiling: bool = setting(TorchOptions.attention_alt_tiling, "the 128-query attention tiling for "
-                                         "small and long forwards where it gives the default tiling's bits "
-                                         "(--no-alt-tiling: never)", flag="--no-alt-tiling", action="negate",
+                                         "small forwards and the 256-query one for long ones, where they give the "
+                                         "default tiling's bits (--no-alt-tiling: never)", flag="--no-alt-tiling", action="negate",
                                          show_default=False, group="torch")
     cuda_graphs: bool = setting(TorchOptions.cuda_graphs, "CUDA graphs per forward size (--no-cuda-graphs: every "
                                                           "forward eagerly)", flag="--no-cuda-graphs",

@@ -268,7 +268,7 @@ def test_fast_forward_alternative_attention_tiling(tiny_model):
     """Where a device gives the same bits with the alternative attention tiling (checked at load on a GPU), small
     graphs and long eager forwards plan 128-query tiles and the rest 64; a forward planned either way gives the
     same logits (the twins walk whatever table the host built)."""
-    from basal_local.backends.torch.forward import ALT_MAX_TOKENS, ALT_TILING, TOKEN_BUCKETS
+    from basal_local.backends.torch.forward import ALT_MAX_TOKENS, ALT_TILING, LONG_TILING, TOKEN_BUCKETS
     from basal_local.backends.torch.graphs import dummy
 
     md, backend, prefixes = load_backend(tiny_model)
@@ -288,12 +288,20 @@ def test_fast_forward_alternative_attention_tiling(tiny_model):
     assert tile_sizes(300) == [44, 128, 128] and tile_sizes(1100) == [12] + [64] * 17
     after = readout_logits(backend, pack)
     assert max(float(np.abs(a - b).max()) for a, b in zip(before, after)) <= 1e-6
+    # the long tiling: only forwards past the largest graph, whose readout tiles keep the alternative tiling
+    long = TOKEN_BUCKETS[-1] + 100
+    assert tile_sizes(long) == [long % 128] + [128] * (long // 128)
+    fast.long_tiling = LONG_TILING
+    assert fast.tiling_for(long) == LONG_TILING and fast.tiling_for(TOKEN_BUCKETS[-1]) == fast.tiling
+    assert fast.tiling_for(ALT_MAX_TOKENS) == ALT_TILING and fast.block_m(long) == 256
+    assert tile_sizes(long) == [long % 256] + [256] * (long // 256)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(before, readout_logits(backend, pack))) <= 1e-6
 
 
 def test_alternative_tiling_is_dropped_where_it_differs_or_fails():
     """The load-time choice: the alternative tiling only where it gives the same bits; a device that cannot run
     it (a compile or launch error) loads without it, and says so in the plan `bench` prints."""
-    from basal_local.backends.torch.forward import ALT_TILING, Forward
+    from basal_local.backends.torch.forward import ALT_TILING, LONG_TILING, Forward
 
     class Probe(Forward):
         def __init__(self, outcome):  # only what _pick_alt_tiling needs
@@ -309,6 +317,8 @@ def test_alternative_tiling_is_dropped_where_it_differs_or_fails():
         probe = Probe(outcome)
         assert probe._pick_alt_tiling() == tiling
         assert said in probe.report["attention_alt_tiling"]
+        assert probe._pick_alt_tiling(LONG_TILING, "attention_long_tiling") == (tiling and LONG_TILING)
+        assert probe.report["attention_long_tiling"].startswith("256x64x16x2 (") and said in probe.report["attention_long_tiling"]
 
 
 def test_chunked_route_calls_the_library_with_whole_chunks_only(tiny_model):

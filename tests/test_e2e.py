@@ -254,6 +254,7 @@ def test_bench_command_in_process_and_http(daemon, tiny_model):
     result = json.loads(out.stdout)
     assert result["decisions"] == 20 and result["single_ms"]["median"] > 0 < result["single_forward_ms"]["median"]
     assert result["throughput"]["batch32"]["packed_tokens"] < result["throughput"]["batch32"]["unpacked_tokens"]
+    assert all(result["throughput"][b]["forward_only_decisions_per_s"] > 0 for b in ("batch16", "batch32"))
     out = cli_run(["bench", "--http", daemon.url, "--clients", "8",
                           "--requests", "40", "--json"], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)

@@ -68,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("reference", nargs="?", help="another kernels.py (its plan import made absolute)")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--tilings", help="BLOCK_MxBLOCK_NxWARPSxSTAGES,... instead of the default and the alternative "
+                    "tiling; each output is compared with the first listed tiling of the same BLOCK_N")
     a = ap.parse_args()
     new = triton_kernels()
     ref = None
@@ -78,12 +80,23 @@ def main() -> None:
     shapes = {"hit": tree(17934, (119,) * 5, (-1,) * 5),
               "fresh": tree(100, (17800,) + (119,) * 5, (-1,) + (0,) * 5),
               "short32": tree(60, (200,) * 32, (-1,) * 32)}
+    tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",")] if a.tilings else \
+        [DEFAULT_TILING, ALT_TILING]
     res: dict[str, dict] = {}
     for name, shape in shapes.items():
-        for tiling in (DEFAULT_TILING, ALT_TILING):
+        first: dict[int, torch.Tensor] = {}
+        for tiling in tilings:
             key = f"{name} {'x'.join(map(str, tiling))}"
-            out, ms = attend(new, shape, tiling)
+            try:
+                out, ms = attend(new, shape, tiling)
+            except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot run (shared memory)
+                res[key] = {"error": type(exc).__name__}
+                print(key, res[key], flush=True)
+                continue
             res[key] = {"ms": round(ms, 4)}
+            if tiling[1] in first:
+                res[key]["same_bits_as_first"] = bool(torch.equal(out, first[tiling[1]]))
+            first.setdefault(tiling[1], out)
             if ref is not None:
                 base, ref_ms = attend(ref, shape, tiling)
                 res[key].update(reference_ms=round(ref_ms, 4), bitwise=bool(torch.equal(out, base)))

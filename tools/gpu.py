@@ -49,8 +49,11 @@ def summary(*paths: str) -> None:
             base = (f", vs {r['baseline']['mode']} {r['speedup_single_median']}x single, {r['speedup_batch32']}x b32"
                     if "baseline" in r else "")
             fwd = f" (plan+pack+forward {r['single_forward_ms']['median']} ms)" if "single_forward_ms" in r else ""
+            b32 = r["throughput"]["batch32"]
+            fwd32 = f" (forward only {b32['forward_only_decisions_per_s']}/s)" if "forward_only_decisions_per_s" in b32 \
+                else ""
             out.append(f"{name} {r['single_ms']['median']} ms (p95 {r['single_ms']['p95']}){fwd}, b32 "
-                       f"{r['throughput']['batch32']['decisions_per_s']}/s{inv}{base}")
+                       f"{b32['decisions_per_s']}/s{fwd32}{inv}{base}")
         else:
             out.append(f"{name} no figures")
     print("; ".join(out))

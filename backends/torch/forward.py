@@ -42,6 +42,9 @@ LT_SIZES = tuple(sorted({s for s in TOKEN_BUCKETS if s <= TIMED_MAX} | set(READO
 # where it is faster (docs/CUDA_NOTES.md); used only where it gives the default tiling's bits on this device
 ALT_TILING = (128, 64, 8, 3)
 ALT_MAX_TOKENS = 1024
+# and a third for eager forwards past the largest graph (a long document: its attention ~17 % faster than the
+# 128-query tiling's on an H200, docs/CUDA_NOTES.md), on the same condition
+LONG_TILING = (256, 64, 16, 2)
 # letter columns of the logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
 
@@ -69,8 +72,9 @@ class Forward:
         else:
             self.linear = self._verified()
         self.tiling = tuple(options.attention_tiling) if self.use_triton else (64, 64, 4, 2)
-        self.alt_tiling = self._pick_alt_tiling() if self.use_triton and options.attention_alt_tiling and \
-            backend.dtype != torch.float32 else None
+        alt = self.use_triton and options.attention_alt_tiling and backend.dtype != torch.float32
+        self.alt_tiling = self._pick_alt_tiling() if alt else None
+        self.long_tiling = self._pick_alt_tiling(LONG_TILING, "attention_long_tiling") if alt else None
         self.prefix_rows: dict[str, tuple[int, int]] = {}  # cached prefix -> (pool row, length)
         self.prefix_k: list[torch.Tensor] = []
         self.prefix_v: list[torch.Tensor] = []
@@ -125,23 +129,31 @@ class Forward:
         return w.shape[0], w.shape[1], bias is not None, self._fp8 is not None and self._fp8.has(w)
 
     # ---- the attention tiling ------------------------------------------------------------------------------
-    def _pick_alt_tiling(self) -> tuple[int, int, int, int] | None:
+    def _pick_alt_tiling(self, tiling: tuple[int, int, int, int] = ALT_TILING,
+                         key: str = "attention_alt_tiling") -> tuple[int, int, int, int] | None:
         try:
-            same = self._alt_tiling_agrees(ALT_TILING)
+            same = self._alt_tiling_agrees(tiling)
             why = "same bits" if same else "bits differ: not used"
         except Exception as exc:  # noqa: BLE001 - e.g. a GPU with less shared memory than the tiling needs
             same, why = False, f"does not run here ({type(exc).__name__}): not used"
-        self.report["attention_alt_tiling"] = "x".join(map(str, ALT_TILING)) + f" ({why})"
-        return ALT_TILING if same else None
+        self.report[key] = "x".join(map(str, tiling)) + f" ({why})"
+        return tiling if same else None
 
     def alt(self, tokens: int) -> bool:
         """Whether a forward of `tokens` (its graph size, or its length when eager) runs the alternative tiling."""
         return self.alt_tiling is not None and (tokens <= ALT_MAX_TOKENS or tokens > TOKEN_BUCKETS[-1])
 
+    def tiling_for(self, tokens: int) -> tuple[int, int, int, int]:
+        """The attention tiling of a forward of `tokens`: the long one past the largest graph, the alternative
+        one where `alt`, else the default (all of them the default's bits)."""
+        if tokens > TOKEN_BUCKETS[-1] and self.long_tiling is not None:
+            return self.long_tiling
+        return self.alt_tiling if self.alt(tokens) and self.alt_tiling is not None else self.tiling
+
     def block_m(self, tokens: int) -> int:
         """Queries per tile of the plan: the kernel's rows are (query, head) pairs of one K/V head's query heads
         (kernels.queries_per_tile); the twins take tiles of the tiling's rows in queries."""
-        rows = self.alt_tiling[0] if self.alt(tokens) else self.tiling[0]
+        rows = self.tiling_for(tokens)[0]
         if not self.use_triton:
             return rows
         cfg = self.b.config
@@ -298,12 +310,15 @@ class Forward:
             (v["tiles"], v["qrows"], v["nt"])
         rows = q_rows.shape[0] if last else t
         if self.use_triton:
+            tiling = self.tiling_for(t)
+            if last and tiling is self.long_tiling:  # a readout tile holds one query: the widest tiling adds rows only
+                tiling = self.alt_tiling or self.tiling
             # as tall as the o projection's library call (padded_rows): the rows past `rows` are never read back
             layer = self.b.layers[i]
             out = torch.empty(self.padded_rows(rows, layer.o_proj_weight, layer.o_proj_bias), width,
                               dtype=qkv.dtype, device=qkv.device)
             return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
-                                           nt, out, compact=last, tiling=self.alt_tiling if self.alt(t) else self.tiling)
+                                           nt, out, compact=last, tiling=tiling)
         p = tplan.TilePlan(tiles[:int(nt[0])].cpu().numpy(), q_rows.cpu().numpy())
         out = twins.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], p, rows, compact=last)
         return out.view(rows, width)

@@ -27,7 +27,7 @@ class TorchOptions:
     gemm: str = "verified"
     cublaslt: bool = True  # pinned cuBLASLt algorithms where they agree and are faster
     fp8_gemms: tuple[str, ...] = FP8_GEMMS  # with dtype fp8
-    attention_alt_tiling: bool = True  # the 128-query tiling where it gives the default tiling's bits
+    attention_alt_tiling: bool = True  # the 128- and 256-query tilings where they give the default tiling's bits
     cuda_graphs: bool = True
     # measurement-only
     attention_tiling: tuple[int, int, int, int] = DEFAULT_TILING

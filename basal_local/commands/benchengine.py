@@ -158,7 +158,16 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
                 packs.append(bench.decide(g).pack)
                 n += len(g)
         elapsed = time.perf_counter() - t
+        # the same batches as plan -> pack -> backend.forward only (no answers, no batch record), as for singles
+        t = time.perf_counter()
+        for _ in range(repeat):
+            for g in groups:
+                specs = [spec for r in g for spec in bench.engine.plan(r).prompt_specs()]
+                for b in pack_prompts(specs, bench.engine.prefixes).batches:
+                    backend.forward(b)
+        forward_s = time.perf_counter() - t
         throughput[f"batch{size}"] = {"decisions_per_s": round(n / elapsed, 2),
+                                      "forward_only_decisions_per_s": round(n / forward_s, 2),
                                       "packed_tokens": sum(p.packed_tokens for p in packs) // len(packs),
                                       "unpacked_tokens": sum(p.unpacked_tokens for p in packs) // len(packs)}
     described = backend.describe() if hasattr(backend, "describe") else {}
