@@ -266,6 +266,14 @@ def test_replica_processes_answer_like_one_daemon_and_share_the_work(processes, 
     with urllib.request.urlopen(processes.url + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     assert 'basal_batch_requests_count{lane="main-r1",model="basal-test-tiny"}' in metrics
+    # each worker's state cache (its own counters, relayed with its batches) and the model's sum of them
+    caches = [r["prefix_cache"] for r in stats["models"][0]["replicas"]]
+    assert all(c["enabled"] and c["budget_bytes"] > 0 and c["pinned"] >= 1 for c in caches), caches
+    total = stats["models"][0]["prefix_cache"]
+    assert total["enabled"] and total["budget_bytes"] == sum(c["budget_bytes"] for c in caches) > 0
+    assert total["hits"] + total["misses"] >= len(together) - 4  # every answered request counted by its worker
+    budget = re.search(r'basal_prefix_cache_budget_bytes\{model="basal-test-tiny",replica="1"\} (\S+)', metrics)
+    assert budget and float(budget.group(1)) == caches[1]["budget_bytes"]
 
 
 def test_a_killed_replica_process_loses_nothing(processes, daemon):

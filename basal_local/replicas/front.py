@@ -164,6 +164,8 @@ class ProcessReplicaSet:
                      "waiting": len(waiting), "in_flight": len(r.pending), "queued_tokens": r.queued,
                      "pid": r.process.pid, "requests": len(r.pending), "lanes": {label: lane},
                      "memory": r.memory()}
+            if r.last_cache:
+                entry["prefix_cache"] = r.last_cache
             if not alive:
                 entry["exit_code"] = self.restarts.exit_codes.get(r.replica)
                 at = self.restarts.at.get(r.replica)
@@ -265,6 +267,7 @@ class ProcessReplicaSet:
             r.documents.clear()  # a new process: an empty state cache
             r.info, r.device = message, message.device
             r.last_memory = dict(message.memory)  # the weights show before the first batch
+            r.last_cache = dict(message.cache)
             r.ready_at = time.monotonic()
             with self._lock:
                 r.alive = True

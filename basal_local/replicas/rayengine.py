@@ -68,6 +68,7 @@ class _Seen:
     batch_ids: OrderedDict = field(default_factory=OrderedDict)
     running_ids: set = field(default_factory=set)
     last_memory: dict = field(default_factory=dict)
+    last_cache: dict = field(default_factory=dict)  # the replica's state cache as of its last relayed batch
 
 
 class RayEngine:
@@ -131,6 +132,7 @@ class RayEngine:
             out.append({**own, "model": self.model.name, "replica": s.replica, "device": s.report.device,
                         "alive": s.alive, "state": "ready" if s.alive else "down", "batches": s.batches,
                         "lanes": lanes, "memory": s.last_memory or own.get("memory", {}),
+                        **({"prefix_cache": s.last_cache} if s.last_cache else {}),
                         "pid": s.report.pid, "ray_replica": s.report.replica_id})
         return out
 

@@ -53,7 +53,7 @@ def answered_here(plan: RequestPlan, model: ModelDir) -> Future[Outcome]:
 def relay(telemetry: Telemetry, model: str, r: Any, message: Any, tree: Callable[[int], Any]) -> None:
     """Replay one of a replica's telemetry messages on the front's bus (worker processes and Ray replicas).
     `r` keeps the replica's view: `replica`, `batch_ids` (its batch id -> the front's), `running_ids`,
-    `last_memory`, `batches`; `tree(local_id)` builds a batch's tree when a dashboard asks."""
+    `last_memory`, `last_cache`, `batches`; `tree(local_id)` builds a batch's tree when a dashboard asks."""
     if isinstance(message, wire.Queued):
         label = message.lane + (f"-r{r.replica}" if r.replica else "")
         telemetry.emit("queued", id=message.request_id, model=model, lane=label)
@@ -70,6 +70,8 @@ def relay(telemetry: Telemetry, model: str, r: Any, message: Any, tree: Callable
         fields["batch_id"] = r.batch_ids.get(local, 0)
         fields["tree"] = telemetry.lazy_tree(lambda: tree(local))
         r.last_memory = fields.get("memory") or {}
+        if message.cache:
+            r.last_cache = dict(message.cache)
         r.batches += 1
         r.running_ids = set()
         telemetry.record_batch(BatchRecord(**fields))

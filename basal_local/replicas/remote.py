@@ -77,6 +77,7 @@ class RemoteReplica:
         self.running_ids: set[str] = set()
         self.batch_ids: OrderedDict[int, int] = OrderedDict()  # the worker's batch id -> the daemon's
         self.last_memory: dict[str, int] = {}
+        self.last_cache: dict[str, Any] = {}  # the worker's state cache as of its last batch (describe)
         self.info: wire.Ready | None = None
         self.ready = threading.Event()
         self.load_error: str | None = None

@@ -77,6 +77,7 @@ class BatchFailed(msgspec.Struct, tag="batch_failed", **_STRUCT):
 
 class BatchDone(msgspec.Struct, tag="batch_done", **_STRUCT):
     fields: dict[str, Any]  # telemetry.BatchRecord's fields, the tree left in the worker
+    cache: dict[str, Any] = msgspec.field(default_factory=dict)  # the worker's state cache after it (/api/stats)
 
 
 class Count(msgspec.Struct, tag="count", **_STRUCT):
@@ -102,6 +103,7 @@ class Ready(msgspec.Struct, tag="ready", **_STRUCT):
     pid: int
     layers: int
     memory: dict[str, int] = msgspec.field(default_factory=dict)  # the device's, once loaded (`basal-local ps`)
+    cache: dict[str, Any] = msgspec.field(default_factory=dict)  # its state cache (the templates), once loaded
 
 
 class LoadError(msgspec.Struct, tag="load_error", **_STRUCT):

@@ -17,6 +17,7 @@ import queue
 import signal
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ class RelayTelemetry(Telemetry):
     def __init__(self, out: queue.SimpleQueue) -> None:
         super().__init__(history=1, events=1)
         self.out = out
+        self.cache_probe: Callable[[], dict[str, Any]] | None = None  # the engine's state cache counters
         self.trees: OrderedDict[int, Any] = OrderedDict()
 
     def emit(self, kind: str, **fields: Any):
@@ -81,7 +83,7 @@ class RelayTelemetry(Telemetry):
         fields = dict(record.__dict__)
         fields["tree"] = None
         fields["memory"] = self.memory()
-        self.out.put(wire.BatchDone(fields))
+        self.out.put(wire.BatchDone(fields, self.cache_probe() if self.cache_probe is not None else {}))
 
 
 class RelayLog(logging.Handler):
@@ -157,8 +159,9 @@ def load_engine(spec: WorkerSpec, out: queue.SimpleQueue) -> tuple[ModelEngine, 
     telemetry.memory_probe = backend.memory
     engine = ModelEngine(model, backend, DeviceGate(spec.settings.long_slice_ms / 1000.0), telemetry, spec.settings,
                          replica=spec.replica)
+    telemetry.cache_probe = engine.cache_snapshot
     return engine, telemetry, wire.Ready(backend.name, backend.device, info.dtype, os.getpid(), info.layers,
-                                          backend.memory())
+                                          backend.memory(), engine.cache_snapshot())
 
 
 def exit_if_device_gone(engine: ModelEngine, exc: Exception, jobs: list[Job]) -> bool:
