@@ -19,6 +19,8 @@
 #   cache      bench --cache (a 17.8k-token document), then the mixed HTTP stream with the state cache off and on
 #   http       a daemon on one GPU: 1, 32 (+ invariance 8) and 64 clients; the answers saved
 #   proc2      2 replica processes on one GPU, 32 clients; answers compared with http's
+#   fresh      fresh daemons, 32 clients from the first request (one process, then 2 replica processes), the state
+#              cache on and off: where the first sight of the samples puts the p99 (bench --http's slowest 1 %)
 #   gpu2       two GPUs, one process and a worker process per GPU, 64 clients; answers compared with http's
 #   dashboard  NVML telemetry in /api/stats and the event stream, the GPU memory split, the dashboard headless
 #   unload     5 unload/load cycles, in process and in a worker process: memory back, answers bit for bit
@@ -150,6 +152,14 @@ st_proc2() {
   served proc2 "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1
   say "$(figures "$OUT"/http-proc2-c32.json); answers vs 1gpu: $(cat "$OUT"/compare-proc2.json || echo none)"
 }
+st_fresh() {
+  local c where
+  for where in 1 2; do for c in auto off; do
+    local args=(--device "$DEV" --prefix-cache $c); [ $where = 2 ] && args+=(--replicas 2 --replica-processes)
+    served "fresh$where-$c" "32:1280" "${args[@]}" || return 1
+  done; done
+  say "$(figures "$OUT"/http-fresh{1,2}-{auto,off}-c32.json)"
+}
 st_gpu2() {
   [ "$GPUS" -ge 2 ] || { say "needs 2 GPUs, $GPUS here"; return 3; }
   served 2gpu "64:2560" --devices cuda:0,cuda:1 --no-replica-processes &&
@@ -202,7 +212,7 @@ st_profile() {
   say "$(grep -m1 "single decision" "$OUT/profile.txt")"
 }
 
-declare -A NEED=([tests]=150 [bench]=240 [cache]=200 [http]=120 [proc2]=90 [gpu2]=150 [dashboard]=60 [unload]=90
+declare -A NEED=([tests]=150 [bench]=240 [cache]=200 [http]=120 [proc2]=90 [fresh]=240 [gpu2]=150 [dashboard]=60 [unload]=90
                  [kill]=90 [ab]=340 [profile]=60)
 for s in ${STAGES:-tests bench http}; do
   [ -n "${NEED[$s]:-}" ] || { echo "$s: unknown stage (see the header of tools/gpu.sh)"; continue; }
