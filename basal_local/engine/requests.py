@@ -49,60 +49,73 @@ def _offload(helpers: Executor, outer: Future, work: Callable[[], None]) -> None
 def run_request(plan: RequestPlan, submit_round: RoundSubmit, is_cancelled: Callable[[], bool], request_id: str,
                 helpers: Executor, evidence: Callable[[RequestPlan], None] | None = None) -> Future[Outcome]:
     """The future of the request's Outcome. A waiter that cancels it drops the request (its rounds see `gone`)."""
-    outer: Future[Outcome] = Future()
-    totals = [0.0, 0.0]  # queue and compute ms over the rounds
+    run = _Run(plan, submit_round, is_cancelled, request_id, helpers)
+    if evidence is not None and any(q.evidence for q in plan.request.questions):
+        _offload(helpers, run.outer, lambda: run.with_evidence(evidence))
+    else:
+        run.submit(plan)
+    return run.outer
 
-    def gone() -> bool:
-        return outer.done() or bool(is_cancelled())
 
-    def submit(current: RequestPlan) -> None:
+class _Run:
+    """One request's rounds. An object, not nested closures: closures that call each other form a reference
+    cycle per request (with its futures, plan and outcome), garbage that only the cycle collector frees; a
+    daemon then paused for a generation-1 collection every ~150 requests (~3 ms on the CPU)."""
+
+    def __init__(self, plan: RequestPlan, submit_round: RoundSubmit, is_cancelled: Callable[[], bool],
+                 request_id: str, helpers: Executor) -> None:
+        self.outer: Future[Outcome] = Future()
+        self.plan, self.submit_round, self.is_cancelled = plan, submit_round, is_cancelled
+        self.request_id, self.helpers = request_id, helpers
+        self.totals = [0.0, 0.0]  # queue and compute ms over the rounds
+        self.current = plan  # the round in flight (one at a time)
+
+    def gone(self) -> bool:
+        return self.outer.done() or bool(self.is_cancelled())
+
+    def submit(self, current: RequestPlan) -> None:
+        self.current = current
         try:
-            future = submit_round(current, gone, request_id)
+            future = self.submit_round(current, self.gone, self.request_id)
         except BaseException as exc:
-            _fail(outer, exc)
+            _fail(self.outer, exc)
             return
-        future.add_done_callback(lambda f: after(current, f))
+        future.add_done_callback(self.after)
 
-    def after(current: RequestPlan, future: Future) -> None:
+    def after(self, future: Future) -> None:
         try:
             result: RoundResult = future.result()
         except BaseException as exc:
-            _fail(outer, exc)
+            _fail(self.outer, exc)
             return
-        totals[0] += result.queue_ms
-        totals[1] += result.compute_ms
+        self.totals[0] += result.queue_ms
+        self.totals[1] += result.compute_ms
         if result.outcome is None:
-            _offload(helpers, outer, lambda: plan_next(current))
+            _offload(self.helpers, self.outer, self.plan_next)
             return
         outcome = result.outcome
-        outcome.queue_ms, outcome.compute_ms = totals
+        outcome.queue_ms, outcome.compute_ms = self.totals
         outcome.batch_requests, outcome.batch_id = result.batch_requests, result.batch_id
         outcome.cached_tokens = result.cached_tokens
         try:
-            outer.set_result(outcome)
+            self.outer.set_result(outcome)
         except InvalidStateError:
             pass
 
-    def plan_next(current: RequestPlan) -> None:
+    def plan_next(self) -> None:
         try:
-            follow = next_round(current)
+            follow = next_round(self.current)
             if follow is None:
                 raise RuntimeError("a round answered no outcome and no round follows it")
         except BaseException as exc:
-            _fail(outer, exc)
+            _fail(self.outer, exc)
             return
-        submit(follow)
+        self.submit(follow)
 
-    def with_evidence() -> None:
+    def with_evidence(self, evidence: Callable[[RequestPlan], None]) -> None:
         try:
-            evidence(plan)  # type: ignore[misc]
+            evidence(self.plan)
         except BaseException as exc:
-            _fail(outer, exc)
+            _fail(self.outer, exc)
             return
-        submit(plan)
-
-    if evidence is not None and any(q.evidence for q in plan.request.questions):
-        _offload(helpers, outer, with_evidence)
-    else:
-        submit(plan)
-    return outer
+        self.submit(self.plan)
