@@ -167,8 +167,9 @@ class ModelEngine:
         specs = plan.prompt_specs() if specs is None else specs
         # what this engine's cache leaves to compute now (planned elsewhere, or the cache changed since)
         tokens = self.round_cost(plan, specs) if tokens is None else tokens
-        job = Job(plan, tokens, specs, is_cancelled=is_cancelled, arrival=plan.arrival, request_id=request_id,
-                  background=plan.background)
+        since = time.perf_counter() if plan.round > 1 else None  # the request's HRRN wait still counts from arrival
+        job = Job(plan, tokens, specs, is_cancelled=is_cancelled, arrival=plan.arrival, since=since,
+                  request_id=request_id, background=plan.background)
         if not plan.questions:  # every question fixed: nothing to compute
             job.resolve(RoundResult(finish(plan, [], self.model.calibration), 0.0, 0.0, 1, 0))
             return job.future
@@ -341,6 +342,6 @@ class ModelEngine:
                 log.exception("answer of request %s failed", job.request_id)
                 job.fail(exc)
                 continue
-            queue_ms = (started - job.arrival) * 1000.0
+            queue_ms = (started - (job.arrival if job.since is None else job.since)) * 1000.0
             cached = flight.cached[j] if flight.cached else 0
             job.resolve(RoundResult(outcome, queue_ms, compute_ms, len(jobs), batch_id, cached))

@@ -38,6 +38,7 @@ class Job:
     is_cancelled: Callable[[], bool] = lambda: False
     arrival: float = field(default_factory=time.perf_counter)
     request_id: str = ""
+    since: float | None = None  # when a round after the first was queued (its queue time starts there, not at arrival)
     background: bool = False  # batch work (the Batch API): after every interactive job, never beside one
     # the state cache's `in_flight` for this job's document, as of (`pending_changes`, `generation`) (lane.py)
     in_flight: tuple[tuple[int, int], bool] | None = None

@@ -1,0 +1,35 @@
+"""A request's queue and compute times add up to at most its wall time, rounds included: a large choice's second
+round waits from when it was queued, not from the request's arrival (which would count the first round again)."""
+
+from __future__ import annotations
+
+import time
+
+from basal_local.api.systemone import validate_systemone
+from basal_local.backends.torch import TorchBackend
+from basal_local.engine.engine import EngineSettings, ModelEngine
+from basal_local.engine.gate import DeviceGate
+from basal_local.model import load_model_dir
+from basal_local.telemetry import Telemetry
+
+M = "basal-test-tiny"
+
+
+def test_queue_and_compute_of_every_round_fit_in_the_wall_time(tiny_model):
+    backend = TorchBackend(device="cpu")
+    backend.load(tiny_model, "f32")
+    engine = ModelEngine(load_model_dir(tiny_model), backend, DeviceGate(), Telemetry(), EngineSettings())
+    engine.start()
+    big = {f"k{i}": f"Option number {i}" for i in range(13)}  # two rounds: the groups, then the finalists
+    body = {"model": M, "state": "The parcel arrived late.",
+            "questions": {"big": {"type": "choice", "instructions": "Pick one.", "criteria": big}}}
+    try:
+        for _ in range(4):
+            t = time.perf_counter()
+            plan = engine.plan(validate_systemone(body, M))
+            outcome = engine.submit(plan).result(60)
+            wall_ms = (time.perf_counter() - t) * 1000.0
+            assert outcome.queue_ms > 0 and outcome.compute_ms > 0
+            assert outcome.queue_ms + outcome.compute_ms <= wall_ms, (outcome.queue_ms, outcome.compute_ms, wall_ms)
+    finally:
+        engine.stop(30)
