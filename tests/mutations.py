@@ -163,8 +163,9 @@ MUTATIONS = [
       "basal_local/server/security.py", "    if port and not (port.startswith", "    if False and not (port.startswith",
       "tests/test_blind_spots.py"),
     m("queue-includes-compute", "queue time ends when the batch starts",
-      "basal_local/engine/engine.py", "queue_ms = (started - job.arrival) * 1000.0",
-      "queue_ms = (time.perf_counter() - job.arrival) * 1000.0",
+      "basal_local/engine/engine.py",
+      "queue_ms = (started - (job.arrival if job.since is None else job.since)) * 1000.0",
+      "queue_ms = (time.perf_counter() - (job.arrival if job.since is None else job.since)) * 1000.0",
       "tests/test_blind_spots.py::test_queue_time_ends_when_the_batch_starts"),
     # models at run time (server/models.py) and config.toml edits (commands/config.py)
     m("unload-holds-engine", "the unload thread does not hold the engine through the collection",
