@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from basal_local.api.answers import response_body
 from basal_local.api.systemone import validate_systemone
 from basal_local.backends.base import Ready
-from basal_local.backends.memory import budget_bytes
+from basal_local.backends.memory import WARM_OVERHEAD, budget_bytes
 from basal_local.backends.torch import TorchBackend
 from basal_local.engine.engine import EngineSettings, ModelEngine
 from basal_local.engine.gate import DeviceGate
@@ -138,6 +138,41 @@ def test_budget_forms():
     for bad in ("lots", "-1GB", "0", "120%"):
         with pytest.raises(ValueError, match="--prefix-cache"):
             budget_bytes(bad, gpu)
+
+
+def test_replicas_on_one_gpu_get_equal_caches_whichever_opens_first():
+    """Two replicas of a 9.5 GB model on a 141 GB GPU, loading side by side: the one that opens its pool second
+    (after the first's weights and pool) gets what the first got, as does one that opens at the same moment;
+    together they stay within the GPU; another program's memory still caps them."""
+    total, weights = 141e9, 9.5e9
+    first = budget_bytes("auto", (total - weights, total), replicas=2, weights=weights)
+    at_once = budget_bytes("auto", (total - 2 * weights, total), replicas=2, weights=weights)
+    after = budget_bytes("auto", (total - 2 * weights - first, total), replicas=2, weights=weights)
+    assert first == at_once == after > 0.3 * (total - 2 * weights) * 0.6
+    assert 2 * (first + weights + WARM_OVERHEAD) <= total
+    alone = budget_bytes("auto", (total - weights, total))  # one replica keeps 60 % of what is free
+    assert alone == int((total - weights - WARM_OVERHEAD) * 0.6) > first
+    crowded = budget_bytes("auto", (30e9, total), replicas=2, weights=weights)  # another program holds most
+    assert crowded == int((30e9 - WARM_OVERHEAD) * 0.6)
+
+
+def test_an_engine_splits_its_gpu_with_the_other_replicas_on_it(tiny_model, monkeypatch):
+    """The engine hands budget_bytes how many replicas share its device (9 GB GPU, 5 GB free: a replica alone
+    takes a quarter of what is free after the warm-up's reserve, one of two a quarter of its half of the GPU)."""
+    capacities = []
+    for replicas in (1, 2):
+        backend = TorchBackend(device="cpu")
+        backend.load(tiny_model, "f32")
+        monkeypatch.setattr(backend, "device_memory", lambda: (5e9, 9e9))
+        engine = ModelEngine(load_model_dir(tiny_model), backend, DeviceGate(), Telemetry(), EngineSettings(),
+                             device_replicas=replicas)
+        weights = backend.memory()["weights_bytes"]
+        want = budget_bytes("auto", (5e9, 9e9), replicas=replicas, weights=weights) // backend.kv_bytes_per_token()
+        capacities.append(engine.cache.capacity)
+        assert engine.cache.capacity == want
+        engine.stop(30)
+        del engine, backend
+    assert capacities[1] < capacities[0]
 
 
 def test_the_setting_is_checked_where_it_is_read(tmp_path):

@@ -76,13 +76,14 @@ class ModelEngine:
     model on several devices (replicas/inprocess.py)."""
 
     def __init__(self, model: ModelDir, backend: Backend, gate: DeviceGate, telemetry: Telemetry,
-                 settings: EngineSettings | None = None, replica: int = 0) -> None:
+                 settings: EngineSettings | None = None, replica: int = 0, device_replicas: int = 1) -> None:
         self.model = model
         self.backend = backend
         self.gate = gate
         self.telemetry = telemetry
         self.settings = settings or EngineSettings()
         self.replica = replica
+        self.device_replicas = device_replicas  # replicas of this model on this device: they share its memory
         self.batches = 0
         # called by a lane whose batch raised, before its jobs fail; True = the jobs were handed elsewhere
         self.on_batch_failure: Callable[[ModelEngine, Exception, list[Job]], bool] | None = None
@@ -111,7 +112,10 @@ class ModelEngine:
             return None, prefixes
         per_token = backend.kv_bytes_per_token()
         templates = {lang: model.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
-        capacity = budget_bytes(setting, backend.device_memory()) // per_token
+        # replicas on one device split its memory, unless --gpu-memory already gives each its own part
+        shared = self.device_replicas if getattr(backend, "memory_limit_bytes", None) is None else 1
+        weights = getattr(backend, "memory", dict)().get("weights_bytes", 0) if shared > 1 else 0
+        capacity = budget_bytes(setting, backend.device_memory(), replicas=shared, weights=weights) // per_token
         if setting != "off":  # the templates always fit, whatever the budget
             capacity = max(capacity, sum(len(ids) for ids in templates.values()))
         cache = PrefixCache(capacity, per_token, enabled=setting != "off", setting=str(setting))

@@ -51,6 +51,7 @@ class WorkerSpec:
     log_level: int = logging.WARNING
     gpu_memory: str | float | None = None  # --gpu-memory (backends/memory.py)
     torch_options: TorchOptions | None = None  # the torch backend's declared options (None: the defaults)
+    device_replicas: int = 1  # replicas of the model on this device (the state cache splits its memory)
 
 
 class RelayTelemetry(Telemetry):
@@ -158,7 +159,7 @@ def load_engine(spec: WorkerSpec, out: queue.SimpleQueue) -> tuple[ModelEngine, 
     telemetry = RelayTelemetry(out)
     telemetry.memory_probe = backend.memory
     engine = ModelEngine(model, backend, DeviceGate(spec.settings.long_slice_ms / 1000.0), telemetry, spec.settings,
-                         replica=spec.replica)
+                         replica=spec.replica, device_replicas=spec.device_replicas)
     telemetry.cache_probe = engine.cache_snapshot
     return engine, telemetry, wire.Ready(backend.name, backend.device, info.dtype, os.getpid(), info.layers,
                                           backend.memory(), engine.cache_snapshot())

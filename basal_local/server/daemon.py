@@ -75,7 +75,7 @@ class Loader:
                 gate = self.gates.setdefault((backend.device, slot),
                                              DeviceGate(settings.engine.long_slice_ms / 1000.0))
                 replicas.append(ModelEngine(model, backend, gate, state.telemetry, settings.engine,
-                                            replica=len(replicas)))
+                                            replica=len(replicas), device_replicas=settings.replicas))
                 log.info("loaded %s from %s: %d layers, %s on %s", model.name, path, info.layers, info.dtype,
                          backend.device)
         engine = replicas[0] if len(replicas) == 1 else ReplicaSet(replicas)
@@ -138,7 +138,7 @@ def _process_replicas(state: AppState, settings: Settings, model, devices: list[
     """`--replica-processes`: one worker process per device and replica slot, loading side by side."""
     specs = [WorkerSpec(model.path, settings.backend, device, settings.dtype, settings.engine, replica=r,
                         log_level=logging.getLogger("basal_local").getEffectiveLevel(), gpu_memory=settings.gpu_memory,
-                        torch_options=settings.torch_options())
+                        torch_options=settings.torch_options(), device_replicas=settings.replicas)
              for r, (device, _) in enumerate((d, s) for d in devices for s in range(settings.replicas))]
     engine = ProcessReplicaSet(model, specs, state.telemetry, settings.engine)
     info = engine.wait_ready()
