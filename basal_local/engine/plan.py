@@ -192,7 +192,8 @@ def plan_request(request: DecisionRequest, tokenizer: BasalTokenizer, max_positi
     plan = RequestPlan(request, plans, tokens, 0, context=(tokenizer, max_positions, prefixes or {}),
                        shared_tokens=shared)
     _size(plan, prefixes or {})
-    plan.planning_s = time.perf_counter() - started
+    plan.arrival = time.perf_counter()  # queued from here (the server sets the request's own arrival instead)
+    plan.planning_s = plan.arrival - started
     return plan
 
 
