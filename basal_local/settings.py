@@ -141,8 +141,8 @@ class Settings:
                                    metavar="LIST", items=FP8_GEMMS, comma=True, group="torch")
     attention_alt_tiling: bool = setting(TorchOptions.attention_alt_tiling, "the 128-query attention tiling for "
                                          "small forwards and the 256-query one for long ones, where they give the "
-                                         "default tiling's bits (--no-alt-tiling: never)", flag="--no-alt-tiling", action="negate",
-                                         show_default=False, group="torch")
+                                         "default tiling's bits (--no-alt-tiling: never)", flag="--no-alt-tiling",
+                                         action="negate", show_default=False, group="torch")
     cuda_graphs: bool = setting(TorchOptions.cuda_graphs, "CUDA graphs per forward size (--no-cuda-graphs: every "
                                                           "forward eagerly)", flag="--no-cuda-graphs",
                                 action="negate", show_default=False, group="torch")

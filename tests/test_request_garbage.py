@@ -7,20 +7,12 @@ from __future__ import annotations
 import gc
 
 from basal_local.api.systemone import validate_systemone
-from basal_local.backends.torch import TorchBackend
-from basal_local.engine.engine import EngineSettings, ModelEngine
-from basal_local.engine.gate import DeviceGate
-from basal_local.model import load_model_dir
-from basal_local.telemetry import Telemetry
 
-M = "basal-test-tiny"
+from .test_prefix_cache import M, make_engine
 
 
 def test_a_request_leaves_no_cyclic_garbage(tiny_model):
-    backend = TorchBackend(device="cpu")
-    backend.load(tiny_model, "f32")
-    engine = ModelEngine(load_model_dir(tiny_model), backend, DeviceGate(), Telemetry(), EngineSettings())
-    engine.start()
+    engine = make_engine(tiny_model)
     big = {f"k{i}": f"Option number {i}" for i in range(13)}  # a large choice: rounds after the first
     bodies = [{"model": M, "state": "The parcel arrived broken.",
                "questions": {"n": {"type": "noul", "instructions": "Is it urgent?"}}},

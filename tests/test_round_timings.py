@@ -7,20 +7,12 @@ from __future__ import annotations
 import time
 
 from basal_local.api.systemone import validate_systemone
-from basal_local.backends.torch import TorchBackend
-from basal_local.engine.engine import EngineSettings, ModelEngine
-from basal_local.engine.gate import DeviceGate
-from basal_local.model import load_model_dir
-from basal_local.telemetry import Telemetry
 
-M = "basal-test-tiny"
+from .test_prefix_cache import M, make_engine
 
 
 def test_queue_and_compute_of_every_round_fit_in_the_wall_time(tiny_model):
-    backend = TorchBackend(device="cpu")
-    backend.load(tiny_model, "f32")
-    engine = ModelEngine(load_model_dir(tiny_model), backend, DeviceGate(), Telemetry(), EngineSettings())
-    engine.start()
+    engine = make_engine(tiny_model)
     big = {f"k{i}": f"Option number {i}" for i in range(13)}  # two rounds: the groups, then the finalists
     body = {"model": M, "state": "The parcel arrived late.",
             "questions": {"big": {"type": "choice", "instructions": "Pick one.", "criteria": big}}}

@@ -148,7 +148,7 @@ class Forward:
         one where `alt`, else the default (all of them the default's bits)."""
         if tokens > TOKEN_BUCKETS[-1] and self.long_tiling is not None:
             return self.long_tiling
-        return self.alt_tiling if self.alt(tokens) and self.alt_tiling is not None else self.tiling
+        return self.alt_tiling if self.alt_tiling is not None and self.alt(tokens) else self.tiling
 
     def block_m(self, tokens: int) -> int:
         """Queries per tile of the plan: the kernel's rows are (query, head) pairs of one K/V head's query heads

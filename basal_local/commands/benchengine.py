@@ -94,6 +94,13 @@ class Bench:
             job.future.result()  # an answer that failed fails the bench
         return flight
 
+    def forward_only(self, requests: list[DecisionRequest]) -> None:
+        """The same decisions as plan -> pack -> backend.forward only (no answers, no batch record): what this
+        bench timed before it went through the engine's path, for side by sides with older commits."""
+        specs = [spec for r in requests for spec in self.engine.plan(r).prompt_specs()]
+        for b in pack_prompts(specs, self.engine.prefixes).batches:
+            self.backend.forward(b)
+
     def logits(self, requests: list[DecisionRequest]) -> tuple[list[np.ndarray], Flight]:
         """`decide`, and the letter logits the engine read, one array per prompt in the requests' order."""
         flight = self.decide(requests)
@@ -138,11 +145,8 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
             pack = bench.decide([r]).pack
             latencies.append((time.perf_counter() - t) * 1000.0)
             packed.append(pack.packed_tokens + sum(row.used for row in pack.rows))
-            # the same decision as plan -> pack -> backend.forward only (no answers, no batch record): what this
-            # bench timed before it went through the engine's path, for side by sides with older commits
             t = time.perf_counter()
-            for b in pack_prompts(bench.engine.plan(r).prompt_specs(), bench.engine.prefixes).batches:
-                backend.forward(b)
+            bench.forward_only([r])
             forward_only.append((time.perf_counter() - t) * 1000.0)
     throughput = {}
     for size in (16, 32):
@@ -158,13 +162,10 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
                 packs.append(bench.decide(g).pack)
                 n += len(g)
         elapsed = time.perf_counter() - t
-        # the same batches as plan -> pack -> backend.forward only (no answers, no batch record), as for singles
         t = time.perf_counter()
         for _ in range(repeat):
             for g in groups:
-                specs = [spec for r in g for spec in bench.engine.plan(r).prompt_specs()]
-                for b in pack_prompts(specs, bench.engine.prefixes).batches:
-                    backend.forward(b)
+                bench.forward_only(g)
         forward_s = time.perf_counter() - t
         throughput[f"batch{size}"] = {"decisions_per_s": round(n / elapsed, 2),
                                       "forward_only_decisions_per_s": round(n / forward_s, 2),

@@ -114,7 +114,7 @@ class ModelEngine:
         templates = {lang: model.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
         # replicas on one device split its memory, unless --gpu-memory already gives each its own part
         shared = self.device_replicas if getattr(backend, "memory_limit_bytes", None) is None else 1
-        weights = getattr(backend, "memory", dict)().get("weights_bytes", 0) if shared > 1 else 0
+        weights = backend.memory().get("weights_bytes", 0) if shared > 1 else 0
         capacity = budget_bytes(setting, backend.device_memory(), replicas=shared, weights=weights) // per_token
         if setting != "off":  # the templates always fit, whatever the budget
             capacity = max(capacity, sum(len(ids) for ids in templates.values()))

@@ -203,7 +203,7 @@ class Lane:
                     self._expect(launched)
             except Exception as exc:
                 self._failed(exc, batch)
-            if flight is not None:  # (held: a queued job waits for its document, answered before the next batch)
+            if flight is not None:
                 self._complete(flight)
                 if launched is not None and flight.waited:  # the device took the new batch when this one ended
                     launched.after = flight.ended
