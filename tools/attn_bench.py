@@ -64,13 +64,26 @@ def attend(kernels, shape: tuple, tiling: tuple, reps: int = 30) -> tuple[torch.
     return out.clone(), float(np.median(times))
 
 
+def tilings(text: str) -> list[tuple[int, ...]]:
+    """--tilings: BLOCK_MxBLOCK_NxWARPSxSTAGES, comma-separated."""
+    out = []
+    for t in text.split(","):
+        parts = t.strip().split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{t!r} is not BLOCK_MxBLOCK_NxWARPSxSTAGES (e.g. 128x64x8x3)")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("reference", nargs="?", help="another kernels.py (its plan import made absolute)")
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--tilings", help="BLOCK_MxBLOCK_NxWARPSxSTAGES,... instead of the default and the alternative "
+    ap.add_argument("--tilings", type=tilings, help="BLOCK_MxBLOCK_NxWARPSxSTAGES,... instead of the default and the alternative "
                     "tiling; each output is compared with the first listed tiling of the same BLOCK_N")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (and Triton): run it on the device machine")
     new = triton_kernels()
     ref = None
     if a.reference:
@@ -80,12 +93,11 @@ def main() -> None:
     shapes = {"hit": tree(17934, (119,) * 5, (-1,) * 5),
               "fresh": tree(100, (17800,) + (119,) * 5, (-1,) + (0,) * 5),
               "short32": tree(60, (200,) * 32, (-1,) * 32)}
-    tilings = [tuple(int(x) for x in t.split("x")) for t in a.tilings.split(",")] if a.tilings else \
-        [DEFAULT_TILING, ALT_TILING]
+    chosen = a.tilings or [DEFAULT_TILING, ALT_TILING]
     res: dict[str, dict] = {}
     for name, shape in shapes.items():
         first: dict[int, torch.Tensor] = {}
-        for tiling in tilings:
+        for tiling in chosen:
             key = f"{name} {'x'.join(map(str, tiling))}"
             try:
                 out, ms = attend(new, shape, tiling)
