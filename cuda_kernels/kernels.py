@@ -2,7 +2,8 @@
 
 Every kernel's reduction order is fixed by compile-time constants and never by the number of rows, so a
 row's result is the same bits alone or in any batch (docs/PROTOCOL.md §10):
-- tree attention: keys in tiles of BLOCK_N *positions* (plan.py), online softmax in f32, f16/bf16 operands;
+- tree attention: keys in tiles of BLOCK_N *positions* (plan.py), online softmax in f32, f16/bf16 operands,
+  chunks of CHUNK_KEYS positions merged in chunk order (plan.py);
 - norms, RoPE, SwiGLU, letter logits: one program per row (or element block), fixed-width reductions.
 """
 
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import MAX_RANGES, RECORD
+from .plan import CHUNK_KEYS, MAX_RANGES, RECORD
 
 # key-range slots a tile record holds, as a power of two (the kernel compares a key tile with all of them)
 RANGE_SLOTS = triton.next_power_of_2(MAX_RANGES)
@@ -47,17 +48,27 @@ def _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, 
 
 
 @triton.jit
-def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
-    """One key tile of the online softmax: (m, l, acc) updated in f32."""
+def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK: tl.constexpr,
+            FAST: tl.constexpr):
+    """One key tile of the online softmax: (m, l, acc) updated in f32. `MASK`: some key of the tile may lie past
+    a query (else the tile is wholly visible and the select is left out). The scale and the row max enter as one
+    explicit fma, so a tile gives the same bits with the select and without it (a cached prefix read from the
+    pool without masks, the same keys computed in a forward with them)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    visible = p[None, :] <= q_pos[:, None]
-    s = tl.where(visible, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FAST:
+        if MASK:
+            s = tl.where(p[None, :] <= q_pos[:, None], s, float("-inf"))
+        # max(s) * scale is max(s * scale) bit for bit: rounding a product by a positive constant keeps the order
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        pr = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    else:
+        s = tl.where(p[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        pr = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    pr = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
     acc = acc * alpha[:, None]
     if IEEE:
@@ -68,16 +79,92 @@ def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
-                      stride_qt, stride_kt, stride_vt, stride_pt, stride_ot, qk_scale,
+def _chunk(q, q_pos, K, V, PK, PV, lo, hi, n_full, n_pre, n_keys, pre_off, kvh, r_pos, r_shift, r_end, offs_n,
+           offs_d, stride_kt, stride_vt, stride_pt, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr):
+    """The online softmax of the key positions lo .. hi - 1 from a fresh (m, l, acc). Key tiles wholly inside the
+    cached prefix load its contiguous pool rows without the range lookup and the select (a question about a
+    long cached document spends nearly all its keys here); the rest through the ranges, masked."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    rows_pre = (pre_off + offs_n)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :]
+    for start in range(lo, tl.minimum(hi, n_full), BLOCK_N):
+        k = tl.load(PK + rows_pre + start * stride_pt)
+        v = tl.load(PV + rows_pre + start * stride_pt)
+        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, False, FAST)
+    for start in range(tl.maximum(lo, n_full), hi, BLOCK_N):
+        k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
+                        stride_kt, stride_vt, stride_pt, HEAD_DIM)
+        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, True, FAST)
+    return m_i, l_i, acc
+
+
+# The scratch slots: slot s holds BLOCK_M rows: acc at SLOTS[(s * BLOCK_M + row) * HEAD_DIM + d], then (past every
+# slot's acc, `ml` = n_slots * BLOCK_M * HEAD_DIM) m at SLOTS[ml + 2 * (s * BLOCK_M + row)] and l just after it. A
+# row index that depends on the slot keeps the compiler from computing every address once ahead of the key loops
+# (the whole tile's pointers held across them spilled registers in the hottest loop).
+@triton.jit
+def _save(SLOTS, ml, slot, acc, m, l_sum, offs_m, offs_d, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A chunk's (acc, m, l) into scratch slot `slot`."""
+    row = slot * BLOCK_M + offs_m
+    tl.store(SLOTS + row[:, None] * HEAD_DIM + offs_d[None, :], acc)
+    tl.store(SLOTS + ml + 2 * row, m)
+    tl.store(SLOTS + ml + 2 * row + 1, l_sum)
+
+
+@triton.jit
+def _merge(SLOTS, ml, state, part, offs_m, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SLICE: tl.constexpr):
+    """The chunks so far (slot `state`) and the next chunk (slot `part`) -> all of them, in `state`. A row that
+    sees no key of the next chunk (m = -inf; its l and acc are not numbers) keeps what it had, bit for bit.
+    Column slice by slice, from memory: no second accumulator in registers. Loads are ".cg" (from L2, never a
+    stale L1 line: another SM wrote a split tile's partials)."""
+    row_s = state * BLOCK_M + offs_m
+    row_p = part * BLOCK_M + offs_m
+    big_m = tl.load(SLOTS + ml + 2 * row_s, cache_modifier=".cg")
+    big_l = tl.load(SLOTS + ml + 2 * row_s + 1, cache_modifier=".cg")
+    m = tl.load(SLOTS + ml + 2 * row_p, cache_modifier=".cg")
+    l_p = tl.load(SLOTS + ml + 2 * row_p + 1, cache_modifier=".cg")
+    keep = m > float("-inf")
+    new_m = tl.maximum(big_m, m)
+    a = tl.math.exp2(big_m - new_m)
+    b = tl.math.exp2(m - new_m)
+    offs_s = tl.arange(0, SLICE)
+    for d0 in tl.static_range(0, HEAD_DIM, SLICE):
+        o_at = SLOTS + row_s[:, None] * HEAD_DIM + d0 + offs_s[None, :]
+        o = tl.load(o_at, cache_modifier=".cg")
+        acc = tl.load(SLOTS + row_p[:, None] * HEAD_DIM + d0 + offs_s[None, :], cache_modifier=".cg")
+        tl.store(o_at, tl.where(keep[:, None], tl.fma(acc, b[:, None], o * a[:, None]), o))
+    tl.store(SLOTS + ml + 2 * row_s, tl.where(keep, new_m, big_m))
+    tl.store(SLOTS + ml + 2 * row_s + 1, tl.where(keep, tl.fma(l_p, b, big_l * a), big_l))
+
+
+@triton.jit
+def _emit(OUT, SLOTS, ml, state, dest, head, m_valid, offs_m, stride_ot, HEAD_DIM: tl.constexpr,
+          BLOCK_M: tl.constexpr, SLICE: tl.constexpr):
+    """The output rows of merged chunks (slot `state`): acc / l, as a tile of one chunk writes its own."""
+    row = state * BLOCK_M + offs_m
+    l_sum = tl.load(SLOTS + ml + 2 * row + 1, cache_modifier=".cg")
+    offs_s = tl.arange(0, SLICE)
+    for d0 in tl.static_range(0, HEAD_DIM, SLICE):
+        o = tl.load(SLOTS + row[:, None] * HEAD_DIM + d0 + offs_s[None, :], cache_modifier=".cg")
+        tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + d0 + offs_s[None, :],
+                 (o / l_sum[:, None]).to(OUT.dtype.element_ty), mask=m_valid[:, None])
+
+
+@triton.jit
+def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SLOTS, COUNTS,
+                      stride_qt, stride_kt, stride_vt, stride_pt, stride_ot, qk_scale, n_slots,
                       N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
-                      COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr):
+                      COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr,
+                      CHUNK: tl.constexpr, FAST: tl.constexpr, SLICE: tl.constexpr):
     pid = tl.program_id(0)
-    # one work item per (tile, K/V head): its rows are (query, head) pairs of the REP query heads that read that
+    # one work item per (record, K/V head): its rows are (query, head) pairs of the REP query heads that read that
     # K/V head, so each key tile is loaded once for all of them (GQA); a row's arithmetic is the same either way
     n_kv = N_HEADS // REP
     QPT = BLOCK_M // REP  # queries per tile (plan.py tiles hold at most this many)
+    ml = n_slots * BLOCK_M * HEAD_DIM  # where the slots' m and l start
     n_work = tl.load(NT) * n_kv
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -85,7 +172,13 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
     offs_r = tl.arange(0, RANGES)
     in_rec = 10 + 3 * offs_r < REC  # range slots that lie inside a record
     query = offs_m // REP
-    for w in range(pid, n_work, NPROG):
+    mine = 2 * pid  # this program's two slots: the chunks so far of a tile it walks alone, the next chunk
+    split_base = 2 * NPROG  # then a slot per (chunk, K/V head) of the split tiles
+    # the work loop: one key chunk per pass (a tile of several chunks walked here takes a pass per chunk, its
+    # state between them in this program's slots), so the key loops sit directly in it
+    w = pid
+    c = pid * 0 - 1  # the chunk of this pass; -1: the first of the next work item
+    while w < n_work:
         tile = w // n_kv
         kvh = w % n_kv
         head = kvh * REP + offs_m % REP
@@ -96,6 +189,8 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
         n_pre = tl.load(rec + 3)
         pre_off = tl.load(rec + 4)
         n_r = tl.load(rec + 5)
+        chunk = tl.load(rec + 6) - 1  # -1: the whole tile, every chunk of it here
+        slot0 = tl.load(rec + 7)
         # the tile's key ranges as vectors, loaded beside the fields above (not after n_r: one memory round trip
         # less before the first key tile); a key's token index is then found without a loop over the ranges
         r_pos = tl.load(rec + 8 + 3 * offs_r, mask=in_rec, other=0)
@@ -106,29 +201,51 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT,
         q_pos = tl.load(POS + rows, mask=m_valid, other=0)
         q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None],
                     other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        # key tiles wholly inside the cached prefix: its rows are contiguous in the pool, so they load without
-        # the range lookup and the masks (a question about a long cached document spends nearly all its keys
-        # here); the same tiles and the same `_attend` as the general loop below, so the same bits
-        n_full = tl.minimum(n_pre, n_keys) // BLOCK_N * BLOCK_N
-        rows_pre = (pre_off + offs_n)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :]
-        for start in range(0, n_full, BLOCK_N):
-            k = tl.load(PK + rows_pre + start * stride_pt)
-            v = tl.load(PV + rows_pre + start * stride_pt)
-            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
-        for start in range(n_full, n_keys, BLOCK_N):
-            k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
-                            stride_kt, stride_vt, stride_pt, HEAD_DIM)
-            m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE)
-        out = acc / l_i[:, None]
         if COMPACT:
             dest = q_off + query
         else:
             dest = rows
-        tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=m_valid[:, None])
+        n_full = tl.minimum(n_pre, n_keys) // BLOCK_N * BLOCK_N
+        n_chunks = (n_keys + CHUNK - 1) // CHUNK
+        split = chunk >= 0
+        c = tl.where(c < 0, tl.maximum(chunk, 0), c)
+        lo = c * CHUNK
+        # the chunk's end, min(lo + CHUNK, n_keys), written so that the compiler keeps the key loops' bounds in
+        # 32 bits (as min() it widened them, and the forward's key loop grew by a sixth)
+        hi = n_keys - tl.maximum(n_keys - (lo + CHUNK), 0)
+        m_i, l_i, acc = _chunk(q, q_pos, K, V, PK, PV, lo, hi, n_full, n_pre, n_keys,
+                               pre_off, kvh, r_pos, r_shift, r_end, offs_n, offs_d, stride_kt, stride_vt,
+                               stride_pt, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, IEEE, FAST)
+        if split:
+            # one chunk of a split tile: its partial to the tile's slot for it; the last chunk of the tile to end
+            # merges them all in chunk order, the same steps as a tile walked here on the same values (the order
+            # the chunks ran in never shows)
+            _save(SLOTS, ml, split_base + (slot0 + c) * n_kv + kvh, acc, m_i, l_i, offs_m, offs_d, BLOCK_M, HEAD_DIM)
+            tl.debug_barrier()  # every thread's partial stored before the count says so
+            count = COUNTS + slot0 * n_kv + kvh
+            if tl.atomic_add(count, 1, sem="acq_rel") == n_chunks - 1:
+                tl.store(count, 0)  # ready for the next launch (the next layer, the next replay)
+                first = split_base + slot0 * n_kv + kvh
+                for j in range(1, n_chunks):
+                    _merge(SLOTS, ml, first, first + j * n_kv, offs_m, HEAD_DIM, BLOCK_M, SLICE)
+                    tl.debug_barrier()
+                _emit(OUT, SLOTS, ml, first, dest, head, m_valid, offs_m, stride_ot, HEAD_DIM, BLOCK_M, SLICE)
+        elif n_chunks > 1:
+            # a tile of several chunks walked here: each merged into this program's first slot
+            _save(SLOTS, ml, mine + tl.minimum(c, 1), acc, m_i, l_i, offs_m, offs_d, BLOCK_M, HEAD_DIM)
+            tl.debug_barrier()  # each thread reads what others stored
+            if c > 0:
+                _merge(SLOTS, ml, mine, mine + 1, offs_m, HEAD_DIM, BLOCK_M, SLICE)
+                tl.debug_barrier()
+            if c == n_chunks - 1:
+                _emit(OUT, SLOTS, ml, mine, dest, head, m_valid, offs_m, stride_ot, HEAD_DIM, BLOCK_M, SLICE)
+                tl.debug_barrier()  # read before the next work item's chunks overwrite the slot
+        else:
+            tl.store(OUT + dest[:, None] * stride_ot + head[:, None] * HEAD_DIM + offs_d[None, :],
+                     (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=m_valid[:, None])
+        last = split | (c >= n_chunks - 1)
+        w = tl.where(last, w + NPROG, w)
+        c = tl.where(last, -1, c + 1)
 
 
 def queries_per_tile(block_m: int, n_heads: int, n_kv: int) -> int:
@@ -137,29 +254,57 @@ def queries_per_tile(block_m: int, n_heads: int, n_kv: int) -> int:
     return max(1, block_m // (n_heads // n_kv))
 
 
+class Scratch:
+    """The tree attention's f32 scratch on one device: per launch, two slots of a tile's rows per program (the
+    chunks of a tile it walks alone), then `split_slots` x K/V heads slots (the chunks of split tiles,
+    plan.split_tiles); the split tiles' arrival counts (zero between launches: the last chunk of a tile resets
+    its count). `rows`: rows of (head_dim + 2) f32 in all, enough for the largest tiling `needs`."""
+
+    def __init__(self, device: torch.device | str, n_kv: int, head_dim: int, rows: int, split_slots: int,
+                 nprog: int) -> None:
+        self.nprog, self.split_slots, self.n_kv, self.rows = nprog, split_slots, n_kv, rows
+        self.slots = torch.empty(rows * (head_dim + 2), dtype=torch.float32, device=device)
+        self.counts = torch.zeros(max(1, split_slots * n_kv), dtype=torch.int32, device=device)
+
+    @staticmethod
+    def needs(block_m: int, nprog: int, split_slots: int, n_kv: int) -> int:
+        """Rows a launch of `block_m`-row tiles needs."""
+        return (2 * nprog + split_slots * n_kv) * block_m
+
+    def nbytes(self) -> int:
+        return self.slots.numel() * 4 + self.counts.numel() * 4
+
+
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
                    prefix_v: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, q_rows: torch.Tensor,
                    n_tiles: torch.Tensor, out: torch.Tensor, compact: bool,
-                   tiling: tuple[int, int, int, int], nprog: int | None = None) -> torch.Tensor:
+                   tiling: tuple[int, int, int, int], scratch: Scratch | None = None,
+                   fast: bool = True, chunk: int = CHUNK_KEYS) -> torch.Tensor:
     """q [T, Hq, D] and k/v [T, Hkv, D] (row-strided views of the fused qkv), prefix_k/v [P, Hkv, D].
 
     tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
-    of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of `nprog` programs walks the work.
+    of a CUDA graph); out [T or n_queries, Hq * D]. A persistent grid of the scratch's programs walks the work.
     `tiling`: (block_m, block_n, warps, stages), the tiles planned with `queries_per_tile(block_m, ...)` queries
-    at most (the forward's options)."""
+    at most (the forward's options). `scratch` (its slots for tiles of more than one chunk of keys): one of
+    this device's, or a new one sized for this call without split tiles."""
     block_m, block_n, warps, stages = tiling
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     assert q.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d and q.stride(1) == d
     assert prefix_k.stride(0) == prefix_v.stride(0) and out.stride(1) == 1
+    assert chunk % block_n == 0
     if prefix_k.shape[0] == 0:  # no cached prefix: any valid pointer (never read)
         prefix_k, prefix_v = k, v
-    nprog = nprog or 4 * num_sms(q.device.index or 0)
+    if scratch is None:
+        nprog = 4 * num_sms(q.device.index or 0)
+        scratch = Scratch(q.device, n_kv, d, Scratch.needs(block_m, nprog, 0, n_kv), 0, nprog)
+    assert Scratch.needs(block_m, scratch.nprog, 0, n_kv) <= scratch.rows  # (split_tiles fits its records' slots)
     ieee = q.dtype == torch.float32
-    _tree_attn_kernel[(nprog,)](
-        q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles,
+    _tree_attn_kernel[(scratch.nprog,)](
+        q, k, v, prefix_k, prefix_v, out, positions, tiles, q_rows, n_tiles, scratch.slots, scratch.counts,
         q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
+        scratch.rows // block_m,
         N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        NPROG=nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS,
+        NPROG=scratch.nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS, CHUNK=chunk, FAST=fast, SLICE=min(32, d),  # columns per step of a merge
         num_warps=warps, num_stages=1 if ieee else stages)
     return out
 

@@ -14,7 +14,16 @@ One record of `RECORD` int32 per tile:
   [3] n_pre   cached-prefix length (keys at positions < n_pre are prefix keys)
   [4] pre_off row of the prefix in the per-layer prefix K/V buffer
   [5] n_r     number of forward key ranges
+  [6] chunk   1 + the chunk of keys this record computes (a split tile, `split_tiles`); 0: the whole tile
+  [7] slot    the split tile's first scratch slot (its chunk c writes its partial to slot + c)
   [8 + 3r..] (position of the range's first key, its token index in the forward, length), root first
+
+Chunks: a query reduces its keys in chunks of CHUNK_KEYS positions (0..C-1, C..2C-1, ...), each an online
+softmax of its own, merged in chunk order (kernels.py `_merge`); a query with at most C keys is one chunk and
+nothing is merged. The chunk bounds are fixed positions, so this changes no invariance, and it lets a few long
+tiles (questions about a long cached document: a state-cache hit) spread over the device: `split_tiles` gives
+such a tile one record per chunk, each its own work item, and the last of them to finish merges the partials in
+chunk order, the same arithmetic on the same values as one program walking every chunk: the same bits.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from basal_local.backends.host import block_bounds, block_chains
 
 RECORD = 64
 MAX_RANGES = (RECORD - 8) // 3  # 18 blocks deep (the packer stops at 8)
+# key positions per chunk (a multiple of every tiling's BLOCK_N): a state-cache hit's ~18k cached keys are 5 chunks
+CHUNK_KEYS = 4096
 
 
 @dataclass
@@ -90,3 +101,42 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
     # the longest tiles first: a persistent grid then ends evenly (the order never changes a result)
     tiles = tiles[np.argsort(-tiles[:, 2], kind="stable")]
     return TilePlan(np.ascontiguousarray(tiles), q_rows.astype(np.int32))
+
+
+def split_tiles(plan: TilePlan, n_kv: int, programs: int, cap: int, slot_cap: int,
+                chunk: int = CHUNK_KEYS) -> tuple[TilePlan, int]:
+    """The plan with its longest tiles split into one record per chunk of keys (words 6 and 7) where its work
+    items (tiles x K/V heads) are fewer than `programs` (the device's SMs) and would leave most of it idle; at most
+    `cap` records and `slot_cap` scratch slots in all. Returns the plan and the slots it uses. Splitting never
+    changes a result (module doc), so any choice here is as exact as any other: this one aims at an even end."""
+    tiles = plan.tiles
+    n = tiles.shape[0]
+    if n == 0 or n * n_kv >= programs:
+        return plan, 0
+    n_keys = tiles[:, 2].astype(np.int64)
+    chunks = -(-n_keys // chunk)
+    if int(chunks.max()) < 2:
+        return plan, 0
+    split = np.zeros(n, dtype=bool)
+    records, slots = n, 0
+    for t in np.argsort(-n_keys, kind="stable").tolist():  # the longest first, while they fit
+        c = int(chunks[t])
+        if c < 2 or records + c - 1 > cap or slots + c > slot_cap:
+            continue
+        split[t] = True
+        records += c - 1
+        slots += c
+    if not split.any():
+        return plan, 0
+    per = np.where(split, chunks, 1)
+    out = tiles[np.repeat(np.arange(n), per)].copy()
+    first = np.repeat(np.cumsum(per) - per, per)
+    c = np.arange(out.shape[0]) - first  # the chunk of each record within its tile
+    is_split = np.repeat(split, per)
+    base = np.cumsum(np.where(split, chunks, 0)) - np.where(split, chunks, 0)  # each split tile's first slot
+    out[:, 6] = np.where(is_split, c + 1, 0)
+    out[:, 7] = np.where(is_split, np.repeat(base, per), 0)
+    # the most keys first (a chunk of a split tile: its own keys), so the persistent grid ends evenly
+    work = np.where(is_split, np.minimum(chunk, np.repeat(n_keys, per) - c * chunk), np.repeat(n_keys, per))
+    out = out[np.argsort(-work, kind="stable")]
+    return TilePlan(np.ascontiguousarray(out), plan.q_rows), slots

@@ -233,4 +233,12 @@ MUTATIONS = [
       "basal_local/engine/prefix_cache.py", "e.ready and not e.pinned and e.refs == 0]",
       "e.ready and not e.pinned]",
       "tests/test_prefix_cache.py::test_eviction_takes_the_least_recently_used_idle_entry_never_one_in_use_or_pinned"),
+    m("split-slots-shared", "each split tile's chunks own their scratch slots (no tile reads another's partials)",
+      "cuda_kernels/plan.py", "base = np.cumsum(np.where(split, chunks, 0)) - np.where(split, chunks, 0)",
+      "base = np.zeros(n, dtype=np.int64)",
+      "tests/test_cuda_kernels.py::test_split_tiles_gives_a_record_per_chunk_where_work_is_scarce"),
+    m("split-past-cap", "a split never makes more records than the forward's table holds",
+      "cuda_kernels/plan.py", "if c < 2 or records + c - 1 > cap or slots + c > slot_cap:",
+      "if c < 2 or slots + c > slot_cap:",
+      "tests/test_cuda_kernels.py::test_split_tiles_splits_the_longest_tiles_that_fit_the_tables"),
 ]

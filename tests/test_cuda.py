@@ -139,6 +139,66 @@ def test_cuda_tree_kernel_matches_twin(small_model):
             assert err <= bound
 
 
+def _tree(n_pre: int, sizes: tuple, parents: tuple) -> tuple:
+    token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+    starts, pos = {}, []
+    for b, (n, par) in enumerate(zip(sizes, parents)):
+        starts[b] = n_pre if par < 0 else starts[par] + sizes[par]
+        pos.append(np.arange(starts[b], starts[b] + n))
+    return np.concatenate(pos).astype(np.int64), token_block, np.array(parents, np.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_split_chunks_give_the_bits_of_one_program(dtype):
+    """Keys reduced in chunks of CHUNK_KEYS positions (cuda_kernels/plan.py): a tile split into a work item per
+    chunk (the last to end merges) gives bitwise what one program walking every chunk gives, for every tiling,
+    all rows and readout rows; and questions reading a long document from the pool (a state-cache hit, whose
+    tiles split) get the bits of the same document computed in the forward (a miss, whose tiles do not)."""
+    from basal_local.backends.torch.forward import ALT_TILING
+    from basal_local.cuda_kernels import plan as tplan
+    from basal_local.cuda_kernels import triton_kernels
+
+    kernels = triton_kernels()
+    hq, hkv, d = 16, 2, 128
+    template, doc = 40, 2 * tplan.CHUNK_KEYS + 700  # three chunks
+    sizes, parents = (24, 29, 29, 18, 77, 77, 41), (-1, 0, 0, -1, 3, 3, -1)
+    miss_tree = _tree(template, (doc,) + sizes, (-1,) + tuple(p + 1 if p >= 0 else 0 for p in parents))
+    hit_tree = _tree(template + doc, sizes, parents)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n = len(miss_tree[0])
+    q = torch.randn(n, hq, d, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(n, hkv, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    pk, pv = (torch.randn(template, hkv, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    scratch = kernels.Scratch("cuda", hkv, d, kernels.Scratch.needs(256, 64, 64, hkv), 64, 64)
+    leaf_ends = np.cumsum(sizes)[[1, 2, 4, 5, 6]] - 1
+
+    def run(tree, qkv, pool, n_pre, tiling, split, rows=None):
+        pos, blocks, par = tree
+        p = tplan.tile_plan(pos, blocks, par, np.zeros(len(par), np.int32), [(0, n_pre)],
+                            kernels.queries_per_tile(tiling[0], hq, hkv), rows=rows)
+        if split:
+            p, slots = tplan.split_tiles(p, hkv, 10**6, 10**6, 64)
+            assert slots > 0
+        out = torch.full((len(pos) if rows is None else len(rows), hq * d), float("nan"), dtype=dtype, device="cuda")
+        kernels.tree_attention(*qkv, *pool, torch.from_numpy(pos.astype(np.int32)).cuda(),
+                               torch.from_numpy(p.tiles).cuda(), torch.from_numpy(p.q_rows).cuda(),
+                               torch.tensor([p.num_tiles], dtype=torch.int32, device="cuda"), out,
+                               compact=rows is not None, tiling=tiling, scratch=scratch)
+        assert not torch.isnan(out).any(), "a row was not written"
+        assert int(scratch.counts.abs().sum()) == 0, "a split tile's count was not reset"
+        return out
+
+    qkv_hit = (q[doc:].contiguous(), k[doc:].contiguous(), v[doc:].contiguous())
+    pool_hit = (torch.cat([pk, k[:doc]]), torch.cat([pv, v[:doc]]))
+    miss = run(miss_tree, (q, k, v), (pk, pv), template, ALT_TILING, False)[doc:]
+    for tiling in (DEFAULT_TILING, ALT_TILING):
+        whole = run(hit_tree, qkv_hit, pool_hit, template + doc, tiling, False)
+        split = run(hit_tree, qkv_hit, pool_hit, template + doc, tiling, True)
+        assert torch.equal(whole, split) and torch.equal(split, miss)
+        readout = run(hit_tree, qkv_hit, pool_hit, template + doc, tiling, True, rows=leaf_ends)
+        assert torch.equal(readout, miss[leaf_ends])
+
+
 def test_cuda_fused_kernels_match_twins():
     from basal_local.cuda_kernels import triton_kernels, twins
 

@@ -484,3 +484,62 @@ def test_a_dropped_backend_is_freed_without_the_garbage_collector(tiny_model):
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+def _long_tiles(n_tiles: int, keys: list[int]) -> tplan.TilePlan:
+    """A plan of `n_tiles` tiles whose key counts cycle through `keys` (the other words marked per tile)."""
+    tiles = np.zeros((n_tiles, tplan.RECORD), dtype=np.int32)
+    tiles[:, 0] = np.arange(n_tiles) * 4
+    tiles[:, 1] = 4
+    tiles[:, 2] = [keys[i % len(keys)] for i in range(n_tiles)]
+    tiles[:, 8] = np.arange(n_tiles) + 1000  # a word the split copies as it is
+    return tplan.TilePlan(tiles, np.arange(4 * n_tiles, dtype=np.int32))
+
+
+def test_split_tiles_gives_a_record_per_chunk_where_work_is_scarce():
+    c = tplan.CHUNK_KEYS
+    plan = _long_tiles(6, [4 * c + 100, 300, 2 * c, c + 1])
+    out, slots = tplan.split_tiles(plan, n_kv=2, programs=132, cap=100, slot_cap=100)
+    chunks = {4 * c + 100: 5, 300: 1, 2 * c: 2, c + 1: 2}
+    per_tile = [chunks[int(k)] for k in plan.tiles[:, 2]]
+    assert out.num_tiles == sum(per_tile) and slots == sum(n for n in per_tile if n > 1)
+    assert out.q_rows is plan.q_rows
+    seen_slots = set()
+    for t in range(plan.num_tiles):
+        mine = out.tiles[out.tiles[:, 8] == 1000 + t]
+        assert len(mine) == per_tile[t]
+        # every word but 6 and 7 is the tile's own
+        assert (np.delete(mine, [6, 7], axis=1) == np.delete(plan.tiles[t], [6, 7])).all()
+        if per_tile[t] == 1:
+            assert (mine[:, 6] == 0).all() and (mine[:, 7] == 0).all()
+        else:  # chunk 1..n (word 6 is chunk + 1), one slot base per tile, its n slots no other tile's
+            assert sorted(mine[:, 6]) == list(range(1, per_tile[t] + 1)) and len(set(mine[:, 7])) == 1
+            base = int(mine[0, 7])
+            tile_slots = set(range(base, base + per_tile[t]))
+            assert not tile_slots & seen_slots
+            seen_slots |= tile_slots
+    assert seen_slots == set(range(slots))
+    # the most keys of work first: a split record's own chunk, a whole tile's all
+    work = [min(c, r[2] - (r[6] - 1) * c) if r[6] else r[2] for r in out.tiles]
+    assert work == sorted(work, reverse=True)
+
+
+def test_split_tiles_leaves_plans_with_enough_work_or_short_keys_alone():
+    c = tplan.CHUNK_KEYS
+    many = _long_tiles(66, [3 * c])  # 66 tiles x 2 K/V heads >= 132 programs
+    assert tplan.split_tiles(many, 2, 132, 10**6, 10**6) == (many, 0)
+    short = _long_tiles(4, [c, 17, 1])  # no tile of more than one chunk
+    assert tplan.split_tiles(short, 2, 132, 10**6, 10**6) == (short, 0)
+    empty = tplan.TilePlan(np.zeros((0, tplan.RECORD), np.int32), np.zeros(0, np.int32))
+    assert tplan.split_tiles(empty, 2, 132, 10, 10) == (empty, 0)
+
+
+def test_split_tiles_splits_the_longest_tiles_that_fit_the_tables():
+    c = tplan.CHUNK_KEYS
+    plan = _long_tiles(3, [2 * c, 5 * c, 3 * c])  # 2, 5 and 3 chunks
+    out, slots = tplan.split_tiles(plan, 2, 132, cap=3 + 4, slot_cap=100)  # room for 4 more records: the 5-chunk tile
+    assert out.num_tiles == 7 and slots == 5
+    assert set(out.tiles[out.tiles[:, 6] > 0, 8]) == {1001}
+    out, slots = tplan.split_tiles(plan, 2, 132, cap=100, slot_cap=4)  # slots for 3 + ... : the 3-chunk tile fits
+    assert slots == 3 and set(out.tiles[out.tiles[:, 6] > 0, 8]) == {1002}
+    assert tplan.split_tiles(plan, 2, 132, cap=3, slot_cap=100) == (plan, 0)

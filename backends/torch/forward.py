@@ -47,6 +47,16 @@ ALT_MAX_TOKENS = 1024
 LONG_TILING = (256, 64, 16, 2)
 # letter columns of the logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
+# the attention's split slots per SM: a split tile takes a slot per chunk (a state-cache hit of 5 questions about an
+# 18k-token document: 45 tiles of ~5 chunks on an H200's 264), a tiling of more rows never splits
+SPLIT_SLOTS_PER_SM = 2
+SPLIT_ROWS = 128
+
+
+def last_cap(r_cap: int) -> int:
+    """Records the last layer's table holds for `r_cap` readouts: a readout tile each, split into chunk records
+    where a few read a long cached document (plan.split_tiles; 4 x: up to ~16k keys each)."""
+    return 4 * r_cap
 
 
 class Forward:
@@ -73,6 +83,8 @@ class Forward:
             self.linear = self._verified()
         self.tiling = tuple(options.attention_tiling) if self.use_triton else (64, 64, 4, 2)
         alt = self.use_triton and options.attention_alt_tiling and backend.dtype != torch.float32
+        self.scratch = self._scratch((self.tiling, ALT_TILING, LONG_TILING) if alt else (self.tiling,)) \
+            if self.use_triton else None
         self.alt_tiling = self._pick_alt_tiling() if alt else None
         self.long_tiling = self._pick_alt_tiling(LONG_TILING, "attention_long_tiling") if alt else None
         self.prefix_rows: dict[str, tuple[int, int]] = {}  # cached prefix -> (pool row, length)
@@ -139,6 +151,29 @@ class Forward:
         self.report[key] = "x".join(map(str, tiling)) + f" ({why})"
         return tiling if same else None
 
+    def _scratch(self, tilings: tuple[tuple[int, int, int, int], ...]):
+        """The attention's scratch (kernels.Scratch) for these tilings: a tile of more than one chunk of keys
+        merges its chunks there, and a split tile's chunks leave their partials there (cuda_kernels/plan.py)."""
+        cfg = self.b.config
+        sms = self.ops.num_sms(torch.device(self.b.device).index or 0)
+        nprog, split_slots, n_kv = 4 * sms, SPLIT_SLOTS_PER_SM * sms, cfg.num_key_value_heads
+        # only tilings of at most SPLIT_ROWS rows split (a wider one runs forwards of many tiles)
+        need = max(self.ops.Scratch.needs(t[0], nprog, split_slots if t[0] <= SPLIT_ROWS else 0, n_kv)
+                   for t in tilings)
+        scratch = self.ops.Scratch(self.b.device, n_kv, cfg.head_dim, need, split_slots, nprog)
+        self.report["attention_scratch_mb"] = round(scratch.nbytes() / 1e6, 1)
+        return scratch
+
+    def split(self, plan: tplan.TilePlan, cap: int, block_m: int) -> tplan.TilePlan:
+        """`plan` with its long tiles split into chunk records where they would leave the device idle (at most
+        `cap` records and the scratch's slots for `block_m`-row tiles; the same bits either way). The twins take
+        plans as they are."""
+        if self.scratch is None or block_m > SPLIT_ROWS:
+            return plan
+        sc, n_kv = self.scratch, self.b.config.num_key_value_heads
+        slots = min(sc.split_slots, (sc.rows // block_m - 2 * sc.nprog) // n_kv)
+        return tplan.split_tiles(plan, n_kv, sc.nprog // 4, cap, slots)[0]  # nprog // 4: the device's SMs
+
     def alt(self, tokens: int) -> bool:
         """Whether a forward of `tokens` (its graph size, or its length when eager) runs the alternative tiling."""
         return self.alt_tiling is not None and (tokens <= ALT_MAX_TOKENS or tokens > TOKEN_BUCKETS[-1])
@@ -149,6 +184,11 @@ class Forward:
         if tokens > TOKEN_BUCKETS[-1] and self.long_tiling is not None:
             return self.long_tiling
         return self.alt_tiling if self.alt_tiling is not None and self.alt(tokens) else self.tiling
+
+    def last_tiling(self, tokens: int) -> tuple[int, int, int, int]:
+        """The last layer's tiling (its readout tiles hold one query: the widest tiling would add rows only)."""
+        tiling = self.tiling_for(tokens)
+        return (self.alt_tiling or self.tiling) if tiling is self.long_tiling else tiling
 
     def block_m(self, tokens: int) -> int:
         """Queries per tile of the plan: the kernel's rows are (query, head) pairs of one K/V head's query heads
@@ -188,7 +228,7 @@ class Forward:
                 self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
                                         torch.from_numpy(p.q_rows).to(dev),
                                         torch.tensor([p.num_tiles], dtype=torch.int32, device=dev), out,
-                                        compact=rows is not None, tiling=til)
+                                        compact=rows is not None, tiling=til, scratch=self.scratch)
                 outs[(rows is None, name)] = out
         return all(torch.equal(outs[(full, "default")], outs[(full, "alt")]) for full in (True, False))
 
@@ -249,7 +289,7 @@ class Forward:
     def layout(size: int, tile_cap: int, r_cap: int) -> tuple[dict, int]:
         rec = tplan.RECORD
         fields = {"ids": size, "pos": size, "fill": size, "nt": 1, "qrows": size, "tiles": tile_cap * rec, "nt_last": 1,
-                  "qrows_last": r_cap, "tiles_last": r_cap * rec, "readout": r_cap, "letters": LETTER_CAP}
+                  "qrows_last": r_cap, "tiles_last": last_cap(r_cap) * rec, "readout": r_cap, "letters": LETTER_CAP}
         layout, offset = {}, 0
         for name, length in fields.items():
             layout[name] = (offset, length)
@@ -271,6 +311,8 @@ class Forward:
         full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
         if full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
+        full = self.split(full, tile_cap, self.tiling_for(size)[0])
+        last = self.split(last, last_cap(r_cap), self.last_tiling(size)[0])
         layout, total = self.layout(size, tile_cap, r_cap)
         if buf is None:
             buf = np.zeros(total, dtype=np.int32)
@@ -310,15 +352,13 @@ class Forward:
             (v["tiles"], v["qrows"], v["nt"])
         rows = q_rows.shape[0] if last else t
         if self.use_triton:
-            tiling = self.tiling_for(t)
-            if last and tiling is self.long_tiling:  # a readout tile holds one query: the widest tiling adds rows only
-                tiling = self.alt_tiling or self.tiling
+            tiling = self.last_tiling(t) if last else self.tiling_for(t)
             # as tall as the o projection's library call (padded_rows): the rows past `rows` are never read back
             layer = self.b.layers[i]
             out = torch.empty(self.padded_rows(rows, layer.o_proj_weight, layer.o_proj_bias), width,
                               dtype=qkv.dtype, device=qkv.device)
             return self.ops.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], tiles, q_rows,
-                                           nt, out, compact=last, tiling=tiling)
+                                           nt, out, compact=last, tiling=tiling, scratch=self.scratch)
         p = tplan.TilePlan(tiles[:int(nt[0])].cpu().numpy(), q_rows.cpu().numpy())
         out = twins.tree_attention(q, k, val, self.prefix_k[i], self.prefix_v[i], v["pos"], p, rows, compact=last)
         return out.view(rows, width)
