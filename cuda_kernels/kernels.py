@@ -15,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import CHUNK_KEYS, MAX_RANGES, RECORD
+from .plan import CHUNK_KEYS, MAX_RANGES, OPEN, RECORD, SPLIT_ROWS
 
 # key-range slots a tile record holds, as a power of two (the kernel compares a key tile with all of them)
 RANGE_SLOTS = triton.next_power_of_2(MAX_RANGES)
+# tilings of more rows never split (plan.SPLIT_ROWS): their kernels leave that code out
+SPLIT_ROWS_C = tl.constexpr(SPLIT_ROWS)
 
 
 @functools.cache
@@ -48,26 +50,20 @@ def _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, 
 
 
 @triton.jit
-def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK: tl.constexpr,
-            FAST: tl.constexpr):
+def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK: tl.constexpr):
     """One key tile of the online softmax: (m, l, acc) updated in f32. `MASK`: some key of the tile may lie past
     a query (else the tile is wholly visible and the select is left out). The scale and the row max enter as one
-    explicit fma, so a tile gives the same bits with the select and without it (a cached prefix read from the
-    pool without masks, the same keys computed in a forward with them)."""
+    explicit fma, so a tile gives the same bits with the select and without it (a document read from the pool or
+    from its open range without masks, the same keys elsewhere with them)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if FAST:
-        if MASK:
-            s = tl.where(p[None, :] <= q_pos[:, None], s, float("-inf"))
-        # max(s) * scale is max(s * scale) bit for bit: rounding a product by a positive constant keeps the order
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        pr = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
-    else:
-        s = tl.where(p[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        pr = tl.math.exp2(s - m_new[:, None])
+    if MASK:
+        s = tl.where(p[None, :] <= q_pos[:, None], s, float("-inf"))
+    # max(s) * scale is max(s * scale) bit for bit: rounding a product by a positive constant keeps the order
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    pr = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(pr, 1)
     acc = acc * alpha[:, None]
@@ -79,24 +75,45 @@ def _attend(q, k, v, p, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK
 
 
 @triton.jit
-def _chunk(q, q_pos, K, V, PK, PV, lo, hi, n_full, n_pre, n_keys, pre_off, kvh, r_pos, r_shift, r_end, offs_n,
-           offs_d, stride_kt, stride_vt, stride_pt, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr):
-    """The online softmax of the key positions lo .. hi - 1 from a fresh (m, l, acc). Key tiles wholly inside the
-    cached prefix load its contiguous pool rows without the range lookup and the select (a question about a
-    long cached document spends nearly all its keys here); the rest through the ranges, masked."""
+def _lesser(a, b):
+    """min(a, b) of two scalars, written so that the compiler keeps the key loops' bounds in 32 bits (a min() as a
+    loop bound widened them, and the forward's key loop grew by a sixth)."""
+    return a - tl.maximum(a - b, 0)
+
+
+@triton.jit
+def _chunk(q, q_pos, K, V, PK, PV, lo, hi, n_full, n_pre, n_keys, pre_off, kvh, r_pos, r_shift, r_end, o_lo, o_hi,
+           o_shift, offs_n, offs_d, stride_kt, stride_vt, stride_pt, qk_scale, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+    """The online softmax of the key positions lo .. hi - 1 from a fresh (m, l, acc), in key tiles of increasing
+    position. Whole tiles that every query sees and that lie in one contiguous run of rows load it without the
+    range lookup and the select: the cached prefix's (below n_full, from the pool) and the open range's (o_lo ..
+    o_hi, key p at token p + o_shift); a question about a long cached document spends nearly all its keys in the
+    first, a long document computed in the forward in the second. The rest through the ranges, masked."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     rows_pre = (pre_off + offs_n)[:, None] * stride_pt + kvh * HEAD_DIM + offs_d[None, :]
-    for start in range(lo, tl.minimum(hi, n_full), BLOCK_N):
+    for start in range(lo, _lesser(hi, n_full), BLOCK_N):
         k = tl.load(PK + rows_pre + start * stride_pt)
         v = tl.load(PV + rows_pre + start * stride_pt)
-        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, False, FAST)
-    for start in range(tl.maximum(lo, n_full), hi, BLOCK_N):
+        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, False)
+    g0 = tl.maximum(lo, n_full)
+    a = _lesser(tl.maximum(o_lo, g0), hi)  # the open range's whole tiles within g0 .. hi: a .. b
+    b = _lesser(tl.maximum(o_hi, a), hi)
+    for start in range(g0, a, BLOCK_N):
         k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
                         stride_kt, stride_vt, stride_pt, HEAD_DIM)
-        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, True, FAST)
+        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, True)
+    rows_o = (o_shift + offs_n)[:, None] * stride_kt + kvh * HEAD_DIM + offs_d[None, :]  # K's and V's (one stride)
+    for start in range(a, b, BLOCK_N):
+        k = tl.load(K + rows_o + start * stride_kt)
+        v = tl.load(V + rows_o + start * stride_kt)
+        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, False)
+    for start in range(b, hi, BLOCK_N):
+        k, v = _kv_tile(K, V, PK, PV, start, offs_n, offs_d, r_pos, r_shift, r_end, n_pre, n_keys, pre_off, kvh,
+                        stride_kt, stride_vt, stride_pt, HEAD_DIM)
+        m_i, l_i, acc = _attend(q, k, v, start + offs_n, q_pos, m_i, l_i, acc, qk_scale, IEEE, True)
     return m_i, l_i, acc
 
 
@@ -158,7 +175,7 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SLOTS, COUNTS
                       N_HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NPROG: tl.constexpr,
                       COMPACT: tl.constexpr, IEEE: tl.constexpr, REC: tl.constexpr, RANGES: tl.constexpr,
-                      CHUNK: tl.constexpr, FAST: tl.constexpr, SLICE: tl.constexpr):
+                      CHUNK: tl.constexpr, SLICE: tl.constexpr, OPEN: tl.constexpr):
     pid = tl.program_id(0)
     # one work item per (record, K/V head): its rows are (query, head) pairs of the REP query heads that read that
     # K/V head, so each key tile is loaded once for all of them (GQA); a row's arithmetic is the same either way
@@ -170,7 +187,7 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SLOTS, COUNTS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_r = tl.arange(0, RANGES)
-    in_rec = 10 + 3 * offs_r < REC  # range slots that lie inside a record
+    in_rec = 10 + 3 * offs_r < OPEN  # range slots that lie inside a record's ranges
     query = offs_m // REP
     mine = 2 * pid  # this program's two slots: the chunks so far of a tile it walks alone, the next chunk
     split_base = 2 * NPROG  # then a slot per (chunk, K/V head) of the split tiles
@@ -196,6 +213,10 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SLOTS, COUNTS
         r_pos = tl.load(rec + 8 + 3 * offs_r, mask=in_rec, other=0)
         r_shift = tl.load(rec + 9 + 3 * offs_r, mask=in_rec, other=0) - r_pos
         r_end = tl.where(offs_r < n_r, r_pos + tl.load(rec + 10 + 3 * offs_r, mask=in_rec, other=0), 0)
+        o_pos = tl.load(rec + OPEN)
+        o_lo = (o_pos + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # the open range's whole key tiles: o_lo .. o_hi
+        o_hi = tl.load(rec + OPEN + 1) // BLOCK_N * BLOCK_N
+        o_shift = tl.load(rec + OPEN + 2)
         m_valid = (query < n_q) & (offs_m < QPT * REP)
         rows = tl.load(QROWS + q_off + query, mask=m_valid, other=0)
         q_pos = tl.load(POS + rows, mask=m_valid, other=0)
@@ -207,16 +228,14 @@ def _tree_attn_kernel(Q, K, V, PK, PV, OUT, POS, TILES, QROWS, NT, SLOTS, COUNTS
             dest = rows
         n_full = tl.minimum(n_pre, n_keys) // BLOCK_N * BLOCK_N
         n_chunks = (n_keys + CHUNK - 1) // CHUNK
-        split = chunk >= 0
+        split = (chunk >= 0) & (BLOCK_M <= SPLIT_ROWS_C)  # (no split tile has more rows)
         c = tl.where(c < 0, tl.maximum(chunk, 0), c)
         lo = c * CHUNK
-        # the chunk's end, min(lo + CHUNK, n_keys), written so that the compiler keeps the key loops' bounds in
-        # 32 bits (as min() it widened them, and the forward's key loop grew by a sixth)
-        hi = n_keys - tl.maximum(n_keys - (lo + CHUNK), 0)
-        m_i, l_i, acc = _chunk(q, q_pos, K, V, PK, PV, lo, hi, n_full, n_pre, n_keys,
-                               pre_off, kvh, r_pos, r_shift, r_end, offs_n, offs_d, stride_kt, stride_vt,
-                               stride_pt, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, IEEE, FAST)
-        if split:
+        hi = _lesser(n_keys, lo + CHUNK)
+        m_i, l_i, acc = _chunk(q, q_pos, K, V, PK, PV, lo, hi, n_full, n_pre, n_keys, pre_off, kvh, r_pos, r_shift,
+                               r_end, o_lo, o_hi, o_shift, offs_n, offs_d, stride_kt, stride_vt, stride_pt, qk_scale,
+                               BLOCK_M, BLOCK_N, HEAD_DIM, IEEE)
+        if BLOCK_M <= SPLIT_ROWS_C and split:
             # one chunk of a split tile: its partial to the tile's slot for it; the last chunk of the tile to end
             # merges them all in chunk order, the same steps as a tile walked here on the same values (the order
             # the chunks ran in never shows)
@@ -279,7 +298,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
                    prefix_v: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, q_rows: torch.Tensor,
                    n_tiles: torch.Tensor, out: torch.Tensor, compact: bool,
                    tiling: tuple[int, int, int, int], scratch: Scratch | None = None,
-                   fast: bool = True, chunk: int = CHUNK_KEYS) -> torch.Tensor:
+                   chunk: int = CHUNK_KEYS) -> torch.Tensor:
     """q [T, Hq, D] and k/v [T, Hkv, D] (row-strided views of the fused qkv), prefix_k/v [P, Hkv, D].
 
     tiles [>= n, RECORD] int32, q_rows int32, n_tiles [1] int32 (device: the count may change between replays
@@ -290,6 +309,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
     block_m, block_n, warps, stages = tiling
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     assert q.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d and q.stride(1) == d
+    assert k.stride(0) == v.stride(0)  # (views of one fused projection: the open range's rows share offsets)
     assert prefix_k.stride(0) == prefix_v.stride(0) and out.stride(1) == 1
     assert chunk % block_n == 0
     if prefix_k.shape[0] == 0:  # no cached prefix: any valid pointer (never read)
@@ -304,7 +324,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: 
         q.stride(0), k.stride(0), v.stride(0), prefix_k.stride(0), out.stride(0), d ** -0.5 * 1.4426950408889634,
         scratch.rows // block_m,
         N_HEADS=n_heads, REP=n_heads // n_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        NPROG=scratch.nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS, CHUNK=chunk, FAST=fast, SLICE=min(32, d),  # columns per step of a merge
+        NPROG=scratch.nprog, COMPACT=compact, IEEE=ieee, REC=RECORD, RANGES=RANGE_SLOTS, CHUNK=chunk, OPEN=OPEN,
+        SLICE=min(32, d),  # columns per step of a merge
         num_warps=warps, num_stages=1 if ieee else stages)
     return out
 

@@ -17,6 +17,10 @@ One record of `RECORD` int32 per tile:
   [6] chunk   1 + the chunk of keys this record computes (a split tile, `split_tiles`); 0: the whole tile
   [7] slot    the split tile's first scratch slot (its chunk c writes its partial to slot + c)
   [8 + 3r..] (position of the range's first key, its token index in the forward, length), root first
+  [59] a_pos  [60] a_end  [61] a_shift: the tile's open range, the longest range of its chain, from key
+              position a_pos up to a_end (its end, or past the tile's first query: keys every query of the tile
+              sees); a key p there is token p + a_shift. Its whole key tiles load without the range lookup and
+              without the select (kernels.py), as a cached prefix's do.
 
 Chunks: a query reduces its keys in chunks of CHUNK_KEYS positions (0..C-1, C..2C-1, ...), each an online
 softmax of its own, merged in chunk order (kernels.py `_merge`); a query with at most C keys is one chunk and
@@ -35,9 +39,12 @@ import numpy as np
 from basal_local.backends.host import block_bounds, block_chains
 
 RECORD = 64
-MAX_RANGES = (RECORD - 8) // 3  # 18 blocks deep (the packer stops at 8)
+MAX_RANGES = (RECORD - 8 - 3) // 3  # 17 blocks deep (the packer stops at 8); words 59-61: the open range
+OPEN = RECORD - 5  # word of the open range's first position (then its end, then its shift)
 # key positions per chunk (a multiple of every tiling's BLOCK_N): a state-cache hit's ~18k cached keys are 5 chunks
 CHUNK_KEYS = 4096
+# tilings of at most this many rows split tiles (a wider one runs forwards of many tiles; its kernel leaves it out)
+SPLIT_ROWS = 128
 
 
 @dataclass
@@ -79,7 +86,11 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
         rec = [0, 0, 0, n_pre, pre_off, len(chain), 0, 0]
         for c in chain:
             rec += (first_pos[c], starts[c], ends[c] - starts[c])
-        heads.append(rec + [0] * (RECORD - len(rec)))
+        rec += [0] * (RECORD - len(rec))
+        if chain:  # the open range: the longest (ties: the first, nearest the root)
+            c = max(chain, key=lambda c: ends[c] - starts[c])
+            rec[OPEN:OPEN + 3] = first_pos[c], first_pos[c] + ends[c] - starts[c], starts[c] - first_pos[c]
+        heads.append(rec)
     if rows is None:
         tile_block = [b for b in range(n_blocks) for _ in range(starts[b], ends[b], block_m)]
         q_rows = np.arange(starts[0], ends[-1], dtype=np.int64) if n_blocks else np.zeros(0, np.int64)
@@ -98,6 +109,9 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
     tiles[:, 0] = q_off
     tiles[:, 1] = n_q_arr
     tiles[:, 2] = np.maximum.reduceat(pos[q_rows], q_off) + 1
+    # every query of a tile sees the open range up to its first query (a tile's queries are one block's, in order;
+    # an ancestor's range ends before the block starts, so only the tile's own block's range is cut)
+    tiles[:, OPEN + 1] = np.minimum(tiles[:, OPEN + 1], pos[q_rows[q_off]] + 1)
     # the longest tiles first: a persistent grid then ends evenly (the order never changes a result)
     tiles = tiles[np.argsort(-tiles[:, 2], kind="stable")]
     return TilePlan(np.ascontiguousarray(tiles), q_rows.astype(np.int32))

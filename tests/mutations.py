@@ -241,4 +241,8 @@ MUTATIONS = [
       "cuda_kernels/plan.py", "if c < 2 or records + c - 1 > cap or slots + c > slot_cap:",
       "if c < 2 or slots + c > slot_cap:",
       "tests/test_cuda_kernels.py::test_split_tiles_splits_the_longest_tiles_that_fit_the_tables"),
+    m("open-range-past-queries", "a tile's open range holds only keys every query of the tile sees",
+      "cuda_kernels/plan.py", "tiles[:, OPEN + 1] = np.minimum(tiles[:, OPEN + 1], pos[q_rows[q_off]] + 1)",
+      "tiles[:, OPEN + 1] = tiles[:, OPEN + 1]",
+      "tests/test_cuda_kernels.py::test_a_tiles_open_range_is_keys_every_query_sees_in_one_run_of_rows"),
 ]

@@ -131,6 +131,34 @@ def test_tile_keys_are_the_prompt_positions(tiny_model):
         assert covered >= n_keys
 
 
+@pytest.mark.parametrize("readout", [False, True])
+def test_a_tiles_open_range_is_keys_every_query_sees_in_one_run_of_rows(tiny_model, readout):
+    """Words 59-61 (plan.OPEN): the key positions a_pos .. a_end - 1 are one range of the tile's chain (the
+    longest), each key p is token p + a_shift of that range, and every query of the tile sees all of them (the
+    kernel loads their whole key tiles without the lookup and the select)."""
+    md = load_model_dir(tiny_model)
+    batch, prefixes = _packed(md, range(6))
+    lengths = [len(prefixes[name]) for name in batch.prefixes]
+    rows = [(sum(lengths[:j]), n) for j, n in enumerate(lengths)]
+    plan = tplan.tile_plan(batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, 16,
+                           rows=batch.readout_index if readout else None)
+    pos, blocks = batch.positions, batch.token_block
+    seen = 0
+    for rec in plan.tiles:
+        q_off, n_q, n_keys, n_pre, _, n_r = rec[:6]
+        a_pos, a_end, a_shift = rec[tplan.OPEN:tplan.OPEN + 3]
+        queries = plan.q_rows[q_off:q_off + n_q]
+        ranges = [tuple(rec[8 + 3 * r: 11 + 3 * r]) for r in range(n_r)]
+        longest = max(ranges, key=lambda r: r[2])
+        assert (a_pos, a_shift) == (longest[0], longest[1] - longest[0])
+        assert a_pos >= n_pre and a_end <= min(longest[0] + longest[2], pos[queries].min() + 1)
+        tokens = np.arange(a_pos, a_end) + a_shift
+        assert (pos[tokens] == np.arange(a_pos, a_end)).all()
+        assert len(set(blocks[tokens])) <= 1  # one block's run of rows
+        seen += max(0, a_end - a_pos)
+    assert seen > 0
+
+
 def test_rope_twin_stores_the_rotated_k_and_the_v_of_filled_tokens():
     """The state cache's fill (backends/torch/forward.py `fill_plan`): RoPE writes a token's K after rotation
     and its V to its pool row; other rows and the rotation itself stay as without a fill."""

@@ -43,7 +43,7 @@ def compile_kernel(module, block_m: int, warps: int, stages: int, compact: bool)
     fn = module._tree_attn_kernel
     params = list(inspect.signature(fn.fn).parameters)
     const = dict(N_HEADS=16, REP=8, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=64, NPROG=528, COMPACT=compact,
-                 IEEE=False, REC=64, RANGES=32, CHUNK=4096, SLICE=32, FAST=True)
+                 IEEE=False, REC=64, RANGES=32, CHUNK=4096, SLICE=32, OPEN=59)
     const = {k: v for k, v in const.items() if k in params}
     sig = {p: TYPES.get(p, "constexpr") for p in params}
     missing = [p for p in params if sig[p] == "constexpr" and p not in const and

@@ -50,7 +50,6 @@ LETTER_CAP = 16
 # the attention's split slots per SM: a split tile takes a slot per chunk (a state-cache hit of 5 questions about an
 # 18k-token document: 45 tiles of ~5 chunks on an H200's 264), a tiling of more rows never splits
 SPLIT_SLOTS_PER_SM = 2
-SPLIT_ROWS = 128
 
 
 def last_cap(r_cap: int) -> int:
@@ -158,7 +157,7 @@ class Forward:
         sms = self.ops.num_sms(torch.device(self.b.device).index or 0)
         nprog, split_slots, n_kv = 4 * sms, SPLIT_SLOTS_PER_SM * sms, cfg.num_key_value_heads
         # only tilings of at most SPLIT_ROWS rows split (a wider one runs forwards of many tiles)
-        need = max(self.ops.Scratch.needs(t[0], nprog, split_slots if t[0] <= SPLIT_ROWS else 0, n_kv)
+        need = max(self.ops.Scratch.needs(t[0], nprog, split_slots if t[0] <= tplan.SPLIT_ROWS else 0, n_kv)
                    for t in tilings)
         scratch = self.ops.Scratch(self.b.device, n_kv, cfg.head_dim, need, split_slots, nprog)
         self.report["attention_scratch_mb"] = round(scratch.nbytes() / 1e6, 1)
@@ -168,7 +167,7 @@ class Forward:
         """`plan` with its long tiles split into chunk records where they would leave the device idle (at most
         `cap` records and the scratch's slots for `block_m`-row tiles; the same bits either way). The twins take
         plans as they are."""
-        if self.scratch is None or block_m > SPLIT_ROWS:
+        if self.scratch is None or block_m > tplan.SPLIT_ROWS:
             return plan
         sc, n_kv = self.scratch, self.b.config.num_key_value_heads
         slots = min(sc.split_slots, (sc.rows // block_m - 2 * sc.nprog) // n_kv)
