@@ -20,7 +20,7 @@ One record of `RECORD` int32 per tile:
   [59] a_pos  [60] a_end  [61] a_shift: the tile's open range, the longest range of its chain, from key
               position a_pos up to a_end (its end, or past the tile's first query: keys every query of the tile
               sees); a key p there is token p + a_shift. Its whole key tiles load without the range lookup and
-              without the select (kernels.py), as a cached prefix's do.
+              without the select (kernels.py), as a cached prefix's do. NO_OPEN twice where it would be short.
 
 Chunks: a query reduces its keys in chunks of CHUNK_KEYS positions (0..C-1, C..2C-1, ...), each an online
 softmax of its own, merged in chunk order (kernels.py `_merge`); a query with at most C keys is one chunk and
@@ -41,6 +41,11 @@ from basal_local.backends.host import block_bounds, block_chains
 RECORD = 64
 MAX_RANGES = (RECORD - 8 - 3) // 3  # 17 blocks deep (the packer stops at 8); words 59-61: the open range
 OPEN = RECORD - 5  # word of the open range's first position (then its end, then its shift)
+# an open range shorter than this many keys is left out (a third key loop costs more than its few tiles gain: 32
+# prompts of 200 tokens ran their attention ~20 % slower with it); NO_OPEN marks none (every key loop bound then
+# falls back to the tile's: kernels.py)
+OPEN_MIN_KEYS = 640
+NO_OPEN = 1 << 30
 # key positions per chunk (a multiple of every tiling's BLOCK_N): a state-cache hit's ~18k cached keys are 5 chunks
 CHUNK_KEYS = 4096
 # tilings of at most this many rows split tiles (a wider one runs forwards of many tiles; its kernel leaves it out)
@@ -112,6 +117,7 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
     # every query of a tile sees the open range up to its first query (a tile's queries are one block's, in order;
     # an ancestor's range ends before the block starts, so only the tile's own block's range is cut)
     tiles[:, OPEN + 1] = np.minimum(tiles[:, OPEN + 1], pos[q_rows[q_off]] + 1)
+    tiles[tiles[:, OPEN + 1] - tiles[:, OPEN] < OPEN_MIN_KEYS, OPEN:OPEN + 2] = NO_OPEN
     # the longest tiles first: a persistent grid then ends evenly (the order never changes a result)
     tiles = tiles[np.argsort(-tiles[:, 2], kind="stable")]
     return TilePlan(np.ascontiguousarray(tiles), q_rows.astype(np.int32))

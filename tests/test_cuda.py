@@ -272,15 +272,13 @@ def test_cuda_bitwise_batch_invariance(small_model, dtype, gemm):
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_cuda_alternative_attention_tiling_gives_the_same_bits(small_model, dtype):
-    """The 128-query / 8-warp attention tiling that small graphs use and the 256-query / 16-warp one of long eager
-    forwards passed their load-time check (same bits as 64 / 4 warps), and a forward gives the same letter logits
-    with the first and without it."""
-    from basal_local.backends.torch.forward import ALT_TILING, LONG_TILING
+    """The 128-query / 8-warp attention tiling that small graphs and long eager forwards use passed its load-time
+    check (same bits as 64 / 4 warps), and a forward gives the same letter logits with it and without it."""
+    from basal_local.backends.torch.forward import ALT_TILING
 
     md, backend, prefixes = loaded(small_model, "cuda", dtype)
     fast = backend.fwd
     assert fast.alt_tiling == ALT_TILING, fast.report.get("attention_alt_tiling")
-    assert fast.long_tiling == LONG_TILING, fast.report.get("attention_long_tiling")
     specs = [s for seed in range(3) for s in random_specs(md, random.Random(seed))]
     packs = [pack_prompts(specs[:2], prefixes), pack_prompts(specs, prefixes)]
     with_alt = [readout_logits(backend, p) for p in packs]
@@ -292,19 +290,19 @@ def test_cuda_alternative_attention_tiling_gives_the_same_bits(small_model, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_long_tiling_gives_the_default_bits_on_a_long_tree(dtype):
-    """A document of 3,000 tokens after a cached template and three questions off it, at the 4.5B model's heads:
-    the tree kernel writes the same bits with the 256-query tiling as with the default one, every row and the
-    readout rows."""
-    from basal_local.backends.torch.forward import LONG_TILING
+def test_cuda_alternative_tiling_gives_the_default_bits_on_a_long_tree(dtype):
+    """A document of 5,000 tokens (two chunks of keys, an open range) after a cached template and three questions
+    off it, at the 4.5B model's heads: the tree kernel writes the same bits with the 128-query tiling as with the
+    default one, every row and the readout rows."""
+    from basal_local.backends.torch.forward import ALT_TILING
     from basal_local.cuda_kernels import plan as tplan
     from basal_local.cuda_kernels import triton_kernels
 
     kernels = triton_kernels()
-    hq, hkv, d, n_pre, sizes = 16, 2, 128, 60, (3000, 119, 119, 40)
+    hq, hkv, d, n_pre, sizes = 16, 2, 128, 60, (5000, 119, 119, 40)
     token_block = np.repeat(np.arange(4, dtype=np.int32), sizes)
-    positions = np.concatenate([np.arange(n_pre, n_pre + 3000)] +
-                               [np.arange(n_pre + 3000, n_pre + 3000 + n) for n in sizes[1:]]).astype(np.int64)
+    positions = np.concatenate([np.arange(n_pre, n_pre + 5000)] +
+                               [np.arange(n_pre + 5000, n_pre + 5000 + n) for n in sizes[1:]]).astype(np.int64)
     parents, prefix = np.array([-1, 0, 0, 0], np.int32), np.array([0, -1, -1, -1], np.int32)
     readout = np.cumsum(sizes) - 1
     t = len(positions)
@@ -315,7 +313,7 @@ def test_cuda_long_tiling_gives_the_default_bits_on_a_long_tree(dtype):
     pos = torch.from_numpy(positions.astype(np.int32)).cuda()
     for rows in (None, readout):
         outs = []
-        for tiling in (DEFAULT_TILING, LONG_TILING):
+        for tiling in (DEFAULT_TILING, ALT_TILING):
             p = tplan.tile_plan(positions, token_block, parents, prefix, [(0, n_pre)],
                                 kernels.queries_per_tile(tiling[0], hq, hkv), rows=rows)
             out = torch.full((t if rows is None else len(rows), hq * d), float("nan"), dtype=dtype, device="cuda")

@@ -8,7 +8,7 @@ Shapes (4.5B heads: 16 query heads, 2 K/V heads, head_dim 128, f16): `hit`, the 
 option orders (593 tokens) after a 17,934-row cached document (a state-cache hit; its tiles split into chunk
 work items as a forward splits them); `last`, the hit's last layer (its readout rows only); `fresh`, the same
 document (17,876 tokens after a 58-token template) and questions computed at once; `short32`, 32 prompts of 200
-tokens after a 60-token template. Per shape and tiling: median ms of 30 launches (CUDA events) and, with a
+tokens after a 60-token template. Per shape and tiling (the forward's default and alternative): median ms of 30 launches (CUDA events) and, with a
 reference kernel file, its median and whether the outputs are bitwise equal. Checks, with the same random K/V:
 the hit's rows split and not, and the hit against the fresh computation's question rows (bitwise: a state-cache
 hit changes no bit), and the tilings against each other.
@@ -28,7 +28,7 @@ import os
 import numpy as np
 import torch
 
-from basal_local.backends.torch.forward import ALT_TILING, LONG_TILING
+from basal_local.backends.torch.forward import ALT_TILING
 from basal_local.backends.torch.options import DEFAULT_TILING
 from basal_local.cuda_kernels import plan as tplan
 from basal_local.cuda_kernels import triton_kernels
@@ -133,8 +133,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("reference", nargs="?", help="another kernels.py (its plan import made absolute)")
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--tilings", type=tilings, help="BLOCK_MxBLOCK_NxWARPSxSTAGES,... instead of the forward's three "
-                    "(fresh: the alternative and the long one; the rest: the default and the alternative)")
+    ap.add_argument("--tilings", type=tilings, help="BLOCK_MxBLOCK_NxWARPSxSTAGES,... instead of the forward's two "
+                    "(the default and the alternative)")
     a = ap.parse_args()
     if DEV == "cuda" and not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and Triton): run it on the device machine, or DEV=cpu TRITON_INTERPRET=1")
@@ -146,10 +146,10 @@ def main() -> None:
         spec.loader.exec_module(ref)
     sms = new.num_sms(0) if DEV == "cuda" else 8
     programs = sms if DEV == "cuda" else 10**6  # split as a forward on this GPU would; the smoke test: every tile
-    small = {DEFAULT_TILING: (8, 64, 4, 2), ALT_TILING: (16, 64, 4, 2), LONG_TILING: (32, 64, 4, 2)}
+    small = {DEFAULT_TILING: (8, 64, 4, 2), ALT_TILING: (16, 64, 4, 2)}
     size = (lambda t: small.get(t, t)) if SMALL else (lambda t: t)
     chosen = [size(t) for t in a.tilings] if a.tilings else None
-    rows = max(size(t)[0] for t in (a.tilings or [LONG_TILING]))
+    rows = max(size(t)[0] for t in (a.tilings or [ALT_TILING]))
     scratch = new.Scratch(DEV, HKV, D, new.Scratch.needs(rows, 4 * sms, 4 * sms, HKV), 4 * sms, 4 * sms)
     shapes = Shapes()
     res: dict[str, dict] = {}
@@ -160,8 +160,7 @@ def main() -> None:
         print(key, value, flush=True)
 
     for name, shape in shapes.all.items():
-        plain = [size(DEFAULT_TILING), size(ALT_TILING)] if name != "fresh" else [size(ALT_TILING), size(LONG_TILING)]
-        for tiling in chosen or plain:
+        for tiling in chosen or [size(DEFAULT_TILING), size(ALT_TILING)]:
             tk = "x".join(map(str, tiling))
             try:
                 out, ms = attend(new, shape, tiling, programs, scratch)

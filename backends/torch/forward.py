@@ -42,9 +42,6 @@ LT_SIZES = tuple(sorted({s for s in TOKEN_BUCKETS if s <= TIMED_MAX} | set(READO
 # where it is faster (docs/CUDA_NOTES.md); used only where it gives the default tiling's bits on this device
 ALT_TILING = (128, 64, 8, 3)
 ALT_MAX_TOKENS = 1024
-# and a third for eager forwards past the largest graph (a long document: its attention ~17 % faster than the
-# 128-query tiling's on an H200, docs/CUDA_NOTES.md), on the same condition
-LONG_TILING = (256, 64, 16, 2)
 # letter columns of the logits (the most letters a batch can ask: protocol LETTERS has 10)
 LETTER_CAP = 16
 # the attention's split slots per SM: a split tile takes a slot per chunk (a state-cache hit of 5 questions about an
@@ -82,10 +79,8 @@ class Forward:
             self.linear = self._verified()
         self.tiling = tuple(options.attention_tiling) if self.use_triton else (64, 64, 4, 2)
         alt = self.use_triton and options.attention_alt_tiling and backend.dtype != torch.float32
-        self.scratch = self._scratch((self.tiling, ALT_TILING, LONG_TILING) if alt else (self.tiling,)) \
-            if self.use_triton else None
+        self.scratch = self._scratch((self.tiling, ALT_TILING) if alt else (self.tiling,)) if self.use_triton else None
         self.alt_tiling = self._pick_alt_tiling() if alt else None
-        self.long_tiling = self._pick_alt_tiling(LONG_TILING, "attention_long_tiling") if alt else None
         self.prefix_rows: dict[str, tuple[int, int]] = {}  # cached prefix -> (pool row, length)
         self.prefix_k: list[torch.Tensor] = []
         self.prefix_v: list[torch.Tensor] = []
@@ -178,16 +173,9 @@ class Forward:
         return self.alt_tiling is not None and (tokens <= ALT_MAX_TOKENS or tokens > TOKEN_BUCKETS[-1])
 
     def tiling_for(self, tokens: int) -> tuple[int, int, int, int]:
-        """The attention tiling of a forward of `tokens`: the long one past the largest graph, the alternative
-        one where `alt`, else the default (all of them the default's bits)."""
-        if tokens > TOKEN_BUCKETS[-1] and self.long_tiling is not None:
-            return self.long_tiling
+        """The attention tiling of a forward of `tokens`: the alternative one where `alt`, else the default
+        (both the default's bits)."""
         return self.alt_tiling if self.alt_tiling is not None and self.alt(tokens) else self.tiling
-
-    def last_tiling(self, tokens: int) -> tuple[int, int, int, int]:
-        """The last layer's tiling (its readout tiles hold one query: the widest tiling would add rows only)."""
-        tiling = self.tiling_for(tokens)
-        return (self.alt_tiling or self.tiling) if tiling is self.long_tiling else tiling
 
     def block_m(self, tokens: int) -> int:
         """Queries per tile of the plan: the kernel's rows are (query, head) pairs of one K/V head's query heads
@@ -311,7 +299,7 @@ class Forward:
         if full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
         full = self.split(full, tile_cap, self.tiling_for(size)[0])
-        last = self.split(last, last_cap(r_cap), self.last_tiling(size)[0])
+        last = self.split(last, last_cap(r_cap), self.tiling_for(size)[0])
         layout, total = self.layout(size, tile_cap, r_cap)
         if buf is None:
             buf = np.zeros(total, dtype=np.int32)
@@ -351,7 +339,7 @@ class Forward:
             (v["tiles"], v["qrows"], v["nt"])
         rows = q_rows.shape[0] if last else t
         if self.use_triton:
-            tiling = self.last_tiling(t) if last else self.tiling_for(t)
+            tiling = self.tiling_for(t)
             # as tall as the o projection's library call (padded_rows): the rows past `rows` are never read back
             layer = self.b.layers[i]
             out = torch.empty(self.padded_rows(rows, layer.o_proj_weight, layer.o_proj_bias), width,
