@@ -127,6 +127,28 @@ def test_a_dead_replica_leaves_the_rotation_and_nothing_is_lost(replica_set, tin
     assert replica_set.replicas[1].batches == 0
 
 
+def test_a_round_routed_to_a_replica_as_it_dies_goes_to_a_live_one(replica_set):
+    """The moment between routing and queueing: the chosen replica died and drained its lanes (its jobs went
+    elsewhere); a round that reaches it then is routed again, not failed with `EngineStopped`."""
+    dying = replica_set.replicas[1]
+    with replica_set._lock:
+        replica_set.dead.add(1)
+    for lane in dying.lanes():
+        lane.drain()
+    route, routed = replica_set._route, []
+
+    def first_to_the_dying(plan):  # the first routing happened just before the replica died
+        if routed:
+            return route(plan)
+        routed.append(plan)
+        return dying, plan.prompt_specs(), None
+
+    replica_set._route = first_to_the_dying
+    outcome = replica_set.submit(plans(replica_set, 1)[0]).result(WAIT)
+    assert isinstance(outcome, Outcome) and len(routed) == 1
+    assert replica_set.replicas[0].batches == 1 and dying.batches == 0
+
+
 def test_a_batch_that_fails_on_a_working_device_fails_alone(replica_set):
     replica_set.replicas[0].backend.poison_batches.set()
     replica_set.replicas[1].backend.poison_batches.set()

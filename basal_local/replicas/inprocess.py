@@ -21,7 +21,7 @@ from ..engine.engine import ModelEngine
 from ..engine.plan import RequestPlan
 from ..engine.protocol import EngineUnavailable
 from ..engine.requests import RoundResult, run_request
-from ..engine.scheduler import Job
+from ..engine.scheduler import EngineStopped, Job
 from ..model.directory import ModelDir
 from ..protocol.outcome import Outcome
 from ..protocol.questions import DecisionRequest
@@ -91,7 +91,12 @@ class ReplicaSet:
             future.set_exception(EngineUnavailable(f"no replica of {self.model.name} is serving: every device "
                                                    "failed (the daemon's log says why); restart the daemon", 30))
             return future
-        return engine.submit_round(plan, is_cancelled, request_id, specs, tokens)
+        future = engine.submit_round(plan, is_cancelled, request_id, specs, tokens)
+        if future.done() and isinstance(future.exception(), EngineStopped) and engine.replica in self.dead:
+            # routed in the moment the replica died (its lanes drained before the job reached them): the round
+            # goes to the live replicas instead of failing
+            return self._submit_round(plan, is_cancelled, request_id)
+        return future
 
     def memory(self) -> dict[str, int]:
         return self.replicas[-1].memory()  # the last replica's view of its device
