@@ -10,7 +10,7 @@ turn them into what they read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,18 @@ FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
 NORMS = ("input_layernorm", "post_attention_layernorm")
 LAYER_SLOTS = NORMS + tuple(f"{name}_{kind}" for name in FUSED for kind in ("weight", "bias"))
+
+
+def tree_tokens(n_pre: int, sizes: Sequence[int], parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, block of each token, parent of each block) of blocks of these sizes after a cached prefix of
+    n_pre rows, each block's positions continuing its parent's (parents precede children): a tree to test or
+    time the tree attention on."""
+    token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+    starts: list[int] = []
+    for n_par in parents:
+        starts.append(n_pre if n_par < 0 else starts[n_par] + sizes[n_par])
+    positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, sizes)]).astype(np.int64)
+    return positions, token_block, np.array(parents, np.int32)
 
 
 def block_bounds(token_block: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from basal_local.backends.host import tree_tokens
 from basal_local.backends.torch.options import DEFAULT_TILING, TorchOptions
 from basal_local.engine.packer import pack_prompts
 from basal_local.model import load_model_dir
@@ -139,15 +140,6 @@ def test_cuda_tree_kernel_matches_twin(small_model):
             assert err <= bound
 
 
-def _tree(n_pre: int, sizes: tuple, parents: tuple) -> tuple:
-    token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-    starts, pos = {}, []
-    for b, (n, par) in enumerate(zip(sizes, parents)):
-        starts[b] = n_pre if par < 0 else starts[par] + sizes[par]
-        pos.append(np.arange(starts[b], starts[b] + n))
-    return np.concatenate(pos).astype(np.int64), token_block, np.array(parents, np.int32)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_split_chunks_give_the_bits_of_one_program(dtype):
     """Keys reduced in chunks of CHUNK_KEYS positions (cuda_kernels/plan.py): a tile split into a work item per
@@ -162,8 +154,8 @@ def test_cuda_split_chunks_give_the_bits_of_one_program(dtype):
     hq, hkv, d = 16, 2, 128
     template, doc = 40, 2 * tplan.CHUNK_KEYS + 700  # three chunks
     sizes, parents = (24, 29, 29, 18, 77, 77, 41), (-1, 0, 0, -1, 3, 3, -1)
-    miss_tree = _tree(template, (doc,) + sizes, (-1,) + tuple(p + 1 if p >= 0 else 0 for p in parents))
-    hit_tree = _tree(template + doc, sizes, parents)
+    miss_tree = tree_tokens(template, (doc,) + sizes, (-1,) + tuple(p + 1 if p >= 0 else 0 for p in parents))
+    hit_tree = tree_tokens(template + doc, sizes, parents)
     g = torch.Generator(device="cuda").manual_seed(3)
     n = len(miss_tree[0])
     q = torch.randn(n, hq, d, device="cuda", generator=g).to(dtype)
@@ -300,10 +292,8 @@ def test_cuda_alternative_tiling_gives_the_default_bits_on_a_long_tree(dtype):
 
     kernels = triton_kernels()
     hq, hkv, d, n_pre, sizes = 16, 2, 128, 60, (5000, 119, 119, 40)
-    token_block = np.repeat(np.arange(4, dtype=np.int32), sizes)
-    positions = np.concatenate([np.arange(n_pre, n_pre + 5000)] +
-                               [np.arange(n_pre + 5000, n_pre + 5000 + n) for n in sizes[1:]]).astype(np.int64)
-    parents, prefix = np.array([-1, 0, 0, 0], np.int32), np.array([0, -1, -1, -1], np.int32)
+    positions, token_block, parents = tree_tokens(n_pre, sizes, (-1, 0, 0, 0))
+    prefix = np.array([0, -1, -1, -1], np.int32)
     readout = np.cumsum(sizes) - 1
     t = len(positions)
     g = torch.Generator(device="cuda").manual_seed(11)

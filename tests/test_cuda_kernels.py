@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from basal_local.api.systemone import validate_systemone
+from basal_local.backends import host
 from basal_local.backends.torch.options import TorchOptions
 from basal_local.cuda_kernels import gemm, twins
 from basal_local.cuda_kernels import plan as tplan
@@ -526,6 +527,14 @@ def test_a_dropped_backend_is_freed_without_the_garbage_collector(tiny_model):
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+def test_tree_tokens_continue_each_parent():
+    """backends/host.tree_tokens, the trees the GPU checks and tools/attn_bench.py build: a root continues the
+    cached prefix, a child its parent, each block's tokens in order."""
+    positions, blocks, parents = host.tree_tokens(3, (2, 1, 2, 1), (-1, 0, -1, 2))
+    assert positions.tolist() == [3, 4, 5, 3, 4, 5] and blocks.tolist() == [0, 0, 1, 2, 2, 3]
+    assert parents.tolist() == [-1, 0, -1, 2] and parents.dtype == np.int32 and positions.dtype == np.int64
 
 
 def _long_tiles(n_tiles: int, keys: list[int]) -> tplan.TilePlan:

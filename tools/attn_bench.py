@@ -28,6 +28,7 @@ import os
 import numpy as np
 import torch
 
+from basal_local.backends.host import tree_tokens
 from basal_local.backends.torch.forward import ALT_TILING
 from basal_local.backends.torch.options import DEFAULT_TILING
 from basal_local.cuda_kernels import plan as tplan
@@ -41,16 +42,6 @@ HIT_SIZES = (24, 29, 29, 18, 77, 77, 1, 21, 50, 50, 17, 58, 58, 26, 29, 29)  # a
 HIT_PARENTS = (-1, 0, 0, -1, 3, 3, -1, 6, 7, 7, 6, 10, 10, -1, 13, 13)
 
 
-def tree(n_pre: int, sizes: tuple[int, ...], parents: tuple[int, ...]) -> tuple:
-    """(positions, block of each token, parent of each block): blocks after a cached prefix of n_pre rows."""
-    token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-    starts, pos = {}, []
-    for b, (n, par) in enumerate(zip(sizes, parents)):
-        starts[b] = n_pre if par < 0 else starts[par] + sizes[par]
-        pos.append(np.arange(starts[b], starts[b] + n))
-    return np.concatenate(pos).astype(np.int64), token_block, np.array(parents, np.int32)
-
-
 class Shapes:
     """The four shapes on one set of random K/V: the hit's pool holds the fresh forward's document rows."""
 
@@ -59,18 +50,18 @@ class Shapes:
         rnd = lambda *shape: torch.randn(*shape, device=DEV, generator=g).to(DT)  # noqa: E731
         template, self.doc = (58, 300) if SMALL else (58, 17876)
         parents = (-1,) + tuple(p + 1 if p >= 0 else 0 for p in HIT_PARENTS)
-        fresh = tree(template, (self.doc,) + HIT_SIZES, parents)
+        fresh = tree_tokens(template, (self.doc,) + HIT_SIZES, parents)
         n = len(fresh[0])
         q, k, v = rnd(n, HQ, D), rnd(n, HKV, D), rnd(n, HKV, D)
         pk, pv = rnd(template, HKV, D), rnd(template, HKV, D)
-        hit = tree(template + self.doc, HIT_SIZES, HIT_PARENTS)
+        hit = tree_tokens(template + self.doc, HIT_SIZES, HIT_PARENTS)
         d = self.doc
         hit_qkv = (q[d:].contiguous(), k[d:].contiguous(), v[d:].contiguous())
         hit_pool = (torch.cat([pk, k[:d]]), torch.cat([pv, v[:d]]))
         leaves = [b for b in range(len(HIT_SIZES)) if b not in HIT_PARENTS]
         self.readouts = np.cumsum(HIT_SIZES)[leaves] - 1
         n_short = 2 if SMALL else 32
-        short = tree(60, (200,) * n_short, (-1,) * n_short)
+        short = tree_tokens(60, (200,) * n_short, (-1,) * n_short)
         s = len(short[0])
         self.all = {"hit": (hit, hit_qkv, hit_pool, template + d, None),
                     "last": (hit, hit_qkv, hit_pool, template + d, self.readouts),
@@ -80,9 +71,9 @@ class Shapes:
 
 
 def attend(kernels, shape: tuple, tiling: tuple, programs: int, scratch=None, split: bool = True,
-           reps: int = 30, scratch_programs: int = 528) -> tuple[torch.Tensor, float]:
+           reps: int = 30, nprog: int | None = None) -> tuple[torch.Tensor, float]:
     """Output and median ms of `reps` launches; `split`: the tiles split as a forward on `programs` SMs splits
-    them (only kernels with chunked keys, which take a `scratch`)."""
+    them (only kernels with chunked keys, which take a `scratch`; a kernel before them takes `nprog` programs)."""
     (positions, token_block, parents), qkv, pool, n_pre, rows = shape
     p = tplan.tile_plan(positions, token_block, parents, np.zeros(len(parents), np.int32), [(0, n_pre)],
                         max(1, tiling[0] // (HQ // HKV)), rows=rows)
@@ -96,7 +87,7 @@ def attend(kernels, shape: tuple, tiling: tuple, programs: int, scratch=None, sp
     if scratch is not None:
         kw.update(scratch=scratch, chunk=CHUNK)
     else:
-        kw.update(nprog=scratch_programs)
+        kw.update(nprog=nprog)
     kernels.tree_attention(*args, **kw)
     first = out.clone()
     times = []
@@ -175,7 +166,7 @@ def main() -> None:
                 row.update(unsplit_ms=round(whole_ms, 4), split_bitwise_unsplit=bool(torch.equal(out, whole)))
             if ref is not None:
                 base, ref_ms = attend(ref, shape, tiling, programs, getattr(ref, "Scratch", None) and scratch,
-                                      scratch_programs=4 * sms)
+                                      nprog=4 * sms)
                 row.update(reference_ms=round(ref_ms, 4), speedup=round(ref_ms / ms, 3) if ms else None,
                            bitwise_reference=bool(torch.equal(out, base)))
             note(f"{name} {tk}", row)

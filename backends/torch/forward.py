@@ -149,7 +149,7 @@ class Forward:
         """The attention's scratch (kernels.Scratch) for these tilings: a tile of more than one chunk of keys
         merges its chunks there, and a split tile's chunks leave their partials there (cuda_kernels/plan.py)."""
         cfg = self.b.config
-        sms = self.ops.num_sms(torch.device(self.b.device).index or 0)
+        self.sms = sms = self.ops.num_sms(torch.device(self.b.device).index or 0)
         nprog, split_slots, n_kv = 4 * sms, SPLIT_SLOTS_PER_SM * sms, cfg.num_key_value_heads
         # only tilings of at most SPLIT_ROWS rows split (a wider one runs forwards of many tiles)
         need = max(self.ops.Scratch.needs(t[0], nprog, split_slots if t[0] <= tplan.SPLIT_ROWS else 0, n_kv)
@@ -166,7 +166,7 @@ class Forward:
             return plan
         sc, n_kv = self.scratch, self.b.config.num_key_value_heads
         slots = min(sc.split_slots, (sc.rows // block_m - 2 * sc.nprog) // n_kv)
-        return tplan.split_tiles(plan, n_kv, sc.nprog // 4, cap, slots)[0]  # nprog // 4: the device's SMs
+        return tplan.split_tiles(plan, n_kv, self.sms, cap, slots)[0]
 
     def alt(self, tokens: int) -> bool:
         """Whether a forward of `tokens` (its graph size, or its length when eager) runs the alternative tiling."""
@@ -191,13 +191,8 @@ class Forward:
         default tiling and with `tiling`, every row and the readout rows: bit for bit the same?"""
         cfg, dev, dt = self.b.config, self.b.device, self.b.dtype
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        n_pre, sizes, parents = 40, (200, 70, 70, 50), (-1, 0, 0, 1)
-        token_block = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-        starts, pos = {}, []
-        for b, (n, par) in enumerate(zip(sizes, parents)):
-            starts[b] = n_pre if par < 0 else starts[par] + sizes[par]
-            pos.append(np.arange(starts[b], starts[b] + n))
-        positions = np.concatenate(pos).astype(np.int64)
+        n_pre, sizes = 40, (200, 70, 70, 50)
+        positions, token_block, parents = host.tree_tokens(n_pre, sizes, (-1, 0, 0, 1))
         t = len(positions)
         readout = np.cumsum(sizes) - 1
         g = torch.Generator(device=dev).manual_seed(1234)
@@ -208,8 +203,7 @@ class Forward:
         outs: dict[tuple, torch.Tensor] = {}
         for rows in (None, readout):
             for name, til in (("default", self.tiling), ("alt", tiling)):
-                p = tplan.tile_plan(positions, token_block, np.array(parents, np.int32),
-                                    np.array([0, -1, -1, -1], np.int32), [(0, n_pre)],
+                p = tplan.tile_plan(positions, token_block, parents, np.array([0, -1, -1, -1], np.int32), [(0, n_pre)],
                                     max(1, til[0] // (hq // hkv)), rows=rows)
                 out = torch.zeros(t if rows is None else len(rows), hq * d, dtype=dt, device=dev)
                 self.ops.tree_attention(q, k, v, pk, pv, pos_d, torch.from_numpy(p.tiles).to(dev),
