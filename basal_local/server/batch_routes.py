@@ -142,6 +142,12 @@ async def list_files(request: Request) -> Response:
     return _json(200, _store(request).list_files(after, limit, request.query_params.get("purpose")))
 
 
+def _path_param(request: Request, name: str) -> str:
+    """A path parameter read from the request, as events.py does: a handler argument named after it would be an
+    inferred path parameter, which litestar deprecates (a warning from 2.25 on)."""
+    return str(request.path_params[name])
+
+
 def _file_or_404(store: Store, file_id: str) -> dict[str, Any]:
     record = store.get_file(file_id)
     if record is None:
@@ -150,7 +156,8 @@ def _file_or_404(store: Store, file_id: str) -> dict[str, Any]:
 
 
 @get("/v1/files/{file_id:str}")
-async def get_file(request: Request, file_id: str) -> Response:
+async def get_file(request: Request) -> Response:
+    file_id = _path_param(request, "file_id")
     try:
         return _json(200, _file_or_404(_store(request), file_id))
     except BatchApiError as exc:
@@ -158,7 +165,8 @@ async def get_file(request: Request, file_id: str) -> Response:
 
 
 @get("/v1/files/{file_id:str}/content")
-async def file_content(request: Request, file_id: str) -> Response:
+async def file_content(request: Request) -> Response:
+    file_id = _path_param(request, "file_id")
     store = _store(request)
     try:
         _file_or_404(store, file_id)
@@ -168,7 +176,8 @@ async def file_content(request: Request, file_id: str) -> Response:
 
 
 @delete("/v1/files/{file_id:str}", status_code=200)
-async def delete_file(request: Request, file_id: str) -> Response:
+async def delete_file(request: Request) -> Response:
+    file_id = _path_param(request, "file_id")
     store = _store(request)
     for record in store.all_batches():
         if record["input_file_id"] == file_id and record["status"] not in TERMINAL:
@@ -244,7 +253,8 @@ async def list_batches(request: Request) -> Response:
 
 
 @get("/v1/batches/{batch_id:str}")
-async def get_batch(request: Request, batch_id: str) -> Response:
+async def get_batch(request: Request) -> Response:
+    batch_id = _path_param(request, "batch_id")
     record = _store(request).batch(batch_id)
     if record is None:
         return _error(BatchApiError(404, "BATCH_NOT_FOUND", f"no batch {batch_id}"))
@@ -252,7 +262,8 @@ async def get_batch(request: Request, batch_id: str) -> Response:
 
 
 @post("/v1/batches/{batch_id:str}/cancel", status_code=200)
-async def cancel_batch(request: Request, batch_id: str) -> Response:
+async def cancel_batch(request: Request) -> Response:
+    batch_id = _path_param(request, "batch_id")
     store = _store(request)
     with store.lock:
         record = store.batch(batch_id)
