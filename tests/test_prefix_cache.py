@@ -431,6 +431,37 @@ def test_a_known_documents_text_is_not_tokenized_again(tiny_model):
     assert one == [tok.encode(f"<s>{doc} another question? A or B")]
 
 
+def test_a_known_document_before_new_tails_is_neither_tokenized_nor_copied_again(tiny_model):
+    """`encode_after(head, tails)`: ids exactly `encode(head + tail)`, the first time and again with other tails;
+    the second time only the tails and the head's last words reach the tokenizer. Tails that share a leading
+    space make the whole head the kept text; tails without a space after it cannot continue it."""
+    tok = load_model_dir(tiny_model).tokenizer
+    seen: list[int] = []
+    run = tok._run
+    tok._run = lambda texts: seen.append(max(len(t) for t in texts)) or run(texts)
+    try:
+        for doc, tails in ((91, [f" question {q}: which? A or B" for q in range(2)]),
+                           (92, [f" question {q}: which?" for q in range(2)] + [f"\n\nPytanie {q}: zażółć?"
+                                                                                for q in range(2)])):
+            head = "<s>" + document(doc, words=600)
+            first, shared = tok.encode_after(head, tails, remember=len(head))
+            assert first == [tok.encode(head + t) for t in tails] and shared > 0
+            for others, known in (([f" other {q}?" for q in range(3)], True), ([" one more?"], True),
+                                  ([f"\nOther {q}?" for q in range(3)], doc == 92)):
+                seen.clear()
+                again, shared = tok.encode_after(head, others)
+                assert again == [tok.encode(head + t) for t in others]
+                assert all(a[:shared] == again[0][:shared] for a in again)
+                assert (max(seen) < 200) == known  # known: the tails and the head's last words, not the document
+    finally:
+        tok._run = run
+    tok._splits = False  # a vocabulary without exact cuts: every prompt whole, the same ids
+    try:
+        assert tok.encode_after(head, tails)[0] == [tok.encode(head + t) for t in tails]
+    finally:
+        tok._splits = True
+
+
 def test_worker_processes_route_a_request_to_the_worker_that_was_sent_its_document(tiny_model):
     """Two documents at once go to the two workers (the second finds the first busy); the next question about
     each goes back to the worker that computed it, where routing by queued tokens alone would send both to

@@ -25,7 +25,7 @@ from ..protocol.large_choice import finalists, fit_joint, groups
 from ..protocol.multi import branch_options, branch_question, multi_answer
 from ..protocol.outcome import Outcome, QuestionOutcome
 from ..protocol.questions import DecisionRequest, Question, detect_language
-from ..protocol.render import kept_head, orders, prompt_tail, render_question
+from ..protocol.render import kept_head, orders, prompt_tail, question_tails
 from ..protocol.tools import tool_answer
 from .packer import PromptSpec, SharedHead, TrieSizer
 
@@ -34,12 +34,14 @@ UnitKey = tuple[str, str, int]  # (question id, role, index)
 
 @dataclass
 class QuestionPlan:
-    """One readout unit: a question (or a branch/group of one) in one or two option orders."""
+    """One readout unit: a question (or a branch/group of one) in one or two option orders. Each order's prompt
+    is `head` (template + state, one string per language of a request) and its tail."""
 
     question: Question
     lang: str
     perms: list[list[int]]
-    prompts: list[str]
+    head: str
+    tails: list[str]
     token_ids: list[list[int]]
     letter_ids: list[int]
     role: str = "main"  # main | branch (multi label) | group (large choice, round 1) | final (round 2)
@@ -49,6 +51,11 @@ class QuestionPlan:
     @property
     def key(self) -> UnitKey:
         return (self.question.qid, self.role, self.index)
+
+    @property
+    def prompts(self) -> list[str]:
+        """Each order's whole prompt, built when asked (the evidence forward, `basal-local prompts`)."""
+        return [self.head + tail for tail in self.tails]
 
 
 @dataclass
@@ -96,29 +103,29 @@ class RequestPlan:
 
 
 class _Prompts:
-    """Renders a request's prompts with each language's head (template + state) built once (render.kept_head),
-    and knows the text they all start with."""
+    """A request's prompts as each language's head (template + state, built once: render.kept_head) and the tail
+    of each prompt after it: a long document is in one string per language, not in every prompt."""
 
     def __init__(self, state: str, bos: str) -> None:
         self.state, self.bos = state, bos
         self.heads: dict[str, str] = {}
 
-    def render(self, lang: str, question_text: str, texts: Sequence[str], perm: Sequence[int]) -> str:
-        return kept_head(self.heads, self.state, lang, self.bos) + prompt_tail(question_text, texts, perm, lang)
+    def tail(self, lang: str, question_text: str, texts: Sequence[str], perm: Sequence[int]) -> str:
+        kept_head(self.heads, self.state, lang, self.bos)
+        return prompt_tail(question_text, texts, perm, lang)
 
     def question(self, q: Question) -> tuple[str, list[list[int]], list[str]]:
-        return render_question(self.state, q, self.bos, self.heads)
-
-    def shared_chars(self) -> int:
-        """Characters every prompt rendered so far starts with, known without comparing them: one language's head."""
-        return len(next(iter(self.heads.values()))) if len(self.heads) == 1 else 0
+        lang, perms, tails = question_tails(self.state, q)
+        kept_head(self.heads, self.state, lang, self.bos)
+        return lang, perms, tails
 
 
-Unit = tuple[Question, str, list[list[int]], list[str], str, int, list[int] | None]  # a readout unit before tokenizing
+# a readout unit before tokenizing: (question, lang, perms, tails, role, index, members)
+Unit = tuple[Question, str, list[list[int]], list[str], str, int, list[int] | None]
 
 
 def _render_units(request: DecisionRequest, render: _Prompts) -> list[Unit]:
-    """(question, lang, perms, prompts, role, index, members) of every round-1 unit."""
+    """(question, lang, perms, tails, role, index, members) of every round-1 unit."""
     state = request.state_text
     units: list[Unit] = []
     for q in request.questions:
@@ -130,8 +137,8 @@ def _render_units(request: DecisionRequest, render: _Prompts) -> list[Unit]:
             perms = orders(2)
             for i, label in enumerate(q.options):
                 text = branch_question(lang, q.instructions_text, label)
-                prompts = [render.render(lang, text, texts, p) for p in perms]
-                units.append((q, lang, perms, prompts, "branch", i, None))
+                tails = [render.tail(lang, text, texts, p) for p in perms]
+                units.append((q, lang, perms, tails, "branch", i, None))
         elif q.large:
             lang = detect_language(state, q.instructions_text)
             for g, members in enumerate(groups(len(q.keys))):
@@ -139,45 +146,49 @@ def _render_units(request: DecisionRequest, render: _Prompts) -> list[Unit]:
                 # duplicate texts among all options, not only the group's)
                 texts = [q.options[i] for i in members]
                 perm = list(range(len(members)))
-                units.append((q, lang, [perm], [render.render(lang, q.instructions_text, texts, perm)], "group", g,
+                units.append((q, lang, [perm], [render.tail(lang, q.instructions_text, texts, perm)], "group", g,
                               members))
         else:
-            lang, perms, prompts = render.question(q)
-            units.append((q, lang, perms, prompts, "main", 0, None))
+            lang, perms, tails = render.question(q)
+            units.append((q, lang, perms, tails, "main", 0, None))
     return units
 
 
 def _tokenize_units(request: DecisionRequest, units: list[Unit], render: _Prompts, tokenizer: BasalTokenizer,
                     max_positions: int) -> tuple[list[QuestionPlan], int, int]:
     """The units' plans, their tokens in all, and how many leading ids every prompt shares (`encode_shared`)."""
-    texts = [p for unit in units for p in unit[3]]
+    heads = render.heads
     ids: list[list[int]] = []
     # where the state ends in the prompts (its language's head ends with it): the tokenizer keeps the ids of
     # template + state of a long document
     state = request.state_text
-    remember = len(render.heads[units[0][1]]) if units and len(state) >= 1024 else 0
-    chars = render.shared_chars()
+    remember = len(heads[units[0][1]]) if units and len(state) >= 1024 else 0
     shared = 0
-    if units and len(state) > max_positions and not tokenizer.splits:
-        # a long state is in every prompt: measure the first unit's prompts alone before the rest (a tokenizer
-        # that splits tokenizes the state once for all of them anyway)
-        ids, shared = tokenizer.encode_shared(units[0][3], remember, chars)
-        _check_context(units[0][0], ids, max_positions, request.model)
-    if len(texts) > len(ids):
-        rest, more = tokenizer.encode_shared(texts[len(ids):], remember, chars)
-        if ids:  # what the two calls share: at most what each shares within itself
-            more = min(shared, more)
-            shared = common_prefix_len(rest[0][:more], ids[0][:more])
-        else:
-            shared = more
-        ids += rest
+    if len(heads) == 1 and tokenizer.splits:  # one head before every tail: a known document's is not copied
+        ids, shared = tokenizer.encode_after(next(iter(heads.values())), [t for u in units for t in u[3]], remember)
+    else:
+        texts = [heads[u[1]] + t for u in units for t in u[3]]
+        chars = len(next(iter(heads.values()))) if len(heads) == 1 else 0
+        if units and len(state) > max_positions and not tokenizer.splits:
+            # a long state is in every prompt: measure the first unit's prompts alone before the rest (a tokenizer
+            # that splits tokenizes the state once for all of them anyway)
+            ids, shared = tokenizer.encode_shared(texts[:len(units[0][3])], remember, chars)
+            _check_context(units[0][0], ids, max_positions, request.model)
+        if len(texts) > len(ids):
+            rest, more = tokenizer.encode_shared(texts[len(ids):], remember, chars)
+            if ids:  # what the two calls share: at most what each shares within itself
+                more = min(shared, more)
+                shared = common_prefix_len(rest[0][:more], ids[0][:more])
+            else:
+                shared = more
+            ids += rest
     plans, at = [], 0
-    for q, lang, perms, prompts, role, index, members in units:
-        token_ids = ids[at: at + len(prompts)]
-        at += len(prompts)
+    for q, lang, perms, tails, role, index, members in units:
+        token_ids = ids[at: at + len(tails)]
+        at += len(tails)
         _check_context(q, token_ids, max_positions, request.model)
-        plans.append(QuestionPlan(q, lang, perms, prompts, token_ids, tokenizer.letter_ids[: len(perms[0])],
-                                  role, index, members))
+        plans.append(QuestionPlan(q, lang, perms, heads[lang], tails, token_ids,
+                                  tokenizer.letter_ids[: len(perms[0])], role, index, members))
     return plans, sum(len(t) for t in ids), shared
 
 
@@ -258,8 +269,8 @@ def next_round(plan: RequestPlan) -> RequestPlan | None:
         lang = detect_language(request.state_text, q.instructions_text)
         texts = [q.options[i] for i in chosen]
         perms = orders(len(chosen))
-        prompts = [render.render(lang, q.instructions_text, texts, p) for p in perms]
-        units.append((q, lang, perms, prompts, "final", 0, chosen))
+        tails = [render.tail(lang, q.instructions_text, texts, p) for p in perms]
+        units.append((q, lang, perms, tails, "final", 0, chosen))
     plans, tokens, shared = _tokenize_units(request, units, render, tokenizer, max_positions)
     follow = RequestPlan(request, plans, plan.input_tokens + tokens, 0, arrival=plan.arrival, round=2,
                          carried=dict(plan.carried), evidence=plan.evidence, context=plan.context,

@@ -6,7 +6,7 @@ import collections
 import functools
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -195,22 +195,48 @@ class BasalTokenizer:
             return [joined[0] + tail for tail in joined[1:]], len(joined[0])
         return joined, 0
 
+    def encode_after(self, head: str, tails: Sequence[str], remember: int = 0) -> tuple[list[list[int]], int]:
+        """`encode_shared` of the texts `head + tail` for each tail (every prompt of a request in one language:
+        template + state, then a question), with `shared_chars` = len(head). Where a kept text ends in `head` (the
+        document was asked about before), only the rest of `head` and the tails are tokenized, and no prompt is
+        built whole (a long document's text is copied and compared once, not once per prompt)."""
+        known = self._known_head(head, tails) if self._splits and tails else None
+        if known is None:
+            return self.encode_shared([head + tail for tail in tails], remember, len(head))
+        kept, ids = known
+        rest = head[len(kept):]
+        more, shared = self.encode_shared([rest + tail for tail in tails])
+        return [ids + m for m in more], len(ids) + shared
+
     def _known(self, texts: list[str], shared_chars: int = 0) -> tuple[str, list[int]] | None:
         """The longest kept text that every one of `texts` starts with, followed by a space (a safe cut); the
         texts all start with the first `shared_chars` characters of the first (`encode_shared`)."""
-        first = texts[0]
+        return self._longest_kept(texts[0], lambda n: all(len(t) > n and t[n] == " " for t in texts),
+                                  lambda n, kept: n <= shared_chars or all(t[:n] == kept for t in texts[1:]))
+
+    def _known_head(self, head: str, tails: Sequence[str]) -> tuple[str, list[int]] | None:
+        """The longest kept text that `head` starts with, followed by a space in every `head + tail`."""
+        def space_after(n: int) -> bool:
+            return head[n] == " " if n < len(head) else n == len(head) and all(t[:1] == " " for t in tails)
+
+        return self._longest_kept(head, space_after, lambda n, kept: True)
+
+    def _longest_kept(self, first: str, space_after: Callable[[int], bool],
+                      others_start: Callable[[int, str], bool]) -> tuple[str, list[int]] | None:
+        """The longest kept text that `first` starts with where `space_after(its length)` and `others_start(its
+        length, it)` (every other text starts with it too)."""
         with self._shared_lock:
             best = None
             for head, ids in self._shared.items():
                 n = len(head)
                 if best is not None and n <= len(best[0]):
                     continue
-                if not all(len(t) > n and t[n] == " " for t in texts) or first[max(0, n - 16):n] != head[-16:]:
+                if n > len(first) or first[max(0, n - 16):n] != head[-16:] or not space_after(n):
                     continue  # a quick look at where the kept text ends, before comparing all of it
-                # t[:n] == head, not t.startswith(head): a slice has the narrowest character width of its
-                # content, as head does, so the two compare as bytes; startswith compares char by char when the
-                # widths differ (a wide character after the state: 2 ms per 70k-character prompt)
-                if first[:n] == head and (n <= shared_chars or all(t[:n] == head for t in texts[1:])):
+                # first[:n] == head, not first.startswith(head): a slice has the narrowest character width of
+                # its content, as head does, so the two compare as bytes; startswith compares char by char when
+                # the widths differ (a wide character after the state: 2 ms per 70k-character prompt)
+                if first[:n] == head and others_start(n, head):
                     best = (head, ids)
             if best is not None:
                 self._shared.move_to_end(best[0])

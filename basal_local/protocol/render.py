@@ -72,11 +72,17 @@ def kept_head(heads: dict[str, str], state_text: str, lang: str, bos: str = "<s>
     return head
 
 
-def render_question(state_text: str, question: Question, bos: str = "<s>",
-                    heads: dict[str, str] | None = None) -> tuple[str, list[list[int]], list[str]]:
-    """Both orders of one question: (language, perms, prompts); `heads`: `kept_head`'s, shared across calls."""
+def question_tails(state_text: str, question: Question) -> tuple[str, list[list[int]], list[str]]:
+    """Both orders of one question after the head: (language, perms, each order's `prompt_tail`)."""
     lang = detect_language(state_text, question.instructions_text)
     texts = option_texts(question, lang)
     perms = orders(len(texts))
+    return lang, perms, [prompt_tail(question.instructions_text, texts, p, lang) for p in perms]
+
+
+def render_question(state_text: str, question: Question, bos: str = "<s>",
+                    heads: dict[str, str] | None = None) -> tuple[str, list[list[int]], list[str]]:
+    """Both orders of one question: (language, perms, prompts); `heads`: `kept_head`'s, shared across calls."""
+    lang, perms, tails = question_tails(state_text, question)
     head = kept_head({} if heads is None else heads, state_text, lang, bos)
-    return lang, perms, [head + prompt_tail(question.instructions_text, texts, p, lang) for p in perms]
+    return lang, perms, [head + tail for tail in tails]

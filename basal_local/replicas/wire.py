@@ -155,7 +155,7 @@ def encode_plan(plan: RequestPlan) -> bytes:
     texts, which only the evidence forward reads, and without the state text unless a later step reads it (the
     evidence spans, a large choice's second round): it is already in every prompt's tokens."""
     evidence = {q.qid for q in plan.request.questions if q.evidence}
-    units = [qp if qp.question.qid in evidence else dataclasses.replace(qp, prompts=[]) for qp in plan.questions]
+    units = [qp if qp.question.qid in evidence else dataclasses.replace(qp, head="", tails=[]) for qp in plan.questions]
     request = plan.request
     if not evidence and not any(q.large for q in request.questions):
         request = dataclasses.replace(request, state_text="")
