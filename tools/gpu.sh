@@ -16,7 +16,8 @@
 #   bench      per preset of PRESETS (default "mini 4.5B max"): in-process bench at f16 (--repeat 2 --invariance 8,
 #              $BENCH_ARGS; PRESET also --long-doc --baseline $BASELINE), then for FP8_PRESETS (default "4.5B max")
 #              the same weights as a ModelOpt FP8 checkpoint; both served once: decisions compared with f16
-#   cache      bench --cache (a 17.8k-token document), then the mixed HTTP stream with the state cache off and on
+#   cache      bench --cache (a 17.8k-token document, DOCS of them), then the mixed HTTP stream with the state cache
+#              off and on (CACHE_HTTP=0: the bench alone)
 #   http       a daemon on one GPU: 1, 32 (+ invariance 8) and 64 clients; the answers saved
 #   proc2      2 replica processes on one GPU, 32 clients; answers compared with http's
 #   fresh      fresh daemons, 32 clients from the first request (one process, then 2 replica processes), the state
@@ -28,6 +29,7 @@
 #   ab         dist/gpu/old against dist/gpu/new: bench pairs (the first with --long-doc --invariance 8), HTTP 1/32
 #              clients and proc2 (each daemon measured by this tree's client), answers compared
 #   profile    kernel time per family of a single decision and of 32 (tools/gpu.py profile)
+# A stage starts only while BUDGET has its usual need left (NEED below; NEED_STAGE=N for a smaller run of it).
 # PRESET (default 4.5B) is the model of the stages after bench. R (default /tmp/gpu) is the scratch folder: the
 # installed wheels and the models, built once per preset (rm -rf it to rebuild). DEV=cpu PRESET=tiny rehearses
 # every stage but profile and gpu2 here; without dist/gpu/new the installed basal_local runs.
@@ -126,6 +128,7 @@ st_bench() {
 }
 st_cache() {
   model "$M" "$PRESET" && bench cache "$M" --cache --documents "${DOCS:-3}" || return 1
+  [ "${CACHE_HTTP:-1}" = 1 ] || { say "$(figures "$OUT"/bench-cache.json)"; return 0; }
   for c in off auto; do
     serve "cache-$c" --model "$M" --device "$DEV" --prefix-cache $c || return 1
     cli bench --http "$U" --documents "${HTTP_DOCS:-20}" --per-document 10 --clients 32 --json \
@@ -217,7 +220,8 @@ declare -A NEED=([tests]=150 [bench]=240 [cache]=200 [http]=120 [proc2]=90 [fres
 for s in ${STAGES:-tests bench http}; do
   [ -n "${NEED[$s]:-}" ] || { echo "$s: unknown stage (see the header of tools/gpu.sh)"; continue; }
   t=$(date +%s); : > "$R/line"
-  if [ "$(left)" -lt "${NEED[$s]}" ]; then echo "$s: skipped: needs ~${NEED[$s]} s, $(left) s of BUDGET left"
+  need=NEED_$s; need=${!need:-${NEED[$s]}}  # NEED_cache=100 ...: a smaller run of a stage needs less
+  if [ "$(left)" -lt "$need" ]; then echo "$s: skipped: needs ~$need s, $(left) s of BUDGET left"
   else (trap halt EXIT; st_"$s") > "$OUT/$s.log" 2>&1; rc=$?; took="($(( $(date +%s) - t )) s)"; line=$(cat "$R/line")
     case $rc in 0) echo "$s: ok $took $line";; 3) echo "$s: skipped: $line";;
       *) echo "$s: FAILED $took${line:+ $line}; $OUT/$s.log ends:"; tail -15 "$OUT/$s.log" | sed 's/^/    /';; esac
