@@ -126,3 +126,20 @@ def test_array_criteria_collapse_duplicates():
 def test_values_are_never_rescanned_for_placeholders():
     raw = '{"model":"m","state":"{q} {opts} {{x}}","questions":{"c":{"type":"choice","instructions":"{state}","criteria":["{0}","b"]}}}'
     assert prompts(raw)["c"][2][0] == en("{q} {opts} {{x}}", "{state}", "A. {0}\nB. b")
+
+
+def test_language_is_polish_iff_a_polish_letter_occurs_in_the_state_or_the_instructions():
+    """§4.2 on texts built from ASCII, the 18 Polish letters, other accented letters (é, a combining acute, ó's
+    look-alikes), a euro sign and newlines; the rule is checked character by character here."""
+    import random
+
+    from basal_local.protocol.questions import detect_language
+
+    polish = set("ąćęłńóśźżĄĆĘŁŃÓŚŹŻ")
+    alphabet = "ab z\n€éóÓźŻ\u0301ò\u00f3\u014dĄ"
+    rng = random.Random(7)
+    for _ in range(3000):
+        state, instr = ("".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12))) for _ in range(2))
+        expected = "pl" if any(c in polish for c in state + instr) else "en"
+        assert detect_language(state, instr) == expected, (state, instr)
+    assert detect_language("x " * 40_000 + "ł", "") == "pl" and detect_language("x " * 40_000 + "é", "") == "en"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,10 +20,14 @@ def detect_language(state_text: str, instructions_text: str) -> str:
     return "en"
 
 
+_PL_SEARCH = re.compile("[" + "".join(sorted(PL_CHARS)) + "]").search
+
+
 @functools.lru_cache(maxsize=4)  # a few recent states (a state may be megabytes)
 def _has_polish(text: str) -> bool:
-    """The state's scan, once per state (every question of a request asks it; 1.4 ms per 70k characters)."""
-    return not PL_CHARS.isdisjoint(text)
+    """The state's scan, once per state (every question of a request asks it). An ASCII text has none (checked in
+    C); else one regex search: a set walk over the characters took 1 ms per 60k of them."""
+    return not text.isascii() and _PL_SEARCH(text) is not None
 
 
 @dataclass(frozen=True)
