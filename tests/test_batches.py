@@ -103,6 +103,35 @@ def test_malformed_lines_are_errors_with_their_line_numbers(served):
         assert errors[3]["response"]["status_code"] == 422 and "error" in errors[3]["response"]["body"]
 
 
+def test_hostile_lines_fail_alone_and_the_good_lines_are_answered(served):
+    """A line nested 100,000 deep, a lone surrogate in a body's state and one in a custom_id (all valid JSON
+    grammar) between good lines: each fails alone with its reason; the batch completes, the good lines answered."""
+    from basal_client import BasalClient
+
+    good = [_line(i, STATES[i]) for i in range(3)]
+    deep = b'{"custom_id": "deep", "body": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    surrogate = (b'{"custom_id": "sur", "body": {"state": "\\ud800 broken", "questions": {"q": {"type": "noul", '
+                 b'"instructions": "x"}}}}\n')
+    bad_id = b'{"custom_id": "\\udc00", "body": {"state": "x", "questions": {}}}\n'
+    raw = _jsonl(good[:1]) + deep + _jsonl(good[1:2]) + surrogate + bad_id + _jsonl(good[2:])
+    with BasalClient(served.url) as client:
+        interactive = rawhttp.post(served.port, "/v1/basal", surrogate[surrogate.index(b'{"state"'):-2])
+        file = client.files.create(raw, filename="hostile.jsonl")
+        done = client.batches.wait(client.batches.create(input_file_id=file["id"])["id"], timeout=240,
+                                   poll_interval=0.2)
+        assert done["status"] == "completed", done
+        assert done["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
+        results = list(client.batches.results(done["id"]))
+        assert [r["custom_id"] for r in results if r["error"] is None and r["response"]["status_code"] == 200] \
+            == ["t-0", "t-1", "t-2"]
+        errors = {e["custom_id"]: e for e in map(json.loads, client.files.content(done["error_file_id"]).splitlines())}
+    assert errors["line-2"]["error"]["message"] == "line 2: the line's JSON is nested too deeply"
+    assert errors["line-5"]["error"]["message"] == "line 5: custom_id must be a non-empty string of Unicode text"
+    # the lone surrogate reaches the handler as an HTTP client would send it, and gets that client's answer
+    assert (errors["sur"]["response"]["status_code"], errors["sur"]["response"]["body"]) == interactive[::2]
+    assert interactive[0] == 422
+
+
 def test_async_client_files_and_cancel(served):
     from basal_client import AsyncBasalClient
 

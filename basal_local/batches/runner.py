@@ -48,12 +48,16 @@ def parse_input(path: Path) -> list[Line]:
             except ValueError:
                 lines.append(Line(number, f"line-{number}", None, "the line is not valid JSON"))
                 continue
+            except RecursionError:
+                lines.append(Line(number, f"line-{number}", None, "the line's JSON is nested too deeply"))
+                continue
             if not isinstance(item, dict):
                 lines.append(Line(number, f"line-{number}", None, "the line is not a JSON object"))
                 continue
             custom_id = item.get("custom_id")
-            if not isinstance(custom_id, str) or not custom_id:
-                lines.append(Line(number, f"line-{number}", None, "custom_id must be a non-empty string"))
+            if not isinstance(custom_id, str) or not custom_id or not _is_text(custom_id):
+                lines.append(Line(number, f"line-{number}", None, "custom_id must be a non-empty string of "
+                                  "Unicode text"))
                 continue
             if custom_id in seen:
                 lines.append(Line(number, custom_id, None, f"custom_id {custom_id} is used by an earlier line"))
@@ -264,15 +268,14 @@ class Runner:
                     task.result()  # a bug in _one surfaces here
                 while done in results:
                     ok, result = results.pop(done)
-                    (out if ok else err).write(json.dumps(result, ensure_ascii=False).encode("utf-8") + b"\n")
+                    (out if ok else err).write(_jsonl(result))
                     counts["completed" if ok else "failed"] += 1
                     done += 1
                 out.flush()
                 err.flush()
             if stop_reason == "expired":  # the lines never sent are errors of the expired batch
                 for line in lines[done:]:
-                    err.write(json.dumps(_error_line(line, "batch_expired", "the batch expired before this line "
-                                                     "ran"), ensure_ascii=False).encode("utf-8") + b"\n")
+                    err.write(_jsonl(_error_line(line, "batch_expired", "the batch expired before this line ran")))
                     counts["failed"] += 1
         if stop_reason == "cancelled":
             self.store.update_batch(batch_id, request_counts=counts, status="cancelling")
@@ -293,10 +296,19 @@ class Runner:
         return 1 if interactive > 0 else self.concurrency
 
     async def _one(self, index: int, line: Line, results: dict[int, tuple[bool, dict[str, Any]]]) -> None:
+        """One line's result into `results`; whatever goes wrong with it fails this line alone."""
+        try:
+            await self._send(index, line, results)
+        except Exception:  # noqa: BLE001 - a bug on one line must not fail the batch's other lines
+            log.exception("batch line %d failed", line.number)
+            results[index] = (False, _error_line(line, "internal_error", f"line {line.number}: the daemon could "
+                                                 "not run this line (its log has the reason)"))
+
+    async def _send(self, index: int, line: Line, results: dict[int, tuple[bool, dict[str, Any]]]) -> None:
         if line.body is None:
             results[index] = (False, _error_line(line, "invalid_request", f"line {line.number}: {line.error}"))
             return
-        body = json.dumps(line.body, ensure_ascii=False).encode("utf-8")
+        body = _jsonl(line.body)
         delay = 0.25
         while True:
             request_id = secrets.token_hex(16)
@@ -333,6 +345,25 @@ class Runner:
         self.store.update_batch(batch_id, **fields)
         log.info("batch %s %s: %s", batch_id, fields.get("status", record["status"]),
                  record["request_counts"])
+
+
+def _is_text(value: str) -> bool:
+    """Whether UTF-8 can hold `value` (JSON lets a lone surrogate through as an escape)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _jsonl(item: dict[str, Any]) -> bytes:
+    """One line of JSON in UTF-8 (a body sent to the handler, a line of the output or error file); where a text
+    holds a lone surrogate (JSON lets one through as an escape), the line keeps it as that escape: the handler
+    answers it as it answers an HTTP client sending it, and a file line stays UTF-8."""
+    try:
+        return json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(item).encode("ascii") + b"\n"
 
 
 def _error_line(line: Line, code: str, message: str) -> dict[str, Any]:
