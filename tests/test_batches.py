@@ -152,7 +152,7 @@ def test_async_client_files_and_cancel(served):
     assert asyncio.run(main())["status"] == "cancelled"
 
 
-def test_bad_uploads_and_creates_get_clear_errors(served):
+def test_bad_uploads_and_creates_get_clear_errors(served, home):
     from basal_client import BasalClient
     from basal_client.errors import BasalHTTPError
 
@@ -167,6 +167,23 @@ def test_bad_uploads_and_creates_get_clear_errors(served):
         with pytest.raises(BasalHTTPError) as err:
             client.files.retrieve("../../etc")
         assert err.value.status_code == 404
+    for path in ("/v1/files", "/v1/batches"):  # "²".isdigit() is true, int("²") fails; "٣" would read as 3
+        for limit in ("%C2%B2", "%D9%A3", "1" * 5000, "0", "abc"):
+            status, _, body = rawhttp.get(served.port, f"{path}?limit={limit}")
+            assert (status, body["code"]) == (400, "INVALID_LIMIT"), (path, limit, body)
+    for seconds in ("\u00b2", "9" * 5000, "-5"):  # sent as a client that does not check them would
+        parts = [("purpose", None, "batch"), ("expires_after[anchor]", None, "created_at"),
+                 ("expires_after[seconds]", None, seconds), ("file", "in.jsonl", "{}")]
+        form = "".join(f'--XyZ\r\nContent-Disposition: form-data; name="{name}"'
+                       + (f'; filename="{filename}"' if filename else "") + f"\r\n\r\n{value}\r\n"
+                       for name, filename, value in parts) + "--XyZ--\r\n"
+        status, _, body = rawhttp.post(served.port, "/v1/files", form.encode(),
+                                       {"content-type": "multipart/form-data; boundary=XyZ"})
+        assert (status, body["code"]) == (400, "INVALID_EXPIRY"), (seconds, body)
+    status, _, body = rawhttp.post(served.port, "/v1/batches", b'{"input_file_id": ' + b"[" * 30000 + b"]" * 30000
+                                   + b"}")
+    assert (status, body) == (400, {"error": "the body's JSON is nested too deeply", "code": "INVALID_JSON"})
+    assert not list(home.rglob("upload-*.part"))  # no refused upload stays behind
     raw = rawhttp.request_bytes("POST", "/v1/files", headers={"content-type": "multipart/form-data; boundary=b"},
                                 content_length=300_000_000)
     status, _, body = rawhttp.exchange(served.port, raw)

@@ -130,11 +130,14 @@ def test_keep_alive_unloads_an_idle_model(live, home, second_model):
     ("/api/load", {"model": "second", "wait": "yes"}, 422, "INVALID_WAIT"),
     ("/api/unload", {"model": "zzz"}, 404, "MODEL_NOT_FOUND"),
     ("/api/unload", ["second"], 422, "MODEL_REQUIRED"),
+    pytest.param("/api/load", "[" * 100_000 + "]" * 100_000, 400, "INVALID_JSON", id="load-nested-too-deeply"),
+    pytest.param("/api/unload", "[" * 100_000 + "]" * 100_000, 400, "INVALID_JSON", id="unload-nested-too-deeply"),
 ])
 def test_bad_load_and_unload_bodies(live, path, body, status, expected):
     import json
 
-    got, _, answer = http("POST", live.url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    got, _, answer = http("POST", live.url + path, raw, {"content-type": "application/json"})
     assert (got, answer["code"]) == (status, expected), answer
     assert isinstance(answer["error"], str) and answer["error"]
 
@@ -149,7 +152,8 @@ def test_load_and_unload_mistakes_are_two_lines(live, home):
 
 
 @pytest.mark.parametrize("text, seconds", [("10m", 600.0), ("1h30m", 5400.0), ("90s", 90.0), ("600", 600.0),
-                                           (45, 45.0), (0, 0.0), ("forever", None), (-1, None), (None, None)])
+                                           (45, 45.0), (0, 0.0), ("forever", None), (-1, None), (None, None),
+                                           (float("inf"), None), ("1e400", None), (1e300, 1e300)])
 def test_keep_alive_durations(text, seconds):
     from basal_local.server.models import parse_keep_alive
 

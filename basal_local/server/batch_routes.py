@@ -46,9 +46,15 @@ def _store(request: Request) -> Store:
 def _limit(request: Request) -> tuple[str | None, int]:
     after = request.query_params.get("after")
     raw = request.query_params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    if not _whole_number(raw) or not 1 <= int(raw) <= 100:
         raise BatchApiError(400, "INVALID_LIMIT", f"limit must be a whole number from 1 to 100, got {raw!r}")
     return after, int(raw)
+
+
+def _whole_number(text: str) -> bool:
+    """ASCII digits only, few enough for int(): str.isdigit() also accepts "²" and "٣", which int() refuses or
+    reads as another number."""
+    return text.isascii() and text.isdigit() and len(text) <= 12
 
 
 def _expiry(anchor: str | None, seconds: str | int | None, name: str) -> int | None:
@@ -56,7 +62,8 @@ def _expiry(anchor: str | None, seconds: str | int | None, name: str) -> int | N
         return None
     if anchor != "created_at":
         raise BatchApiError(400, "INVALID_EXPIRY", f"{name}[anchor] must be created_at")
-    if isinstance(seconds, bool) or not (isinstance(seconds, int) or (isinstance(seconds, str) and seconds.isdigit())):
+    if isinstance(seconds, bool) or not (isinstance(seconds, int) or (isinstance(seconds, str) and
+                                                                     _whole_number(seconds))):
         raise BatchApiError(400, "INVALID_EXPIRY", f"{name}[seconds] must be a whole number of seconds")
     value = int(seconds)
     if not MIN_EXPIRY_S <= value <= MAX_EXPIRY_S:
@@ -71,7 +78,8 @@ async def _receive_upload(request: Request, store: Store) -> tuple[dict[str, str
     if ctype != "multipart/form-data" or not options.get("boundary"):
         raise BatchApiError(415, "UNSUPPORTED_MEDIA_TYPE", "upload the file as multipart/form-data")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_FILE_BYTES + 64 * 1024:
+    if declared is not None and declared.isascii() and declared.isdigit() and \
+            (len(declared) > 12 or int(declared) > MAX_FILE_BYTES + 64 * 1024):
         raise BatchApiError(413, "FILE_TOO_LARGE", f"the file is larger than {MAX_FILE_BYTES} bytes")
     fields: dict[str, str] = {}
     filename, target = None, store.upload_path()
@@ -125,7 +133,7 @@ async def upload_file(request: Request) -> Response:
                 raise BatchApiError(400, "INVALID_PURPOSE", f"purpose must be batch, got {fields.get('purpose')!r}")
             expires = _expiry(fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]"),
                               "expires_after")
-        except BatchApiError:
+        except BaseException:  # the upload is not kept: no file stays behind
             path.unlink(missing_ok=True)
             raise
         return _json(200, store.add_file(path, filename, "batch", expires))
@@ -226,6 +234,8 @@ async def create_batch(request: Request) -> Response:
             body = json.loads(raw or b"null")
         except ValueError:
             raise BatchApiError(400, "INVALID_JSON", "the body is not valid JSON") from None
+        except RecursionError:
+            raise BatchApiError(400, "INVALID_JSON", "the body's JSON is nested too deeply") from None
         file_id, metadata, seconds = _create_fields(body, store)
         key = request.headers.get("idempotency-key")
         if key is not None:  # the same key gives the same batch (a retried create makes no second one)

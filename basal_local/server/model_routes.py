@@ -26,7 +26,7 @@ def _fail(status: int, code: str, message: str) -> Response:
 async def _body(request: Request) -> dict[str, Any] | Response:
     try:
         body = json.loads(await request.body() or b"null")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
         return _fail(400, "INVALID_JSON", "the body must be a JSON object such as {\"model\": \"mini\"}")
     if not isinstance(body, dict) or not isinstance(body.get("model"), str) or not body["model"]:
         return _fail(422, "MODEL_REQUIRED", "the body must name a model: {\"model\": NAME}")

@@ -59,9 +59,11 @@ def parse_keep_alive(value: Any) -> float | None:
     if isinstance(value, bool):
         raise ValueError("keep_alive must be a duration such as 10m, 600 or forever")
     if isinstance(value, (int, float)):
-        if value < 0 or value != value:
+        if value != value:
+            raise ValueError("keep_alive must be a duration such as 10m, 600 or forever, not NaN")
+        if value < 0:
             raise ValueError("keep_alive must be at least 0 (or forever)")
-        return float(value)
+        return None if value == float("inf") else float(value)  # infinity: forever (answers stay valid JSON)
     text = str(value).strip().lower()
     try:
         return parse_keep_alive(float(text))
