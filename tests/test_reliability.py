@@ -293,6 +293,41 @@ def test_half_sent_bodies_are_closed_after_the_body_timeout(d):
     assert rawhttp.post(d.port, "/v1/systemone", SMALL)[0] == 200
 
 
+@pytest.mark.parametrize("path", ["/api/load", "/api/unload", "/v1/batches", "/v1/files"])
+def test_half_sent_bodies_on_the_other_routes_are_408_too(d, path):
+    """The routes that read their body through Litestar had no deadline: half a body held a connection (and a
+    file descriptor) for good. An upload's pieces each get the timeout; the others the whole body."""
+    sock = rawhttp.connect(d.port)
+    try:
+        ctype = "multipart/form-data; boundary=XyZ" if path == "/v1/files" else "application/json"
+        sock.sendall(rawhttp.request_bytes("POST", path, b'{"mo', headers={"content-type": ctype},
+                                           content_length=1000))
+        started = time.monotonic()
+        status, headers, body = rawhttp.read_response(sock, deadline_s=10)
+        assert (status, headers.get("connection")) == (408, "close"), body
+        assert json.loads(body) == {"error": "the request body did not arrive within 1.5 s", "code": "BODY_TIMEOUT"}
+        assert rawhttp.closed_by_server(sock, 5) and time.monotonic() - started < 5
+    finally:
+        sock.close()
+    assert rawhttp.get(d.port, "/api/ps")[0] == 200
+
+
+def test_a_stream_outlives_the_body_timeout(d):
+    """The deadline is for the body only: /api/events streams on well past it."""
+    sock = rawhttp.connect(d.port)
+    try:
+        sock.sendall(rawhttp.request_bytes("GET", "/api/events", b""))
+        sock.settimeout(10)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(4096)
+        assert got.startswith(b"HTTP/1.1 200")
+        time.sleep(2.5)  # past the 1.5 s body timeout
+        assert not rawhttp.closed_by_server(sock, 0.5)
+    finally:
+        sock.close()
+
+
 def test_half_sent_headers_are_closed_after_the_timeout(d):
     socks = []
     try:

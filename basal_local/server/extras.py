@@ -1,5 +1,6 @@
 """Server pieces around the decision handlers, registered by `create_app` in a few lines.
 
+- a read deadline for the bodies the other routes read through Litestar (`body_deadline`);
 - a request id on every response (`x-request-id` and `x-typesafe-request-id`; a client's `x-request-id` is echoed);
 - `GET /api/ps` (what is loaded and its memory, for `basal-local ps`), `GET /openapi.json` and `GET /docs`;
 - `GET /metrics` when the daemon runs with `--metrics` (server/metrics.py).
@@ -7,6 +8,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import sys
 import time
@@ -43,6 +46,45 @@ def stamp_request_id(message: dict, scope: dict) -> None:
         headers.extend([(b"x-request-id", rid), (b"x-typesafe-request-id", rid)])
 
 
+def body_deadline(scope: dict, receive, send, timeout_s: float):
+    """`receive` and `send` for a route that reads its body through Litestar (the decision routes read theirs with
+    the same deadline: body.read_body): the whole body must arrive within `timeout_s` (an upload to /v1/files,
+    up to hundreds of MB: each piece within `timeout_s` of the last), else the client is answered 408 and the
+    connection closed, as the decision routes do; the route then sees the client gone."""
+    upload = scope.get("path") == "/v1/files"
+    deadline = time.monotonic() + timeout_s
+    now: dict[str, bool] = {"reading": True, "answered": False, "started": False}
+
+    async def receive_wrapped() -> dict:
+        if not now["reading"]:
+            return await receive()  # the body is in: a route waiting for the client to go (a stream) waits on
+        try:
+            message = await asyncio.wait_for(receive(), timeout_s if upload else max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            now["reading"] = False
+            if not now["started"]:
+                body = json.dumps({"error": f"the request body did not arrive within {timeout_s:g} s",
+                                   "code": "BODY_TIMEOUT"}).encode()
+                await send({"type": "http.response.start", "status": 408, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                now["answered"] = True
+            return {"type": "http.disconnect"}
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            now["reading"] = False
+        return message
+
+    async def send_wrapped(message: dict) -> None:
+        if now["answered"]:
+            return  # the route's answer to a client already answered 408
+        if message["type"] == "http.response.start":
+            now["started"] = True
+        await send(message)
+
+    return receive_wrapped, send_wrapped
+
+
 def wrap_asgi(state: AppState):
     """The middleware factory for Litestar: metrics when enabled (ids: `stamp_request_id`; 529 retry slots:
     engine/gate.py `Admission`)."""
@@ -58,6 +100,8 @@ def wrap_asgi(state: AppState):
                 return
             path = scope.get("path", "")
             decision = path in DECISION_PATHS
+            if not decision:
+                receive, send = body_deadline(scope, receive, send, state.limits.body_timeout_s)
             started = time.perf_counter()
             seen: dict[str, Any] = {"status": 0}
             if recorder is not None and decision:
