@@ -232,8 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "options, gold?} items")
     p.add_argument("--output", required=True, help="JSONL to write, one answer per input line (written as they come, "
                    "with an index; in input order once all are done); never the input file")
-    p.add_argument("--resume", action="store_true", help="keep the answers already in --output (an interrupted "
-                   "run) and ask only the rest and the failed ones")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="keep the answers already in --output (an interrupted "
+                     "run) and ask only the rest and the failed ones")
+    how.add_argument("--overwrite", action="store_true", help="replace an --output that already holds lines "
+                     "(without it, or --resume, such a file is refused)")
     p.add_argument("--model", help="served model name for items that name none")
     p.add_argument("--concurrency", type=_positive, default=8, help="requests in flight (default 8)")
     _add_key_flag(p)

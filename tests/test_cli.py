@@ -331,6 +331,18 @@ def test_run_jsonl_in_order_with_accuracy(live, home, tmp_path):
     bad.write_text('{"state": "x"}\n')
     assert_user_error(cli("run", "--url", live.url, "--input", str(bad), "--output", str(out), env=home),
                       "bad.jsonl:1")
+    # the answers in --output are never replaced unasked: a second run without --resume is refused
+    kept = out.read_text()
+    assert_user_error(cli("run", "--url", live.url, "--input", str(src), "--output", str(out), env=home),
+                      f"already holds {len(items)} lines", "--resume", "--overwrite")
+    assert out.read_text() == kept
+    again = cli("run", "--url", live.url, "--input", str(src), "--output", str(out), "--overwrite", env=home)
+    assert again.returncode == 0 and len(out.read_text().splitlines()) == len(items)
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("my notes\n")
+    assert_user_error(cli("run", "--url", live.url, "--input", str(src), "--output", str(foreign), "--resume",
+                          env=home), "holds no answers of a run", "--overwrite")
+    assert foreign.read_text() == "my notes\n"
 
 
 def test_ps_shows_the_loaded_model(live, home, tiny_model):

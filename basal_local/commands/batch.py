@@ -150,18 +150,32 @@ def read_done(out_path: Path, total: int) -> dict[int, dict[str, Any]]:
         lines = out_path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"--output {out_path}: cannot be read to resume ({exc.__class__.__name__})",
-                        "drop --resume to start over") from None
+                        "pick another --output, or replace it with --overwrite") from None
+    rows = 0
     for line in lines:
         try:
             row = json.loads(line)
         except ValueError:
             continue  # a line cut by the interruption: redone
+        rows += isinstance(row, dict) and isinstance(row.get("index"), int) and "status" in row
         if isinstance(row, dict) and row.get("status") == 200 and isinstance(row.get("index"), int):
             if not 0 <= row["index"] < total:
                 raise UserError(f"--output {out_path} holds answers for another input (index {row['index']})",
                                 "resume with the input of that run, or drop --resume")
             done[row["index"]] = row
+    if any(line.strip() for line in lines) and not rows:  # the run would rewrite it with its answers
+        raise UserError(f"--output {out_path} holds no answers of a run: it is not an output of basal-local run",
+                        "pick another --output, or replace it with --overwrite")
     return done
+
+
+def has_lines(path: Path) -> int:
+    """Non-blank lines of a file that exists (0: none, or no such file)."""
+    try:
+        with path.open("rb") as fh:
+            return sum(1 for line in fh if line.strip())
+    except OSError:
+        return 0
 
 
 def make_record(i: int, item: dict[str, Any], status: int, body: Any, seconds: float) -> dict[str, Any]:
@@ -189,6 +203,10 @@ def run_command(args: argparse.Namespace) -> int:
     items = read_items(in_path)
     if not out_path.parent.is_dir():
         raise UserError(f"--output {out_path}: folder {out_path.parent} does not exist", "create it, or pick another")
+    lines = 0 if args.resume or args.overwrite else has_lines(out_path)
+    if lines:  # an earlier run's answers (or any file) are never replaced without being asked to
+        raise UserError(f"--output {out_path} already holds {lines} line{'s' * (lines != 1)}",
+                        "continue that run with --resume, or replace the file with --overwrite")
     get_json(url, "/health", api_key=key)  # a missing or loading daemon is one clear line, before anything is sent
     get_json(url, "/v1/models", api_key=key)  # and a missing key (/health answers without one)
     model = args.model or "jev-latest"
