@@ -174,6 +174,12 @@ def test_bench_checks_its_extras_before_running(home, monkeypatch):
     assert "single decisions" not in done.stderr  # refused before the bench ran
     monkeypatch.setattr(select, "mlx_importable", lambda: False)
     assert_user_error(cli("bench", "--backend", "mlx", env=home), "MLX is not installed", "--backend torch")
+    done = cli("serve", "--demo", "--backend", "mlx", "--port", "0", env=home)  # before `serving on`, not after
+    assert_user_error(done, "MLX is not installed", "mlx[cpu]")
+    assert "serving on" not in done.stdout
+    for attention, why in (("tree", "needs CUDA and Triton"), ("metal", "unknown attention 'metal'")):
+        assert_user_error(cli("bench", "--device", "cpu", "--attention", attention, "--decisions", "1", env=home),
+                          f"--attention {attention}: ", why, "--attention auto")
 
 
 def test_service_install_refuses_a_model_that_is_not_there(home, tmp_path):

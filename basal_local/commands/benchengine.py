@@ -54,8 +54,11 @@ class Bench:
     def __init__(self, model_dir, backend_name: str, device: str, dtype: str, attention: str = "auto",
                  gpu_memory: str | None = None, torch_options=None) -> None:
         self.model: ModelDir = load_model_dir(model_dir)
-        self.backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory,
-                                    torch_options=torch_options)
+        try:
+            self.backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory,
+                                        torch_options=torch_options)
+        except ValueError as exc:  # an --attention this backend or device cannot run
+            raise UserError(f"--attention {attention}: {exc}", "use --attention auto") from None
         phase(f"loading {self.model.name} on {self.backend.device}")
         t0 = time.perf_counter()
         try:

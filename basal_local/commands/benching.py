@@ -6,11 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from basal_local.backends import select
-
 from ..bench import run_bench
 from . import UserError, check_url, get_json, model_path
-from .serving import check_device, check_gpu_memory, client_key
+from .serving import check_backend, check_device, check_gpu_memory, client_key
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -32,8 +30,4 @@ def check_bench_extras(args: argparse.Namespace) -> None:
     if args.baseline != "none" and importlib.util.find_spec("transformers") is None:
         raise UserError(f"--baseline {args.baseline} needs Hugging Face transformers, which is not installed",
                         'install it (pip install "transformers>=4.45"), or drop --baseline')
-    if args.backend == "mlx":
-
-        if not select.mlx_importable():
-            raise UserError("--backend mlx, but MLX is not installed (it runs on Apple Silicon)",
-                            "use --backend torch (or auto), or on a Mac: pip install mlx")
+    check_backend(args.backend)

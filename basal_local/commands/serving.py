@@ -97,6 +97,16 @@ def check_device(device: str, flag: str = "") -> None:
         raise UserError(f"{flag}, but Metal is not available here", "use --device cpu (or auto)")
 
 
+def check_backend(backend: str) -> None:
+    """Refuse --backend mlx without MLX before anything loads (it was found after `serving on`)."""
+    from ..backends.select import mlx_importable  # imports nothing heavy until asked
+
+    if backend == "mlx" and not mlx_importable():
+        raise UserError("--backend mlx, but MLX is not installed",
+                        "pip install mlx (Apple Silicon) or pip install 'mlx[cpu]' (Linux CPU), or use --backend "
+                        "torch (or auto)")
+
+
 def check_devices(spec: str | None, device: str) -> None:
     """--devices as one sentence when a name is not a device or a GPU is not there (not torch's paragraphs)."""
     from ..backends.select import expand_devices  # the backends import torch: only to check --devices
@@ -203,6 +213,7 @@ def serve_command(args: argparse.Namespace) -> int:
     ray_mode = bool(getattr(args, "ray", False))
     check_ray_flags(args, ray_mode)
     if not ray_mode:  # with --ray the engines run on the cluster's nodes, not here
+        check_backend(settings.backend)
         check_device(settings.device)
         check_devices(settings.devices, settings.device)
     check_gpu_memory(settings.gpu_memory, settings.device, "" if args.gpu_memory is not None else
