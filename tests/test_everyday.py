@@ -159,6 +159,54 @@ def test_make_test_model_into_a_folder_it_cannot_create(home, tmp_path):
                       "cannot write the test model", "a folder you can write to")
 
 
+def test_a_home_folder_through_a_file_is_one_sentence(tmp_path):
+    from .test_cli import assert_user_error, cli
+
+    (tmp_path / "file").write_text("x")
+    done = cli("serve", "--demo", "--port", "0", env={"BASAL_LOCAL_HOME": str(tmp_path / "file" / "home")})
+    assert_user_error(done, "cannot use", "Not a directory", "BASAL_LOCAL_HOME")
+
+
+def test_the_demo_model_leaves_no_half_written_folder(tmp_path, monkeypatch):
+    """Ctrl-C while the demo model is generated removes its folder; one a killed process left is dropped."""
+    import basal_local.model.registry as registry
+    import basal_local.model.testmodel as testmodel
+
+    monkeypatch.setenv("BASAL_LOCAL_HOME", str(tmp_path))
+    cache = registry.demo_model_path().parent
+    cache.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (cache / f"demo-model.tmp{dead.pid}").mkdir()  # a generation killed mid-way
+
+    def interrupted(directory, **kw):
+        Path(directory).mkdir()
+        (Path(directory) / "config.json").write_text("{")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(testmodel, "make_test_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        registry.demo_model_dir()
+    assert list(cache.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setenv("BASAL_LOCAL_HOME", str(tmp_path))
+    assert (registry.demo_model_dir() / "basal.json").exists() and [p.name for p in cache.iterdir()] == ["demo-model"]
+
+
+@pytest.mark.parametrize("fmt, package", [("mlx-8bit", "mlx"), ("gguf-q8_0", "gguf")])
+def test_make_test_model_names_a_missing_layout_package_before_writing(home, tmp_path, monkeypatch, fmt, package):
+    import importlib.util
+
+    from .test_cli import assert_user_error, cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    out = tmp_path / "model"
+    assert_user_error(cli("make-test-model", str(out), "--format", fmt, env=home),
+                      f"--format {fmt} is written with the {package} package", "pip install")
+    assert not out.exists()  # nothing written to convert
+
+
 def test_bench_checks_its_extras_before_running(home, monkeypatch):
     import importlib.util
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -335,6 +336,11 @@ def make_test_model(args: argparse.Namespace) -> int:
                         "give make-test-model a new or empty folder (an existing test model is overwritten)")
     if args.device == "cuda":
         check_device("cuda")
+    # the package a shipped port's layout is written with, checked before a bf16 model is written to convert
+    needs = "mlx" if args.format.startswith("mlx") else "gguf" if args.format.startswith("gguf") else None
+    if needs and importlib.util.find_spec(needs) is None:
+        raise UserError(f"--format {args.format} is written with the {needs} package, which is not installed",
+                        "pip install 'mlx[cpu]' (Linux; mlx on a Mac)" if needs == "mlx" else "pip install gguf")
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not os.access(out, os.W_OK):

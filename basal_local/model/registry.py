@@ -199,9 +199,27 @@ def demo_model_dir(on_generate=None) -> Path:
     if not marker.exists():
         if on_generate is not None:
             on_generate(target)
+        _drop_abandoned(target.parent)
         tmp = target.with_name(f"demo-model.tmp{os.getpid()}")
-        make_test_model(tmp, preset="tiny", seed=0, name=DEMO_NAME)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        try:
+            make_test_model(tmp, preset="tiny", seed=0, name=DEMO_NAME)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        except BaseException:  # Ctrl-C or a full disk: no half-written folder stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return target
+
+
+def _drop_abandoned(cache: Path) -> None:
+    """Half-written demo models of processes that are gone (a kill -9 mid-generation)."""
+    for tmp in cache.glob("demo-model.tmp*"):
+        pid = tmp.name.removeprefix("demo-model.tmp")
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            except OSError:  # alive under another user, or no way to tell: left alone
+                pass
