@@ -7,6 +7,7 @@ The reference renders the prompts from docs/PROTOCOL.md and tokenizes them with 
 from __future__ import annotations
 
 import json
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,6 +169,33 @@ def test_demo_command_answers_and_stops_cleanly(tmp_path):
     ans = out["answers"]["kind"]
     assert np.abs(np.array([ans["probabilities"]["damage"], ans["probabilities"]["late"]]) - ref).max() <= 1e-5
     assert ans["choice"] == ("damage", "late")[int(np.argmax(ref))]
+
+
+@pytest.mark.parametrize("key", [None, "s3cret-KEY"])
+def test_the_printed_try_it_commands_work_as_printed(tmp_path, key):
+    """Each command of the demo's "Try it" text, run by a shell as a user pastes it (with --api-key the key comes
+    from BASAL_LOCAL_API_KEY, as the text says), answers; the key itself is never printed."""
+    import subprocess
+    import sys
+
+    d = Daemon(["--demo", *(["--api-key", key] if key else [])], env={"BASAL_LOCAL_HOME": str(tmp_path)})
+    try:
+        d.wait_ready(timeout=120)
+        text = d.log.split("Try it:", 1)[1].split("Stop with Ctrl-C.", 1)[0]
+        commands = [c for c in text.split("\n\n") if c.strip()]
+        commands[0] = commands[0].split("\n", 1)[1] if key else commands[0]  # after the line about the key
+        assert len(commands) == 3, text
+        env = {**os.environ, "BASAL_LOCAL_HOME": str(tmp_path),
+               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+        if key:
+            env["BASAL_LOCAL_API_KEY"] = key
+        for command in commands:
+            done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stdout, done.stderr)
+            assert "urgent" in done.stdout or "kind" in done.stdout or "noul" in done.stdout, done.stdout
+    finally:
+        log = d.stop()
+    assert key is None or key not in log
 
 
 def test_no_model_names_demo(tmp_path):

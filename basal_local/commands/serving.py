@@ -22,19 +22,19 @@ basal-local {version} demo: serving the bundled demo model "basal-demo" on http:
   The demo model has RANDOM weights: its answers are random. It shows the API, not a real decision model.
   Get a real model with `basal-local pull mini` and start it with `basal-local serve --model mini`.
 
-Try it:
-  curl -s http://{host}:{port}/v1/systemone -H 'content-type: application/json' -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
+Try it:{key_note}
+  curl -s http://{host}:{port}/v1/systemone -H 'content-type: application/json'{key_curl} -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
     "questions": {{"urgent": {{"type": "noul", "instructions": "Is this urgent?"}}}}}}'
 
   basal-local ask --url http://{host}:{port} --state "The parcel arrived broken." --noul "Is this urgent?"
 
-  python - <<'PY'
-  import json, urllib.request
-  body = {{"model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
-          "questions": {{"kind": {{"type": "choice", "criteria": {{"damage": "Uszkodzenie", "late": "Opóźnienie"}}}}}}}}
-  req = urllib.request.Request("http://{host}:{port}/v1/systemone", json.dumps(body).encode())
-  print(json.load(urllib.request.urlopen(req)))
-  PY
+  python3 - <<'PY'
+import json, {py_import}urllib.request
+body = {{"model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
+        "questions": {{"kind": {{"type": "choice", "criteria": {{"damage": "Uszkodzenie", "late": "Opóźnienie"}}}}}}}}
+req = urllib.request.Request("http://{host}:{port}/v1/systemone", json.dumps(body).encode(){py_headers})
+print(json.load(urllib.request.urlopen(req)))
+PY
 Stop with Ctrl-C."""
 
 NO_MODEL = """\
@@ -253,7 +253,14 @@ def serve_command(args: argparse.Namespace) -> int:
               f"(loading models...)\n{footer}")
     ready_text = ""
     if args.demo:  # the "try it" text once the demo model answers; a failed start shows only the error
-        ready_text = DEMO_BANNER.format(host=settings.host, port=settings.port, version=__version__)
+        # with --api-key every call carries it: the hints read it from the environment (the key is never printed)
+        keyed = bool(settings.api_key)
+        ready_text = DEMO_BANNER.format(
+            host=settings.host, port=settings.port, version=__version__,
+            key_note="  (this daemon wants its API key: export BASAL_LOCAL_API_KEY=YOUR-KEY first)" if keyed else "",
+            key_curl=' -H "Authorization: Bearer $BASAL_LOCAL_API_KEY"' if keyed else "",
+            py_import="os, " if keyed else "",
+            py_headers=', {"Authorization": "Bearer " + os.environ["BASAL_LOCAL_API_KEY"]}' if keyed else "")
     if ray_mode:
         return serve_ray_command(args, settings, dirs, banner, ready_text, sock)
     if getattr(args, "tui", False) or getattr(args, "demo_traffic", False):
