@@ -292,6 +292,22 @@ def test_the_batch_command_submits_follows_and_fetches(served, tmp_path):
                       timeout=60)
     assert missing.returncode == 2 and "no batch batch_00ff (HTTP 404)" in missing.stderr
     assert "Traceback" not in missing.stderr
+    # a file of bad lines only: the batch fails, and each command says why, once per line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n{}\n")
+    done = cli_run(["batch", "submit", str(bad), "--wait", "--url", served.url], capture_output=True, text=True,
+                   timeout=240)
+    assert done.returncode == 1 and "failed" in done.stdout, (done.stdout, done.stderr)
+    assert "  line 1: the line is not valid JSON" in done.stderr and "line 1: line 1" not in done.stderr
+    assert "  line 2: custom_id must be" in done.stderr
+    batch_id = done.stderr.split()[1]  # "submitted ID (...)"
+    status = cli_run(["batch", "status", batch_id, "--url", served.url], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "  line 1: the line is not valid JSON" in status.stderr
+    results = cli_run(["batch", "results", batch_id, "--url", served.url], capture_output=True, text=True,
+                      timeout=60)
+    assert results.returncode != 0 and "Traceback" not in results.stderr
+    assert f"batch {batch_id} failed without results: line 1: the line is not valid JSON" in results.stderr
+    assert "no results yet" not in results.stderr and "submit it again" in results.stderr
 
 
 def test_stats_show_a_running_batch(tiny_model, tmp_path):

@@ -197,10 +197,11 @@ class Runner:
                 log.exception("batch %s failed", pending[0]["id"])
                 self._fail(pending[0]["id"], "internal_error", f"{type(exc).__name__}: {exc}")
 
-    def _fail(self, batch_id: str, code: str, message: str, line: int | None = None) -> None:
+    def _fail(self, batch_id: str, code: str, message: str, line: int | None = None,
+              more: list[dict[str, Any]] | None = None) -> None:
+        first = {"code": code, "message": message, "param": None, "line": line}
         self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
-                                errors={"object": "list",
-                                        "data": [{"code": code, "message": message, "param": None, "line": line}]})
+                                errors={"object": "list", "data": [first, *(more or [])]})
 
     async def _run(self, record: dict[str, Any]) -> None:
         batch_id = record["id"]
@@ -218,12 +219,12 @@ class Runner:
                            f"most {MAX_LINES}")
                 return
             invalid = [ln for ln in lines if ln.error is not None]
-            if len(invalid) == len(lines):
-                self._fail(batch_id, "invalid_file", f"line {invalid[0].number}: {invalid[0].error}",
-                           invalid[0].number)
-                return
             errors = [{"code": "invalid_request", "message": f"line {ln.number}: {ln.error}", "param": None,
                        "line": ln.number} for ln in invalid[:MAX_LISTED_ERRORS]]
+            if len(invalid) == len(lines):  # the first line's reason, then every listed line's
+                self._fail(batch_id, "invalid_file", f"line {invalid[0].number}: {invalid[0].error}",
+                           invalid[0].number, errors[1:])
+                return
             with self.store.lock:  # a cancel may have come while the file was read: it stays cancelling
                 current = self.store.batch(batch_id) or record
                 fields: dict[str, Any] = {"errors": {"object": "list", "data": errors} if errors else None,

@@ -62,6 +62,14 @@ def _line(batch: dict[str, Any]) -> str:
             f"({c['failed']} failed)  created {time.strftime('%Y-%m-%d %H:%M', time.localtime(batch['created_at']))}")
 
 
+def _show_errors(batch: dict[str, Any]) -> None:
+    """The first lines' errors of a batch (the whole list: its error file, `batch results ID --errors`)."""
+    for error in (batch.get("errors") or {}).get("data", [])[:10]:
+        message, line = str(error.get("message", "")), error.get("line")
+        print(f"  {message}" if line is None or message.startswith(f"line {line}:") else f"  line {line}: {message}",
+              file=sys.stderr)
+
+
 def _follow(url: str, key: str | None, batch: dict[str, Any]) -> dict[str, Any]:
     # rich's progress bar (~0.1 s to import): only for --follow
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -97,6 +105,8 @@ def batch_command(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return 130
         print(json.dumps(batch) if args.json else _line(batch))
+        if not args.json:
+            _show_errors(batch)
         return 0 if batch["status"] in ("completed", "validating", "in_progress", "finalizing") else 1
     if args.action == "list":
         page = _call(url, "GET", "/v1/batches?limit=100", key)
@@ -110,8 +120,8 @@ def batch_command(args: argparse.Namespace) -> int:
     if args.action == "status":
         batch = _call(url, "GET", f"/v1/batches/{args.target}", key)
         print(json.dumps(batch) if args.json else _line(batch))
-        for error in (batch.get("errors") or {}).get("data", [])[:10]:
-            print(f"  line {error['line']}: {error['message']}", file=sys.stderr)
+        if not args.json:
+            _show_errors(batch)
         return 0
     if args.action == "cancel":
         print(_line(_call(url, "POST", f"/v1/batches/{args.target}/cancel", key)))
@@ -119,6 +129,11 @@ def batch_command(args: argparse.Namespace) -> int:
     batch = _call(url, "GET", f"/v1/batches/{args.target}", key)
     ids = [batch.get("output_file_id")] + ([batch.get("error_file_id")] if args.errors else [])
     ids = [i for i in ids if i]
+    if not ids and batch["status"] in ("failed", "expired", "cancelled"):  # it never will have
+        first = ((batch.get("errors") or {}).get("data") or [{}])[0].get("message")
+        raise UserError(f"batch {args.target} {batch['status']} without results" + (f": {first}" if first else ""),
+                        f"every reason: basal-local batch status {args.target}; fix the input and submit it again"
+                        if batch["status"] == "failed" else "submit the input again")
     if not ids:
         raise UserError(f"batch {args.target} has no results yet ({batch['status']})",
                         f"follow it: basal-local batch status {args.target}")
