@@ -277,6 +277,11 @@ def test_detach_status_logs_stop(tiny_model, home):
         info = json.loads(state.read_text())
         status = subcli("status", env=home)
         assert status.returncode == 0 and f"pid {info['pid']}" in status.stdout and "ready" in status.stdout
+        # the other commands find it on its own port too, without --url (it is not the configured 8000)
+        ps = subcli("ps", "--json", env=home)
+        assert ps.returncode == 0 and json.loads(ps.stdout)["ready"], ps.stderr
+        asked = subcli("ask", "--state", "x", "--noul", "Is it urgent?", env=home)
+        assert asked.returncode == 0 and "Traceback" not in asked.stderr, asked.stderr
         logs = subcli("logs", env=home)
         assert "basal-local: ready:" in logs.stdout
         assert logs.stdout.count("basal_local.daemon: loaded") == 1  # stdout and the log handler: one copy

@@ -15,7 +15,7 @@ from ..flags import flag_overrides
 from ..paths import home_dirs
 from ..settings import Settings, config_path
 from . import UserError, bind_ephemeral, check_url, port_free
-from .background import detach
+from .background import alive, detach, read_state
 
 DEMO_BANNER = """\
 basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
@@ -56,10 +56,15 @@ def load_settings(args: argparse.Namespace):
 
 
 def daemon_url(args: argparse.Namespace) -> str:
-    """--url, else http://HOST:PORT of the configured daemon."""
+    """--url, else the background daemon's (`serve --detach`, on whatever port it was given) while it runs, else
+    http://HOST:PORT of the configured daemon."""
 
     if getattr(args, "url", None):
         return check_url(args.url)
+    running = read_state()
+    if running and isinstance(running.get("pid"), int) and isinstance(running.get("url"), str) \
+            and alive(running["pid"]):
+        return running["url"]
     settings = load_settings(argparse.Namespace())
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     return f"http://{host}:{settings.port}"
