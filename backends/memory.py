@@ -118,5 +118,10 @@ def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ra
         return int(min(2 ** 31, 0.05 * ram))
     kind, number = parse_limit(text, flag="--prefix-cache")
     if kind == "bytes":
+        room = device_memory[0] if device_memory is not None else ram
+        if number > room:  # it would fail to allocate (a CPU allocator's paragraph), or take the machine's memory
+            where = "the GPU has free after the weights" if device_memory is not None else "this machine's memory"
+            raise ValueError(f"--prefix-cache {setting}: more than the {room / 1e9:,.1f} GB {where}; give a "
+                             "smaller size, a share such as 0.5, or auto")
         return int(number)
     return int(number * (device_memory[0] if device_memory is not None else ram))

@@ -138,6 +138,11 @@ def test_budget_forms():
     for bad in ("lots", "-1GB", "0", "120%"):
         with pytest.raises(ValueError, match="--prefix-cache"):
             budget_bytes(bad, gpu)
+    # more than there is: one sentence naming the room, not an allocator's failure after `serving on`
+    with pytest.raises(ValueError, match="--prefix-cache 5TB: more than the 80.0 GB the GPU has free"):
+        budget_bytes("5TB", gpu)
+    with pytest.raises(ValueError, match="more than the 17.2 GB this machine's memory"):
+        budget_bytes("20GB", None, ram=16 * 2 ** 30)
 
 
 def test_replicas_on_one_gpu_get_equal_caches_whichever_opens_first():
