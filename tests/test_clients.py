@@ -184,6 +184,8 @@ def test_metrics(served):
     http("POST", served.url + "/v1/systemone", {"model": "secret-model-name", "state": "s", "questions": {}})
     with urllib.request.urlopen(served.url + "/metrics") as resp:
         text = resp.read().decode()
+        # one content type with one charset: Prometheus (Go's mime parser) refuses a repeated parameter
+        assert resp.headers.get_all("content-type") == ["text/plain; version=1.0.0; charset=utf-8"]
     for name in ("basal_http_requests_total", "basal_http_request_duration_seconds_bucket",
                  "basal_http_inflight_requests", "basal_model_inflight_requests", "basal_max_inflight_requests",
                  "basal_input_tokens_total", "basal_output_tokens_total", "basal_questions_total",

@@ -458,6 +458,10 @@ def test_an_api_key_is_required_when_set(keyed):
             assert_dialect_error(path, status, body)
         assert rawhttp.post(keyed.port, path, SMALL, {"authorization": f"Bearer {KEY}"})[0] == 200
         assert rawhttp.post(keyed.port, path, SMALL, {"x-api-key": KEY})[0] == 200
+        # the right key in one header is enough beside a wrong or empty other one (an SDK's default header)
+        for other in ({"x-api-key": ""}, {"x-api-key": "nope"}):
+            assert rawhttp.post(keyed.port, path, SMALL, {"authorization": f"Bearer {KEY}", **other})[0] == 200
+        assert rawhttp.post(keyed.port, path, SMALL, {"x-api-key": KEY, "authorization": "Bearer no"})[0] == 200
     for path in ("/api/stats", "/v1/models"):
         status, _, body = rawhttp.get(keyed.port, path)
         assert status == 401 and body["code"] == "UNAUTHORIZED"

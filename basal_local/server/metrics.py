@@ -114,4 +114,7 @@ class MetricsRecorder:
 async def metrics_handler(request: Request) -> Response:
     state: AppState = request.app.state.basal
     recorder: MetricsRecorder = state.metrics_recorder  # type: ignore[attr-defined]
-    return Response(content=recorder.render(), status_code=200, media_type=CONTENT_TYPE_LATEST)
+    # prometheus_client's type already names its charset; Litestar would add a second one, which strict parsers
+    # (Go's mime.ParseMediaType, so Prometheus) refuse
+    return Response(content=recorder.render(), status_code=200, media_type=CONTENT_TYPE_LATEST.split(";")[0],
+                    headers={"content-type": CONTENT_TYPE_LATEST})

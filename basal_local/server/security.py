@@ -112,11 +112,12 @@ class AccessPolicy:
     def key_ok(self, headers: dict[str, str]) -> bool:
         if not self.api_key:
             return True
-        given = headers.get("x-api-key")
+        # either header may carry it ("Bearer KEY or X-Api-Key: KEY"): a wrong or empty one beside the right one
+        # (an SDK's default header) does not shut the caller out
         auth = headers.get("authorization", "")
-        if given is None and auth[:7].lower() == "bearer ":
-            given = auth[7:].strip()
-        return given is not None and hmac.compare_digest(given.encode("utf-8"), self.api_key.encode("utf-8"))
+        given = [headers.get("x-api-key"), auth[7:].strip() if auth[:7].lower() == "bearer " else None]
+        key = self.api_key.encode("utf-8")
+        return any(g is not None and hmac.compare_digest(g.encode("utf-8"), key) for g in given)
 
     def check(self, method: str, path: str, headers: dict[str, str]) -> ApiError | None:
         """None if the request may go on, else the error to answer."""
