@@ -403,6 +403,12 @@ def test_non_json_content_types_are_415(d, path):
     assert rawhttp.post(d.port, path, body, {"content-type": form, "origin": "http://localhost:3000"})[0] == 415
     for ctype in (form, "application/json; charset=utf-8", None):
         assert rawhttp.post(d.port, path, body, {"content-type": ctype})[0] == 200, ctype
+    # the path spelled with repeated slashes is served as the same route: its errors take the same shape
+    for spelled in ("/" + path, path.replace("/v1/", "/v1//")):
+        status, _, answer = rawhttp.post(d.port, spelled, body, {"content-type": "text/plain"})
+        assert status == 415, spelled
+        assert_dialect_error(path, status, answer)
+        assert rawhttp.post(d.port, spelled, body)[0] == 200
 
 
 def test_errors_outside_the_dialects_have_one_json_shape(d):

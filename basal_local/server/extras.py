@@ -19,12 +19,11 @@ from typing import Any
 from litestar import Request, Response, get
 
 from .. import __version__
+from ..api.errors import dialect_of
 from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
 from .responses import json_response
 from .state import AppState
-
-DECISION_PATHS = ("/v1/systemone", "/v1/basal")
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -99,7 +98,7 @@ def wrap_asgi(state: AppState):
                 await app(scope, receive, send)
                 return
             path = scope.get("path", "")
-            decision = path in DECISION_PATHS
+            decision = dialect_of(path) is not None  # as the router reads it (//v1/basal too)
             if not decision:
                 receive, send = body_deadline(scope, receive, send, state.limits.body_timeout_s)
             started = time.perf_counter()
