@@ -476,6 +476,17 @@ def test_an_api_key_is_required_when_set(keyed):
         assert rawhttp.get(keyed.port, "/health", headers)[::2] == (200, {"status": "ok"})
     status, _, body = rawhttp.get(keyed.port, "/health", {"x-api-key": KEY})
     assert status == 200 and body["status"] == "ok" and body["models"] and "version" in body
+    # HEAD wherever GET works (a probe's HEAD /health without the key too): GET's status and headers, no body
+    import http.client
+
+    for path, headers, status in (("/health", {}, 200), ("/health", {"x-api-key": KEY}, 200),
+                                  ("/v1/models", {"x-api-key": KEY}, 200), ("/v1/models", {}, 401)):
+        conn = http.client.HTTPConnection("127.0.0.1", keyed.port, timeout=10)
+        conn.request("HEAD", path, headers=headers)
+        resp = conn.getresponse()
+        assert (resp.status, resp.read()) == (status, b""), path
+        assert resp.headers["content-type"] == "application/json" and int(resp.headers["content-length"]) > 0
+        conn.close()
 
 
 def _send_all_then_read(port: int, path: str, body: bytes, headers: dict[str, str]):

@@ -183,7 +183,21 @@ class Guard:
                 await send_error(send, err, close=scope.get("method") in BODY_METHODS,
                                  request_id=headers.get("x-request-id"))
                 return
+            if method == "HEAD":  # RFC 9110: HEAD wherever GET works (liveness probes: HEAD /health)
+                await self.app({**scope, "method": "GET"}, receive, _headers_only(send))
+                return
         await self.app(scope, receive, send)
+
+
+def _headers_only(send: Any) -> Any:
+    """`send` for a HEAD request answered as a GET: the status and headers (Content-Length included), no body."""
+    async def send_head(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            if message.get("more_body", False):
+                return
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
+        await send(message)
+    return send_head
 
 
 def public_bind_refusal(host: str, api_key: str | None, insecure_public: bool) -> str | None:
