@@ -7,6 +7,7 @@ them all) puts a `Spec` in the field's metadata: type, range, `config.toml` key,
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -36,6 +37,7 @@ class Spec:
     items: tuple[str, ...] | None = None  # a list setting: the names its items may be
     comma: bool = False  # a list setting whose text (flag, config string) is a comma list: "gate_up,down"
     group: str | None = None  # flags that `-h` lists under a heading of their own (GROUPS); `bench` takes "torch"
+    duration: bool = False  # a float of seconds that text may give as 10m, 1h30m, 45s or forever (parse_keep_alive)
 
 
 def setting(default: Any, help: str, kind: type | None = None, **spec: Any) -> Any:
@@ -52,6 +54,8 @@ def range_text(spec: Spec) -> str:
         return "a comma list of " + ", ".join(spec.items)
     if spec.choices:
         return "one of " + ", ".join(spec.choices)
+    if spec.duration:
+        return "a duration such as 10m, 1h, 600 (seconds) or forever"
     noun = {int: "a whole number", float: "a number", bool: "true or false", str: "text",
             list: "a list of names", dict: "a table"}[spec.kind]
     if spec.above is not None:
@@ -82,6 +86,10 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError
         elif kind is float:
+            if spec.duration and isinstance(value, str):
+                value = parse_keep_alive(value)
+                if value is None:  # forever
+                    return None
             if from_text and isinstance(value, str):
                 value = float(value)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -136,3 +144,27 @@ def declared(cls: type) -> list[tuple[str, Spec, Any]]:
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
         out.append((f.name, spec, default))
     return out
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """`10m`, `1h30m`, `45s`, `600` (seconds), 0 (unload once idle), `forever`/-1/None (never): seconds or None."""
+    if value is None or value == -1 or value in ("forever", "-1", "inf"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError("keep_alive must be a duration such as 10m, 600 or forever")
+    if isinstance(value, (int, float)):
+        if value != value:
+            raise ValueError("keep_alive must be a duration such as 10m, 600 or forever, not NaN")
+        if value < 0:
+            raise ValueError("keep_alive must be at least 0 (or forever)")
+        return None if value == float("inf") else float(value)  # infinity: forever (answers stay valid JSON)
+    text = str(value).strip().lower()
+    try:
+        return parse_keep_alive(float(text))
+    except ValueError:
+        pass
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text)
+    if not text or not parts:
+        raise ValueError(f"keep_alive {value!r} is not a duration (e.g. 10m, 1h, 90s, 600 or forever)")
+    h, m, s = (float(p or 0) for p in parts.groups())
+    return h * 3600 + m * 60 + s

@@ -121,10 +121,11 @@ class Settings:
                              metavar="SECONDS", minimum=0)
     metrics: bool = setting(False, "Prometheus text at /metrics", flag="--metrics", action="store_true")
     # models at run time (server/models.py): `basal-local load NAME --keep-alive 10m` sets one model's own
-    keep_alive_s: float | None = setting(None, "unload a model after this many seconds without a request; it loads "
-                                               "again on the next one (default: never)", kind=float,
-                                         flag="--keep-alive", metavar="SECONDS", minimum=0, optional=True,
-                                         show_default=False)
+    keep_alive_s: float | None = setting(None, "unload a model after this long without a request (10m, 1h, 600 "
+                                               "seconds, forever); it loads again on the next one (default: never)",
+                                         kind=float,
+                                         flag="--keep-alive", metavar="TIME", minimum=0, optional=True,
+                                         show_default=False, duration=True)
     # [aliases]: extra names a request may use for a served model (jev-latest = "mini")
     aliases: dict[str, str] = setting({}, 'config.toml [aliases]: extra names for served models (jev-latest = "mini")')
     # the torch backend's product options (backends/torch/options.py TorchOptions: their defaults, and the measuring

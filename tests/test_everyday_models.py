@@ -155,14 +155,14 @@ def test_load_and_unload_mistakes_are_two_lines(live, home):
                                            (45, 45.0), (0, 0.0), ("forever", None), (-1, None), (None, None),
                                            (float("inf"), None), ("1e400", None), (1e300, 1e300)])
 def test_keep_alive_durations(text, seconds):
-    from basal_local.server.models import parse_keep_alive
+    from basal_local.declare import parse_keep_alive
 
     assert parse_keep_alive(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["soon", "-5", "10x", "", True, float("nan")])
 def test_keep_alive_refuses_what_is_not_a_duration(text):
-    from basal_local.server.models import parse_keep_alive
+    from basal_local.declare import parse_keep_alive
 
     with pytest.raises(ValueError):
         parse_keep_alive(text)

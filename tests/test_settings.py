@@ -204,3 +204,13 @@ def test_a_replica_worker_loads_its_backend_with_the_options_of_its_spec(tiny_mo
         assert engine.backend.options == wanted and ready.backend == "torch"
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("text, seconds", [("10m", 600.0), ("1h30m", 5400.0), ("600", 600.0), ("forever", None)])
+def test_serve_keep_alive_takes_the_durations_load_takes(tmp_path, text, seconds):
+    """`serve --keep-alive 10m` (and keep_alive_s = "10m" in config.toml) as `load --keep-alive 10m` reads it; it
+    was refused as "not a number"."""
+    from_flag = Settings.load(flag_overrides(build_parser().parse_args(["serve", "--keep-alive", text])),
+                              tmp_path / "none.toml")
+    (tmp_path / "config.toml").write_text(f'keep_alive_s = "{text}"\n')
+    assert from_flag.keep_alive_s == Settings.load({}, tmp_path / "config.toml").keep_alive_s == seconds

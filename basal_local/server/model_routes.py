@@ -15,7 +15,8 @@ from typing import Any
 
 from litestar import Request, Response, post
 
-from .models import DRAIN_S, ModelRegistry, parse_keep_alive
+from ..declare import parse_keep_alive
+from .models import DRAIN_S, ModelRegistry
 from .responses import json_response
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import re
 import sys
 import threading
 import time
@@ -50,30 +49,6 @@ class Entry:
     error: str | None = None
     load_s: float | None = None
     listing: dict[str, Any] | None = None  # its /v1/models fields while it is not loaded (from its last load)
-
-
-def parse_keep_alive(value: Any) -> float | None:
-    """`10m`, `1h30m`, `45s`, `600` (seconds), 0 (unload once idle), `forever`/-1/None (never): seconds or None."""
-    if value is None or value == -1 or value in ("forever", "-1", "inf"):
-        return None
-    if isinstance(value, bool):
-        raise ValueError("keep_alive must be a duration such as 10m, 600 or forever")
-    if isinstance(value, (int, float)):
-        if value != value:
-            raise ValueError("keep_alive must be a duration such as 10m, 600 or forever, not NaN")
-        if value < 0:
-            raise ValueError("keep_alive must be at least 0 (or forever)")
-        return None if value == float("inf") else float(value)  # infinity: forever (answers stay valid JSON)
-    text = str(value).strip().lower()
-    try:
-        return parse_keep_alive(float(text))
-    except ValueError:
-        pass
-    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text)
-    if not text or not parts:
-        raise ValueError(f"keep_alive {value!r} is not a duration (e.g. 10m, 1h, 90s, 600 or forever)")
-    h, m, s = (float(p or 0) for p in parts.groups())
-    return h * 3600 + m * 60 + s
 
 
 class ModelRegistry:
