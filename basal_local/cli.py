@@ -384,10 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         if exc.filename is None or args.verbose:
             raise
         # a path the file system refuses (a folder through a file, no permission, a full disk): the user's to fix
-        print(f"basal-local: error: cannot use {exc.filename} ({exc.strerror or type(exc).__name__})",
+        print(f"basal-local: error: cannot use {exc.filename} ({exc.strerror or type(exc).__name__})\n  check that "
+              "path, its permissions and the free disk space (BASAL_LOCAL_HOME moves basal-local's own folders)",
               file=sys.stderr)
-        print("  check that path, its permissions and the free disk space (BASAL_LOCAL_HOME moves basal-local's "
-              "own folders)", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug: one line, the traceback only with -v
         if args.verbose:
