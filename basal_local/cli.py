@@ -101,8 +101,8 @@ EXAMPLES = {  # the `-h` description of each command without its own: what it do
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="basal-local", description=__doc__.split(" (")[0] + ".",
-                                     epilog="`basal-local COMMAND -h` explains each command.")
+    parser = _Parser(prog="basal-local", epilog="`basal-local COMMAND -h` explains each command.", description="Run "
+                     "Basal typed-decision models on this machine: the daemon and the tools around it.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (and show tracebacks)")
     parser.add_argument("--version", action="version", version=f"basal-local {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -21,8 +21,9 @@ def _flag_type(key: str, spec: Spec):
                 VALIDATORS[spec.validate](text)
             return check(spec.flag or key, spec, text, from_text=True)
         except ValueError as exc:
+            zero = " (or 0: a free one)" if spec.flag_zero else ""
             raise argparse.ArgumentTypeError(str(exc) if spec.validate else
-                                             f"{text} must be {range_text(spec)}") from None
+                                             f"{text} must be {range_text(spec)}{zero}") from None
 
     parse.__name__ = spec.kind.__name__  # argparse names the type in its own messages
     return parse

@@ -103,7 +103,7 @@ def test_bad_config_values_are_sentences_naming_the_file(tmp_path, text, key, me
     (["--body-timeout", "-1"], "-1 must be a number above 0"),
     (["--long-slice-ms", "-5"], "-5 must be a number above 0"),
     (["--drain", "x"], "x must be a number of at least 0"),
-    (["--port", "70000"], "70000 must be a whole number from 1 to 65535"),
+    (["--port", "70000"], "70000 must be a whole number from 1 to 65535 (or 0: a free one)"),
     (["--gemm", "fast"], "invalid choice: 'fast'"),
     (["--fp8-gemms", "gate,down"], "gate,down must be a comma list of qkv, o, gate_up, down"),
 ])
