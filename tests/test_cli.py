@@ -305,6 +305,9 @@ def test_ask_noul_choice_score(live, home, tmp_path):
     assert done.returncode == 0 and "score" in done.stdout
     assert_user_error(cli("ask", "--url", live.url, "--state", "x", "--choice", "Q", "-o", "one", env=home),
                       "two options")
+    assert_user_error(cli("ask", "--url", live.url, "--state", "x", "--choice", "Q", "-o", "a=1", "-o", "a=2",
+                          env=home), "the key 'a' is given twice")
+    assert_user_error(cli("ask", "--url", live.url, "--state", "x", "--noul", " ", env=home), "the question is empty")
 
 
 def test_run_jsonl_in_order_with_accuracy(live, home, tmp_path):

@@ -38,6 +38,9 @@ def read_state(text: str) -> str:
 
 
 def build_question(args: argparse.Namespace) -> dict[str, Any]:
+    asked = next(text for text in (args.noul, args.choice, args.score) if text is not None)
+    if not asked.strip():
+        raise UserError("the question is empty", 'ask something, e.g. --noul "Is this urgent?"')
     if args.noul is not None:
         if args.option or args.level:
             raise UserError("--noul takes no -o/-l", "drop the options, or ask --choice/--score instead")
@@ -50,6 +53,8 @@ def build_question(args: argparse.Namespace) -> dict[str, Any]:
             key, sep, desc = item.partition("=")
             if not key.strip():
                 raise UserError(f"-o {item!r} has no key", "write -o KEY=DESCRIPTION (or just -o KEY)")
+            if key.strip() in criteria:
+                raise UserError(f"-o {item!r}: the key {key.strip()!r} is given twice", "give each option its own key")
             criteria[key.strip()] = desc if sep else key.strip()
         return {"type": "choice", "instructions": args.choice, "criteria": criteria}
     if len(args.level) < 2:
