@@ -44,3 +44,20 @@ def test_the_extras_report_invariance_and_skip_documents_longer_than_the_context
     inv = out["invariance_alone_vs_amid_31"]
     assert inv["trials"] == 1 and inv["bitwise_equal"] in (0, 1) and inv["max_abs_dlogit"] >= 0.0
     assert set(out) >= {"long_doc_4200", "long_doc_16500"}
+
+
+def test_the_cache_bench_times_a_hit_that_changes_nothing(tiny_model):
+    """`bench --cache`: the second request about a document reads it from the cache (it computes only its own
+    tokens), answers within the CPU's 1e-6 of the engine without the cache, and the document is the length asked
+    (within a clause), or what the model's positions hold, said so."""
+    from basal_local.commands.benchcache import bench_cache
+
+    said: list[str] = []
+    out = bench_cache(tiny_model, "cpu", "f32", doc_tokens=1500, documents=1, progress=said.append)
+    (row,) = out["per_document"]
+    assert 1500 <= out["state_tokens"] < 1700  # within a clause or two (~100 tokens each)
+    assert row["cached_tokens"] > out["state_tokens"] and row["packed_tokens_second"] < 0.5 * out["state_tokens"]
+    assert row["second_max_abs_diff"] <= 1e-6 and out["second_ms"]["cached"] > 0
+    assert not any("positions" in s for s in said)
+    capped = bench_cache(tiny_model, "cpu", "f32", doc_tokens=10**6, documents=1, progress=said.append)
+    assert capped["state_tokens"] <= 4096 - 500 and any("holds 4096 positions" in s for s in said)

@@ -64,8 +64,10 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
     from .benchengine import LONG_DOC_QUESTIONS, long_document, templates_only
 
     model = load_model_dir(model_dir)
-    if doc_tokens + 700 > model.config.max_position_embeddings:
+    if doc_tokens + 700 > model.config.max_position_embeddings:  # room for the template and the questions
         doc_tokens = model.config.max_position_embeddings - 700
+        progress(f"{model.name} holds {model.config.max_position_embeddings} positions: a document of about "
+                 f"{doc_tokens} tokens")
 
     def engine(only: bool) -> ModelEngine:
         backend = make_backend("torch", device, "auto", memory_limit=gpu_memory, torch_options=torch_options)

@@ -199,7 +199,7 @@ def long_document(tokenizer, target_tokens: int) -> str:
     parts = ["FRAMEWORK SERVICES AGREEMENT between Northwind Analytics (the Supplier) and Contoso Retail "
              "(the Customer)."]
     clause = 0
-    step = 40
+    step = max(1, min(40, target_tokens // 100))  # a clause is ~90 tokens: a short document is not 40 of them
     while True:
         for _ in range(step):
             clause += 1
