@@ -70,7 +70,8 @@ def test_the_log_file_is_written_and_doctor_checks_it(tiny_model, home):
     done = cli("doctor", "--json", env=home)
     (check,) = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "logs"]
     assert check["status"] == "ok", check
-    assert path.stat().st_size > len(text.encode())  # doctor's own line went into the file
+    assert path.read_text(encoding="utf-8") == text  # the log holds the daemon's lines only (doctor probes beside it)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
     path.unlink()
     path.mkdir()  # a log path that cannot be written (a folder in its place; even root cannot write it)
     done = cli("doctor", "--json", env=home)

@@ -149,22 +149,29 @@ def run_checks(port: int | None = None) -> list[Check]:
 
 
 def log_check(path: Path) -> Check:
-    """The daemon's log file takes a line: a folder that is writable but a file that stays empty is no log."""
+    """The daemon's log folder takes a line (a folder that is writable but a file that stays empty is no log),
+    tried on a probe file beside the log, so the log itself holds only the daemon's lines; the log, where it
+    exists, must be writable too."""
     fix = "make the folder writable (or set BASAL_LOCAL_HOME)"
+    probe = path.with_name(f".doctor-probe-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        before = path.stat().st_size if path.exists() else 0
-        handler = logging.FileHandler(path, encoding="utf-8")
+        handler = logging.FileHandler(probe, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.emit(logging.LogRecord("basal_local.doctor", logging.INFO, __file__, 0,
-                                       "doctor: the log file takes a line", None, None))
+                                       "doctor: the log folder takes a line", None, None))
         handler.close()
-        grew = path.stat().st_size > before
+        grew = probe.stat().st_size > 0
     except OSError as exc:
         return Check("logs", "warn", f"{path}: cannot be written ({exc.strerror or exc})", fix)
+    finally:
+        probe.unlink(missing_ok=True)
     if not grew:
-        return Check("logs", "warn", f"{path} did not grow when written to", fix)
-    return Check("logs", "ok", f"{path} (written to)")
+        return Check("logs", "warn", f"{path.parent} did not keep a line written to it", fix)
+    if path.exists() and not (path.is_file() and os.access(path, os.W_OK)):
+        why = "no permission" if path.is_file() else "not a file"
+        return Check("logs", "warn", f"{path}: cannot be written ({why})", fix)
+    return Check("logs", "ok", f"{path} (its folder takes a line)")
 
 
 def doctor_command(args: argparse.Namespace) -> int:
