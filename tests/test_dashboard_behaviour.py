@@ -199,3 +199,8 @@ def test_serve_tui_without_a_terminal_refuses_in_one_sentence(tmp_path, tiny_mod
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "needs a terminal" in proc.stderr
     assert "\x1b" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert "without --tui" in proc.stderr
+    # `top` is told what fits `top`, not to drop a --tui it never had
+    top = subprocess.run([sys.executable, "-m", "basal_local.cli", "top"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert top.returncode == 2 and "needs a terminal" in top.stderr and "--tui" not in top.stderr, top.stderr

@@ -11,12 +11,14 @@ from .app import DashboardApp
 from .client import DaemonClient
 
 
-def no_terminal() -> str | None:
-    """Why the dashboard cannot run here (stdin or stdout is not a terminal), in one sentence; None if it can."""
+def no_terminal(command: str = "serve --tui") -> str | None:
+    """Why the dashboard cannot run here (stdin or stdout is not a terminal), in one sentence for `command`; None
+    if it can."""
+    instead = ("run `basal-local serve` without --tui (or `basal-local top` in a terminal)" if command != "top" else
+               "run `basal-local top` in a terminal; `basal-local ps` and /api/stats show the same without one")
     for name, stream in (("standard input", sys.__stdin__), ("standard output", sys.__stdout__)):
         if stream is None or not stream.isatty():
-            return (f"the dashboard needs a terminal, and {name} is not one; run `basal-local serve` without --tui "
-                    f"(or `basal-local top` in a terminal)")
+            return f"the dashboard needs a terminal, and {name} is not one; {instead}"
     return None
 
 
@@ -37,7 +39,7 @@ def stop_on_signals(app: DashboardApp) -> None:
 
 def run_top(url: str, capture_print: bool = False, api_key: str | None = None, owns_daemon: bool = False) -> int:
     """Run the dashboard against the daemon at `url` until the user quits (q)."""
-    reason = no_terminal()
+    reason = no_terminal("serve --tui" if owns_daemon else "top")
     if reason:  # Textual would write escape sequences into a file or a pipe
         print(f"basal-local: error: {reason}", file=sys.__stderr__ or sys.stderr)
         return 2
