@@ -150,6 +150,9 @@ def test_path_keys_and_validate(home):
     (["config", "path", "port"], ["takes no KEY"]),
     (["config", "unset", "port", "1"], ["takes no VALUE"]),
     (["config", "frob"], ["invalid choice: 'frob'"]),
+    (["config", "--config", "/"], ["--config / is a folder, not a config file"]),  # it showed the defaults
+    (["config", "set", "port", "8001", "--config", "/"], ["--config / is a folder"]),
+    (["serve", "--demo", "--config", "/"], ["--config /: a folder, not a config file"]),
 ])
 def test_config_mistakes_are_two_lines(home, args, words):
     assert_user_error(cli(*args, env=home), *words)

@@ -35,7 +35,11 @@ def _specs() -> dict[str, Any]:
 
 
 def _path(args: argparse.Namespace) -> Path:
-    return Path(args.config).expanduser() if getattr(args, "config", None) else config_path()
+    path = Path(args.config).expanduser() if getattr(args, "config", None) else config_path()
+    if path.is_dir():  # a folder is no config file (read as none, or refused as unreadable, before)
+        raise UserError(f"{'--config ' if getattr(args, 'config', None) else ''}{path} is a folder, not a config "
+                        "file", "name the file, e.g. --config ~/.config/basal-local/config.toml")
+    return path
 
 
 def _read(path: Path) -> tuple[str, dict[str, Any]]:

@@ -48,7 +48,8 @@ def load_settings(args: argparse.Namespace):
     """Settings from the flags present in `args`, the environment and config.toml; errors name the file."""
     config = Path(args.config).expanduser() if getattr(args, "config", None) else None
     if config is not None and not config.is_file():
-        raise UserError(f"--config {config}: no such file", f"drop --config to use {config_path()}, or fix the path")
+        what = "a folder, not a config file" if config.is_dir() else "no such file"
+        raise UserError(f"--config {config}: {what}", f"drop --config to use {config_path()}, or fix the path")
     try:
         return Settings.load(flag_overrides(args), config)
     except (ValueError, OSError) as exc:
