@@ -7,39 +7,42 @@ import importlib
 import logging
 import os
 import sys
-from pathlib import Path
 
 from . import __version__
 from .commands import UserError
 from .flags import add_flags
-from .settings import Settings, config_path
+from .settings import config_path
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is two lines (what is wrong, where the help is), not the whole usage."""
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        self.argv = list(sys.argv[1:] if args is None else args)  # `error` looks at what came before the command
+        return super().parse_args(args, namespace)
+
     def error(self, message: str):  # type: ignore[override]
+        first = (getattr(self, "argv", None) or [""])[0].split("=")[0]  # the top-level parser's only
+        if first.startswith("-") and first not in ("-h", "--help", "-v", "--verbose", "--version"):
+            message = f"{first} is not an option of basal-local itself; a command's options go after it"
         self.exit(2, f"{self.prog}: error: {message}\n  see `{self.prog} -h`\n")
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (a TCP port is 1-65535)") from None
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (use 1-65535)")
-    return value
+def _whole(low: int, high: int | None = None, what: str = ""):
+    """An argparse type: a whole number from `low` (to `high`); `what` names the range in the message."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number{what}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} must be " + (f"from {low} to {high}" if high else
+                                                                    f"at least {low}") + what)
+        return value
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+_port, _positive = _whole(1, 65535, " (a TCP port)"), _whole(1)
 
 
 def _add_key_flag(p: argparse.ArgumentParser) -> None:
@@ -55,20 +58,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from .server.tuimode import local_url
-
-    url = args.url
-    if not url:
-        try:
-            settings = Settings.load({}, Path(args.config) if args.config else None)
-        except (ValueError, OSError) as exc:
-            print(f"basal-local: error: {exc}", file=sys.stderr)
-            return 2
-        url = local_url(settings.host, settings.port)
-    from .commands.serving import client_key
+    from .commands.serving import (  # --url, else the background daemon's, else the config's
+        client_key,
+        daemon_url,
+    )
     from .tui.run import run_top
 
-    return run_top(url, api_key=client_key(args))
+    return run_top(daemon_url(args), api_key=client_key(args))
 
 
 def _lazy(module: str, func: str):

@@ -358,3 +358,11 @@ def test_ps_shows_the_loaded_model(live, home, tiny_model):
     assert 0.5 * weights < model["weights_bytes"] <= 2.5 * weights  # f32 copy of the stored weights
     text = cli("ps", "--url", live.url, env=home).stdout
     assert "(default)" in text and "cpu" in text
+
+
+def test_an_option_before_the_command_is_named():
+    """`basal-local -x` said only that COMMAND was missing, `basal-local --config F serve` that F is no command."""
+    for argv, first in ((["-x"], "-x"), (["--config", "/x", "serve"], "--config"), (["--port=9", "serve"], "--port")):
+        assert_user_error(cli(*argv), f"{first} is not an option of basal-local itself", "go after it")
+    assert_user_error(cli("frob"), "invalid choice: 'frob'")
+    assert_user_error(cli("-v", "frob"), "invalid choice: 'frob'")
