@@ -219,7 +219,7 @@ def test_prompts_cli_round_trip(tiny_model):
     assert all(o["input_ids"][:2] == [1, 3] for o in reference)
     bad = cli_run(["prompts", "--model", str(tiny_model)],
                          input=b'{"model": "basal-test-tiny", "state": 1}', capture_output=True)
-    assert bad.returncode == 2 and b"HTTP 422" in bad.stderr
+    assert bad.returncode == 2 and b"the daemon would answer this request HTTP 422 with the body above" in bad.stderr
     assert json.loads(bad.stdout)["detail"][0]["loc"] == ["body", "state", "str"]
     tree = cli_run(["prompts", "--model", str(tiny_model), "--tree"],
                           input=json.dumps(body), capture_output=True, check=True, text=True).stdout

@@ -38,7 +38,8 @@ def prompts_command(args: argparse.Namespace) -> int:
     except ApiError as err:
         # the body the HTTP endpoint would answer; its status goes to stderr
         print(json.dumps(err.body, ensure_ascii=False))
-        print(f"basal-local: HTTP {err.status}", file=sys.stderr)
+        print(f"basal-local: the daemon would answer this request HTTP {err.status} with the body above",
+              file=sys.stderr)
         return 2
     if args.tree:
         print(format_pack(pack_prompts(plan.prompt_specs(), prefixes), model.tokenizer))
