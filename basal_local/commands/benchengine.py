@@ -175,11 +175,14 @@ def bench_in_process(model_dir, device: str, dtype: str, repeat: int, attention:
                                       "packed_tokens": sum(p.packed_tokens for p in packs) // len(packs),
                                       "unpacked_tokens": sum(p.unpacked_tokens for p in packs) // len(packs)}
     described = backend.describe() if hasattr(backend, "describe") else {}
+    # the GEMM route and the torch options act on CUDA only: elsewhere the forward calls torch's linear as is
+    cuda = str(backend.device).startswith("cuda")
+    routes = {"gemm": described.get("gemm", ""), "gemm_plan": described.get("plan", {}),
+              "torch_options": described.get("options", {})} if cuda else {"gemm": "torch linear" if described else ""}
     info = bench.info
     return {
         "mode": "in-process", "model": bench.model.name, "backend": backend.name, "device": backend.device,
-        "attention": getattr(backend, "attention", ""), "gemm": described.get("gemm", ""),
-        "gemm_plan": described.get("plan", {}), "torch_options": described.get("options", {}),
+        "attention": getattr(backend, "attention", ""), **routes,
         "dtype": info.dtype, "layers": info.layers, "hidden": info.hidden_size, "load_s": round(bench.load_s, 2),
         "warmup_s": round(warmup_s, 2),
         "decisions": len(latencies),

@@ -29,7 +29,7 @@ def print_result(result: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(result))
         return
     table = Table(title=f"basal-local bench ({result.get('mode', '')})", title_justify="left")
-    table.add_column("figure", style="bold")
+    table.add_column("figure", style="bold", overflow="fold")  # a long name folds rather than losing its end
     table.add_column("value", overflow="fold")
     for name, value in flatten(result):
         table.add_row(name, value)
