@@ -86,6 +86,22 @@ def test_without_systemd_one_sentence_and_exit_1(fakes, tmp_path):
     assert_user_error(done, "no log yet")
 
 
+@pytest.mark.parametrize("rc, said", [("0", "stopped with `systemctl --user disable --now basal-local`"),
+                                       ("1", "did not run here")])
+def test_uninstall_says_whether_it_stopped_the_service(fakes, rc, said):
+    """It said `stopped with systemctl ...` also where systemctl failed (no user session) or was missing."""
+    done = cli("service", "uninstall", env={**fakes, "FAKE_RC": rc, "FAKE_SAY": "Failed to connect to bus"})
+    assert done.returncode == 0 and said in done.stdout, done.stdout
+    assert _calls(fakes) == ["systemctl --user disable --now basal-local"]
+
+
+def test_logs_without_an_installed_service_read_the_log_file(home):
+    """No unit: no journal of it (journalctl printed "-- No entries --" and exit 0); the daemon's log file then."""
+    done = cli("service", "logs", env=home)
+    assert_user_error(done, "no log yet")
+    assert done.returncode == 1
+
+
 def test_start_without_an_installed_service(home):
     done = cli("service", "start", env=home)
     assert_user_error(done, "no service installed", "service install --model mini")

@@ -153,8 +153,8 @@ def service_command(args: argparse.Namespace) -> int:
         if args.action != "stop":
             print("  `basal-local service status` says if it runs, `basal-local service logs -f` follows it")
         return 0
-    if args.action == "logs":
-        return logs(kind, args, log_file)
+    if args.action == "logs":  # no service: no journal of it; the daemon's own log file then
+        return logs(kind if path.exists() else "none", args, log_file)
     if args.action == "install":
         argv = serve_argv(args)
 
@@ -184,14 +184,18 @@ def service_command(args: argparse.Namespace) -> int:
         if not path.exists():
             print(f"basal-local: no service installed ({path} does not exist)")
             return 0
-        stop = ("systemctl --user disable --now basal-local" if kind == "systemd"
-                else f"launchctl unload -w {path}")
-        if kind == "systemd" and shutil.which("systemctl"):
-            subprocess.run(["systemctl", "--user", "disable", "--now", "basal-local"], capture_output=True, timeout=30)
-        elif kind == "launchd" and shutil.which("launchctl"):
-            subprocess.run(["launchctl", "unload", "-w", str(path)], capture_output=True, timeout=30)
+        stop = (["systemctl", "--user", "disable", "--now", "basal-local"] if kind == "systemd"
+                else ["launchctl", "unload", "-w", str(path)])
+        stopped = False
+        if shutil.which(stop[0]):
+            try:
+                stopped = subprocess.run(stop, capture_output=True, timeout=30).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                stopped = False
         path.unlink()
-        print(f"basal-local: removed {path} (stopped with `{stop}`)")
+        print(f"basal-local: removed {path} " + (f"(stopped with `{' '.join(stop)}`)" if stopped else
+                                                  f"(`{' '.join(stop)}` did not run here: a daemon it started may "
+                                                  "still run; `basal-local status` / `ps` show it)"))
         return 0
     # status
     if not path.exists():
