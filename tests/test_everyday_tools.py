@@ -243,3 +243,18 @@ def test_bench_http_ends_non_zero_when_the_daemon_dies(home):
     assert "went away" in done.stderr and "Traceback" not in done.stderr, done.stderr
     result = json.loads(done.stdout)
     assert result["daemon_gone"] and result["requests"] < 5000
+
+
+def test_the_run_summary_reads_well_when_nothing_was_answered(tmp_path, capsys):
+    """All items failed, or a resume with nothing left: no "median latency nan ms", "0.0 s", "1 items"."""
+    from basal_local.commands.batch import summary
+
+    rows = {0: {"index": 0, "status": 529, "latency_ms": 3.0, "reason": "overloaded (529)"}}
+    assert summary([{}], rows, [0], 0.012, tmp_path / "out.jsonl") == 1
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == "basal-local: 1 item in 12 ms (83.3 items/s), 1 failed", line
+    done = {0: {"index": 0, "status": 200, "latency_ms": 3.0, "answers": {}}}
+    assert summary([{}], done, [], 0.0, tmp_path / "out.jsonl") == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == "basal-local: 0 items in 0 ms, 0 failed (1 answered before, resumed)", line
+

@@ -274,9 +274,13 @@ def summary(items: list, rows: dict[int, dict[str, Any]], todo: list[int], elaps
     correct = sum(r["correct"] for r in graded)
     reasons = collections.Counter(r["reason"] for r in rows.values() if r["status"] != 200)
     failed = sum(reasons.values())
-    median = statistics.median(latencies) if latencies else float("nan")
-    line = (f"basal-local: {len(todo)} items in {elapsed:.1f} s ({len(todo) / max(elapsed, 1e-9):.1f} items/s), "
-            f"median latency {median:.0f} ms, {failed} failed")
+    took = f"{elapsed:.1f} s" if elapsed >= 0.1 else f"{elapsed * 1000:.0f} ms"
+    line = f"basal-local: {len(todo)} item{'s' * (len(todo) != 1)} in {took}"
+    if todo:
+        line += f" ({len(todo) / max(elapsed, 1e-9):.1f} items/s)"
+    if latencies:
+        line += f", median latency {statistics.median(latencies):.0f} ms"
+    line += f", {failed} failed"
     if len(todo) < len(items):
         line += f" ({len(items) - len(todo)} answered before, resumed)"
     if graded:
