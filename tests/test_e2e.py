@@ -244,6 +244,12 @@ def test_headers_match_the_stats_endpoint(daemon):
                                   headers={"x-request-id": f"hdr-{i}"})
         assert status == 200 and headers["x-request-id"] == f"hdr-{i}"
         ids.append(headers)
+    # an id too long (or not printable ASCII) to echo is replaced by one of ours, on the answer and on a 404
+    for sent in ("x" * 70_000, "tab\there", "ünï"):
+        for path in ("/v1/basal", "/nope"):
+            status, headers, _ = http("POST", daemon.url + path, {"state": "s", "questions": {}},
+                                      headers={"x-request-id": sent})
+            assert headers["x-request-id"] != sent and 0 < len(headers["x-request-id"]) <= 128, path
     _, _, stats = http("GET", daemon.url + "/api/stats")
     by_id = {r["id"]: r for r in stats["requests"]}
     for i, headers in enumerate(ids):

@@ -39,7 +39,7 @@ from .body import BodyError, ClientGone, read_body
 from .events import EVENT_ROUTES, planned_event, request_detail
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
 from .model_routes import MODEL_ROUTES
-from .responses import json_response
+from .responses import client_request_id, json_response
 from .state import MAX_BODY_BYTES, AppState
 from .status_routes import STATUS_ROUTES
 
@@ -240,7 +240,7 @@ def _failure(call: _Call, exc: Exception) -> ApiError:
 async def _decide(request: Request, dialect: str) -> Response:
     call = _Call(request, dialect, request.app.state.basal)
     # a client's id names its record only if no recent request holds it: nobody overwrites another's record
-    call.client_id = request.headers.get("x-request-id") or ""
+    call.client_id = client_request_id(request.headers.get("x-request-id")) or ""
     call.request_id = call.state.telemetry.request_received(call.client_id or uuid.uuid4().hex, dialect,
                                                             request.headers.get("user-agent", ""))
     try:

@@ -32,6 +32,7 @@ from .events import BusLogHandler, close_streams
 from .httpproto import http_protocol
 from .models import ModelRegistry
 from .output import guard_output
+from .responses import client_request_id
 from .security import AccessPolicy, Guard, is_loopback
 from .settings import Settings
 from .state import AppState
@@ -196,7 +197,7 @@ class DrainGuard:
             await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
-            request_id = headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+            request_id = client_request_id(headers.get("x-request-id")) or uuid.uuid4().hex
             log.warning("request %s %s: still running when the drain (%.0f s) ran out, answered 503", request_id,
                         scope.get("path", ""), self.drain_s)
             if started:

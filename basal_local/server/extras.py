@@ -22,7 +22,7 @@ from .. import __version__
 from ..api.errors import dialect_of
 from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
-from .responses import json_response
+from .responses import client_request_id, json_response
 from .state import AppState
 
 
@@ -41,7 +41,7 @@ def stamp_request_id(message: dict, scope: dict) -> None:
         return
     headers = message.setdefault("headers", [])
     if not any(k.lower() == b"x-request-id" for k, _ in headers):
-        rid = (_header(scope, b"x-request-id") or uuid.uuid4().hex).encode("latin-1")
+        rid = (client_request_id(_header(scope, b"x-request-id")) or uuid.uuid4().hex).encode("latin-1")
         headers.extend([(b"x-request-id", rid), (b"x-typesafe-request-id", rid)])
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..api.errors import ApiError, dialect_of, http_error
+from .responses import client_request_id
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
@@ -181,7 +182,7 @@ class Guard:
             if err is not None:
                 # the body (if any) is not read: the connection cannot carry another request
                 await send_error(send, err, close=scope.get("method") in BODY_METHODS,
-                                 request_id=headers.get("x-request-id"))
+                                 request_id=client_request_id(headers.get("x-request-id")))
                 return
             if method == "HEAD":  # RFC 9110: HEAD wherever GET works (liveness probes: HEAD /health)
                 await self.app({**scope, "method": "GET"}, receive, _headers_only(send))
