@@ -328,6 +328,26 @@ def test_a_stream_outlives_the_body_timeout(d):
         sock.close()
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_request_framed_both_ways_is_400_and_its_connection_closed(d, path):
+    """Content-Length and Transfer-Encoding together (RFC 9112 §6.3, request smuggling): it was read as chunked and
+    the connection kept, so a request pipelined behind it was answered too."""
+    body = json.dumps(SMALL).encode()
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    raw = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 4\r\n"
+           f"Transfer-Encoding: chunked\r\n\r\n").encode() + chunked + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    sock = rawhttp.connect(d.port)
+    try:
+        sock.sendall(raw)
+        status, headers, answer = rawhttp.read_response(sock, deadline_s=10)
+        assert (status, headers.get("connection")) == (400, "close")
+        assert "both Transfer-Encoding and Content-Length" in answer.decode()
+        assert_dialect_error(path, status, json.loads(answer))
+        assert rawhttp.closed_by_server(sock, 5)  # the pipelined GET is never answered
+    finally:
+        sock.close()
+
+
 def test_half_sent_headers_are_closed_after_the_timeout(d):
     socks = []
     try:

@@ -177,6 +177,11 @@ class Guard:
                 headers.setdefault(name, value.decode("latin-1"))
             method, path = scope.get("method", "GET"), scope.get("path", "")
             err = self.policy.check(method, path, headers)
+            if err is None and "transfer-encoding" in headers and "content-length" in headers:
+                # RFC 9112 §6.3: a request framed both ways may be read differently by a proxy in front (request
+                # smuggling); it is refused and its connection closed, not read as chunked and kept
+                err = http_error(400, "AMBIGUOUS_LENGTH", "the request has both Transfer-Encoding and "
+                                 "Content-Length; send one", dialect_of(path))
             if err is not None and err.status == 401 and method in ("GET", "HEAD") and path in OPEN_PATHS:
                 scope[UNAUTHENTICATED], err = True, None
             if err is not None:
