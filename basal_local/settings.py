@@ -42,7 +42,7 @@ class EngineSettings:
                                         "question about a known document computes only its own tokens): a size "
                                         "(8GB), a share of the free GPU memory (0.5, 50%%), auto (most of a large "
                                         "GPU's free memory, little on the CPU or a Mac) or off", flag="--prefix-cache",
-                                metavar="SIZE|SHARE|off", number_ok=True, validate="prefix_cache")
+                                metavar="SIZE|SHARE|auto|off", number_ok=True, validate="prefix_cache")
     # after a batch of n requests, wait up to this long (and at most a quarter of that batch's time) for n/2 to
     # queue before starting a small batch, so closed-loop clients do not alternate full and tiny batches.
     # Off by default: 20 ms on the H200 (32 HTTP clients) gave p99 282 vs 314 ms and -1.5 % req/s, one trial
@@ -64,7 +64,8 @@ class Settings:
                                 flag="--model", dest="model", action="append", show_default=False)
     host: str = setting("127.0.0.1", "address to listen on; 127.0.0.1 is this machine only", flag="--host",
                         env="BASAL_LOCAL_HOST")
-    port: int = setting(8000, "TCP port; 0 picks a free one and prints it", flag="--port", minimum=1, maximum=65535,
+    port: int = setting(8000, "TCP port (the flag also takes 0: a free one, printed)", flag="--port", minimum=1,
+                        maximum=65535,
                         env="BASAL_LOCAL_PORT", flag_zero=True)
     backend: str = setting("auto", "compute backend", flag="--backend", choices=("auto", "torch", "mlx"),
                            env="BASAL_LOCAL_BACKEND")
