@@ -37,6 +37,21 @@ def _read_to_eof(sock: socket.socket) -> bytes:
     return rest
 
 
+def test_ctrl_c_twice_stops_at_once_without_a_traceback(tiny_model, home):
+    """A second Ctrl-C right after the first stops at once: uvicorn logged the cancelled lifespan task's traceback."""
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu"], env=home)
+    try:
+        d.wait_ready()
+        d.proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        d.proc.send_signal(signal.SIGINT)
+        assert d.proc.wait(timeout=30) == 0
+    finally:
+        log = d.stop()
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert "basal-local: stopped" in log
+
+
 def test_sigint_with_an_event_reader_attached_stops_at_once_and_cleanly(tiny_model, home):
     # a drain far longer than the wait below: the stop must not wait for the stream at all
     d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--drain", "60"], env=home)

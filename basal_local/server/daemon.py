@@ -166,6 +166,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
             self.force_exit = True
+            # stopping at once cancels the app's lifespan task, which uvicorn would log as an error with a traceback
+            logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
         else:
             self.should_exit = True
 
