@@ -308,3 +308,33 @@ def test_a_request_planned_while_its_model_unloads_gets_a_retryable_503(tiny_mod
         for e in state.engines.values():
             e.stop(5)
         state.models.stop()
+
+
+def test_health_is_not_ok_while_nothing_serves_and_a_load_failed(tiny_model, tmp_path):
+    """The only model unloaded, then its load failed (a truncated weights file): /health said 200 "ok" while every
+    decision got 503. It is 503 "error" with the reason until a load succeeds."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    d = Daemon(["--model", str(model), "--device", "cpu"], env={"BASAL_LOCAL_HOME": str(tmp_path / "home")})
+    try:
+        d.wait_ready()
+        name = http("GET", d.url + "/v1/models")[2]["models"][0]["name"]
+        post = lambda path, body: http("POST", d.url + path, json.dumps(body).encode(),  # noqa: E731
+                                       {"content-type": "application/json"})
+        assert post("/api/unload", {"model": name, "wait": True})[0] == 200
+        assert http("GET", d.url + "/health")[0] == 200  # unloaded by hand: it loads again on demand
+        weights = model / "model.safetensors"
+        kept = weights.read_bytes()
+        weights.write_bytes(kept[:1000])
+        assert post("/api/load", {"model": name, "wait": True})[0] == 500
+        status, headers, body = http("GET", d.url + "/health")
+        assert (status, body["status"], headers.get("retry-after")) == (503, "error", "5"), body
+        assert f"model {name} failed to load" in body["error"]
+        weights.write_bytes(kept)
+        assert post("/api/load", {"model": name, "wait": True})[0] == 200
+        assert http("GET", d.url + "/health")[2]["status"] == "ok"
+    finally:
+        d.stop()

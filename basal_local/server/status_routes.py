@@ -66,12 +66,17 @@ async def health(request: Request) -> Response:
             body = {"status": "error", "error": state.load_error, "version": __version__}
         return json_response(503, body)
     word, entries = serving(state)
-    status, headers = (503, {"retry-after": "5"}) if word == "unavailable" else (200, {})
+    failed = [e for e in (state.models.snapshot() if state.models else []) if e.get("status") == "failed"]
+    if not state.engines and failed:  # nothing serves, and a model's load failed: not ok until one loads again
+        word = "error"
+    status, headers = (503, {"retry-after": "5"}) if word in ("unavailable", "error") else (200, {})
     if request.scope.get(UNAUTHENTICATED):
         return json_response(status, {"status": word}, headers)
     body = {"status": word, "version": __version__, "models": list(state.engines),
             "default_model": state.default_model, "backend": state.backend_name, "device": state.device,
             "dtype": state.dtype, "replicas": entries}
+    if word == "error":
+        body["error"] = "; ".join(f"model {e['name']} failed to load: {e.get('error')}" for e in failed)
     if word == "unavailable":
         down = sorted({e["model"] for e in entries} - {e["model"] for e in entries if e["alive"]})
         body["error"] = (f"no replica of {', '.join(down)} is serving; its decisions answer 503 until one is "
