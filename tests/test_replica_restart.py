@@ -102,6 +102,9 @@ def test_both_workers_killed_mid_request_answer_503_and_come_back(workers, daemo
             assert int(headers["retry-after"]) >= 1
         _, _, ps = http("GET", d.url + "/api/ps")
         assert [r["replica"] for r in ps["models"][0]["replicas"]] == [0, 1]
+        # /api/ps (basal-local ps) carries what /health says of a dead worker: its exit code, the wait
+        dead = [r for r in ps["models"][0]["replicas"] if not r["alive"]]
+        assert all(r.get("exit_code") == -9 for r in dead if r["state"] == "restarting"), ps
     # both back after their back-off (1 s + a load): new processes, counted as restarts, answering as before
     after = wait_all_ready(d)
     assert all(r["state"] == "ready" and r["restarts"] == 1 for r in after), after

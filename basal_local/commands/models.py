@@ -249,6 +249,8 @@ def ps(args: argparse.Namespace) -> int:
                 replicas.append(f"  {m['name']} replica {r['replica']}: pid {r['pid']}"
                                 f"{' (worker process)' if r.get('worker_process') else ''}, {r.get('device')}, "
                                 f"{r.get('state')}" + (f" (restarts {r['restarts']})" if r.get("restarts") else "")
+                                + (f", exited {r['exit_code']}" if r.get("exit_code") is not None and not r.get("alive")
+                                   else "") + (f", back in {r['restart_in_s']:g} s" if r.get("restart_in_s") else "")
                                 + f", {r.get('in_flight', 0)} in flight, {r.get('batches', 0)} batches"
                                 + (f", {mem}" if mem else ""))
     n = len(table[0]) - 1

@@ -151,6 +151,8 @@ def _replica(r: dict[str, Any]) -> dict[str, Any]:
             # a dead worker process shows `restarting`/`loading` until it is back (replicas/restarts.py)
             "state": r.get("state", "ready" if r.get("alive", True) else "dead"), "alive": r.get("alive", True),
             "restarts": r.get("restarts", 0), "in_flight": r.get("requests", 0),
+            # a dead worker's exit code and the wait before its restart, as /health and /api/stats show them
+            **{k: r[k] for k in ("exit_code", "restart_in_s") if k in r},
             "batches": r.get("batches", 0), **(r.get("memory") or {}),
             **({"process_rss_bytes": _rss_bytes(pid)} if "pid" in r else {})}
 
