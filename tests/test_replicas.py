@@ -400,3 +400,47 @@ def test_a_lost_replica_is_announced_once_even_when_a_send_saw_it_first(caplog):
     assert lines == ["replica 1 of m on cpu is out of rotation: its process ended (exit code -9); 0 requests went "
                      "to the others"]
     assert owner.dead == {1, 2}
+
+
+def test_ctrl_c_to_the_group_while_the_worker_forkserver_imports_stops_cleanly(tiny_model, tmp_path):
+    """Ctrl-C in a terminal reaches the whole process group, the worker forkserver too; while it imported torch
+    (before multiprocessing shields it) it died with a traceback and the daemon said "loading failed". Now the
+    daemon alone handles it: exit 0, no traceback, nothing left in the group."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--model", str(tiny_model), "--device",
+                             "cpu", "--replicas", "2", "--replica-processes", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "BASAL_LOCAL_HOME": str(tmp_path)})
+
+    def forkserver_started() -> bool:
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmd = fh.read()
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == proc.pid and b"multiprocessing.forkserver" in cmd:
+                return True
+        return False
+
+    deadline = time.time() + 60
+    while not forkserver_started() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.5)  # past the forkserver's interpreter start (~50 ms, still exposed), inside its torch import
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the daemon and every process of its group
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "loading failed" not in out and "Fatal Python" not in out, out
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("processes of the daemon's group outlived it")

@@ -15,7 +15,7 @@ import sys
 import time
 from multiprocessing.context import BaseContext
 
-PRELOAD = ["torch", "numpy", "basal_local.replicas.worker"]
+PRELOAD = ["basal_local.replicas.shield", "torch", "numpy", "basal_local.replicas.worker"]  # shield first
 
 
 def start_context() -> BaseContext:
