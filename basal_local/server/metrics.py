@@ -1,7 +1,8 @@
 """Prometheus metrics at /metrics (`serve --metrics`), their names declared below; a per-app registry.
 
-Labels carry only served model names, endpoints, lanes and status codes: never request content (a request
-naming an unknown model is counted under model="").
+Labels carry only served model names, endpoints, lanes and status codes: never request content. The HTTP counters
+take the model from a 200's body; every other answer (an unknown model's, a 503 while a model loads, a 422) is
+counted under model="".
 """
 
 from __future__ import annotations
