@@ -444,3 +444,58 @@ def test_ctrl_c_to_the_group_while_the_worker_forkserver_imports_stops_cleanly(t
         time.sleep(0.1)
     else:
         raise AssertionError("processes of the daemon's group outlived it")
+
+
+def test_a_second_sigterm_stops_a_daemon_whose_worker_hangs(tiny_model, tmp_path):
+    """A worker that does not answer (SIGSTOPped) held the stop for the whole 30 s wait, and a second SIGTERM then
+    killed the daemon (-15), leaving the forkserver, the resource tracker and the worker behind. Now the second
+    signal kills the workers still running: exit 0 at once, nothing alive left in the group."""
+    import subprocess
+    import sys
+
+    from .conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "basal_local.cli", "serve", "--model", str(tiny_model), "--device",
+                             "cpu", "--replicas", "2", "--replica-processes", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "BASAL_LOCAL_HOME": str(tmp_path)})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if json.load(resp)["status"] == "ok":
+                        break
+            except OSError:
+                time.sleep(0.2)
+        with urllib.request.urlopen(url + "/api/ps", timeout=10) as resp:
+            hung = json.load(resp)["models"][0]["replicas"][0]["pid"]
+        os.kill(hung, signal.SIGSTOP)
+        started = time.time()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and time.time() - started < 15, (proc.returncode, out)
+        assert "Traceback" not in out and "basal-local: stopped" in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 15
+    alive: list[str] = []
+    while time.time() < deadline:
+        alive = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == proc.pid and fields[0] != "Z":  # the group's, not a zombie
+                alive.append(entry)
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive, f"processes of the daemon's group outlived it: {alive}"

@@ -53,6 +53,8 @@ MAX_DEATHS = 2  # a request on this many workers that died fails (503) instead o
 # every replica set of this process: the forkserver is ended only when all of them have stopped (a worker's exit
 # status comes through the forkserver, so the others' workers would look dead without it)
 _SETS: weakref.WeakSet = weakref.WeakSet()
+# set by a second Ctrl-C/SIGTERM while the daemon stops (server/daemon.py): a worker still not done is killed now
+HURRY = threading.Event()
 
 
 @dataclass(eq=False)
@@ -111,7 +113,8 @@ class ProcessReplicaSet:
             r.send(wire.Stop())
         deadline = time.monotonic() + (30.0 if timeout is None else timeout)
         for r in self.replicas:
-            r.process.join(max(0.0, deadline - time.monotonic()))
+            while r.process.is_alive() and time.monotonic() < deadline and not HURRY.is_set():
+                r.process.join(0.1)  # (a hung worker, SIGSTOPped say, takes the whole wait unless hurried)
             if r.process.is_alive():
                 log.warning("replica %d did not stop in time; killing it", r.replica)
                 r.process.kill()

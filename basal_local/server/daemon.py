@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import socket
 import threading
 import uuid
@@ -21,7 +22,7 @@ from ..engine.engine import ModelEngine, freeze_heap
 from ..engine.gate import Admission, DeviceGate
 from ..engine.protocol import Engine
 from ..model.directory import load_model_dir
-from ..replicas.front import ProcessReplicaSet
+from ..replicas.front import HURRY, ProcessReplicaSet
 from ..replicas.inprocess import ReplicaSet
 from ..replicas.worker import WorkerSpec
 from ..telemetry.privacy import remove_token, write_token
@@ -281,11 +282,22 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
+        hurry_on_signals()
         shutdown(state)
         print("basal-local: stopped", flush=True)
     if state.load_error or not server.started:
         return 1
     return 0
+
+
+def hurry_on_signals() -> None:
+    """While the engines stop, another Ctrl-C or SIGTERM kills the worker processes still running instead of
+    killing this process (uvicorn's handlers are gone by now): it exited with -15 and left the forkserver, the
+    resource tracker and a hung worker behind."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: HURRY.set())
 
 
 def shutdown(state: AppState, timeout: float = 30.0) -> None:
