@@ -58,13 +58,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from .commands.serving import (  # --url, else the background daemon's, else the config's
-        client_key,
-        daemon_url,
-    )
+    from .commands.serving import client_key, daemon_url
     from .tui.run import run_top
 
-    return run_top(daemon_url(args), api_key=client_key(args))
+    return run_top(daemon_url(args), api_key=client_key(args))  # --url, else a background daemon's, else the config's
 
 
 def _lazy(module: str, func: str):

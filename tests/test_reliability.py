@@ -160,6 +160,29 @@ def _bomb(kind: str, size: int) -> bytes:
     return b"".join(out) + comp.flush()
 
 
+def _timed_with_health_probes(port: int, call):
+    """`call()`'s result, its seconds, and the milliseconds of each GET /health sent every 20 ms meanwhile."""
+    health_ms: list[float] = []
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            t = time.perf_counter()
+            rawhttp.get(port, "/health")
+            health_ms.append((time.perf_counter() - t) * 1000)
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        started = time.perf_counter()
+        result = call()
+        return result, time.perf_counter() - started, health_ms
+    finally:
+        stop.set()
+        prober.join()
+
+
 @pytest.mark.parametrize("kind", ["gzip", "zstd"])
 def test_a_body_in_many_members_is_read_in_linear_time_and_too_many_are_400(d, kind):
     """Concatenated gzip members / zstd frames are one body; each member's end used to copy the rest of the body,
@@ -176,26 +199,8 @@ def test_a_body_in_many_members_is_read_in_linear_time_and_too_many_are_400(d, k
     split = b"".join(comp(raw[i:i + 3]) for i in range(0, len(raw), 3)) + comp(b"") * 2000
     assert len(split) > 16 * 1024  # members across the decompressor's input pieces
     assert rawhttp.post(d.port, "/v1/basal", split, {"content-encoding": kind})[0] == 200
-    health_ms: list[float] = []
-    stop = threading.Event()
-
-    def probe():
-        while not stop.is_set():
-            t = time.perf_counter()
-            rawhttp.get(d.port, "/health")
-            health_ms.append((time.perf_counter() - t) * 1000)
-            time.sleep(0.02)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
-    try:
-        started = time.perf_counter()
-        status, _, body = rawhttp.post(d.port, "/v1/basal", comp(raw) + comp(b"") * 200_000,
-                                       {"content-encoding": kind})
-        elapsed = time.perf_counter() - started
-    finally:
-        stop.set()
-        prober.join()
+    (status, _, body), elapsed, health_ms = _timed_with_health_probes(
+        d.port, lambda: rawhttp.post(d.port, "/v1/basal", comp(raw) + comp(b"") * 200_000, {"content-encoding": kind}))
     assert status == 400 and body == {"error": f"the {kind} request body has more than {MAX_MEMBERS} "
                                                f"{'members' if kind == 'gzip' else 'frames'}; send it as one"}
     assert elapsed < 3 and health_ms and max(health_ms) < 1000, (elapsed, health_ms)
@@ -207,25 +212,8 @@ def test_decompression_bombs_are_413_and_health_stays_fast(d, kind, size):
         pytest.importorskip("zstandard")
     bomb = _bomb(kind, size)
     assert len(bomb) < 2 * 1024 * 1024
-    health_ms: list[float] = []
-    stop = threading.Event()
-
-    def probe():
-        while not stop.is_set():
-            t = time.perf_counter()
-            rawhttp.get(d.port, "/health")
-            health_ms.append((time.perf_counter() - t) * 1000)
-            time.sleep(0.02)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
-    try:
-        started = time.perf_counter()
-        status, _, body = rawhttp.post(d.port, "/v1/systemone", bomb, {"content-encoding": kind})
-        elapsed = time.perf_counter() - started
-    finally:
-        stop.set()
-        prober.join()
+    (status, _, body), elapsed, health_ms = _timed_with_health_probes(
+        d.port, lambda: rawhttp.post(d.port, "/v1/systemone", bomb, {"content-encoding": kind}))
     assert status == 413, body
     assert "decompressed request body is larger than the limit" in body["detail"]["message"]
     assert elapsed < 5

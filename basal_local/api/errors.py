@@ -132,8 +132,7 @@ def http_error(status: int, code: str, message: str, dialect: str | None,
 def dialect_of(path: str) -> str | None:
     """The wire dialect a path speaks (None: the daemon's own endpoints); spelled as the router reads it (repeated
     slashes are one: `//v1/basal` is served as /v1/basal, so its errors take that dialect's shape too)."""
-    path = "/".join(part for part in path.split("/") if part)
-    path = "/" + path
+    path = "/" + "/".join(part for part in path.split("/") if part)
     if path == "/v1/systemone":
         return "systemone"
     if path == "/v1/basal":

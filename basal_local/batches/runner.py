@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..protocol.textrule import has_surrogate
 from .store import MAX_LINES, TERMINAL, Store
 
 log = logging.getLogger("basal_local.batches")
@@ -55,7 +56,7 @@ def parse_input(path: Path) -> list[Line]:
                 lines.append(Line(number, f"line-{number}", None, "the line is not a JSON object"))
                 continue
             custom_id = item.get("custom_id")
-            if not isinstance(custom_id, str) or not custom_id or not _is_text(custom_id):
+            if not isinstance(custom_id, str) or not custom_id or has_surrogate(custom_id):
                 lines.append(Line(number, f"line-{number}", None, "custom_id must be a non-empty string of "
                                   "Unicode text"))
                 continue
@@ -346,15 +347,6 @@ class Runner:
         self.store.update_batch(batch_id, **fields)
         log.info("batch %s %s: %s", batch_id, fields.get("status", record["status"]),
                  record["request_counts"])
-
-
-def _is_text(value: str) -> bool:
-    """Whether UTF-8 can hold `value` (JSON lets a lone surrogate through as an escape)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _jsonl(item: dict[str, Any]) -> bytes:

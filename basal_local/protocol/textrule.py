@@ -58,7 +58,7 @@ def _first_bad_literal(text: str) -> int:
     return 0
 
 
-def _has_surrogate(text: str) -> bool:
+def has_surrogate(text: str) -> bool:
     """A lone surrogate cannot be encoded as UTF-8 (a regex scan is ~100x slower on big strings)."""
     try:
         text.encode("utf-8")
@@ -73,7 +73,7 @@ def _check_tree(value: Any, text: str) -> None:
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
-            if not item.isascii() and _has_surrogate(item):
+            if not item.isascii() and has_surrogate(item):
                 match = re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text)
                 raise JsonSyntaxError("Lone surrogate in string", match.start() if match else 0, text)
         elif isinstance(item, dict):

@@ -66,6 +66,11 @@ def check_headers(content_length: str | None, content_encoding: str | None, limi
     return encoding
 
 
+def body_timeout(timeout_s: float) -> BodyError:
+    """The 408 of a body that did not arrive in time (the connection is closed after it)."""
+    return BodyError(408, "BODY_TIMEOUT", f"the request body did not arrive within {timeout_s:g} s", close=True)
+
+
 def _too_large(limits: BodyLimits, what: str) -> str:
     return f"{what} is larger than the limit of {limits.max_body_bytes // MiB} MiB"
 
@@ -82,8 +87,7 @@ async def receive_body(receive: Callable[[], Awaitable[dict[str, Any]]], limits:
                 raise TimeoutError
             message = await asyncio.wait_for(receive(), remaining)
         except TimeoutError:
-            raise BodyError(408, "BODY_TIMEOUT", f"the request body did not arrive within "
-                            f"{limits.body_timeout_s:g} s", close=True) from None
+            raise body_timeout(limits.body_timeout_s) from None
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")

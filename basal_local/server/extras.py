@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import time
@@ -19,10 +18,12 @@ from typing import Any
 from litestar import Request, Response, get
 
 from .. import __version__
-from ..api.errors import dialect_of
+from ..api.errors import dialect_of, http_error
+from .body import body_timeout
 from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
 from .responses import client_request_id, json_response
+from .security import send_error
 from .state import AppState
 
 
@@ -62,12 +63,9 @@ def body_deadline(scope: dict, receive, send, timeout_s: float):
         except TimeoutError:
             now["reading"] = False
             if not now["started"]:
-                body = json.dumps({"error": f"the request body did not arrive within {timeout_s:g} s",
-                                   "code": "BODY_TIMEOUT"}).encode()
-                await send({"type": "http.response.start", "status": 408, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close")]})
-                await send({"type": "http.response.body", "body": body})
+                err = body_timeout(timeout_s)
+                await send_error(send, http_error(err.status, err.code, err.message, None), close=True,
+                                 request_id=client_request_id(_header(scope, b"x-request-id")))
                 now["answered"] = True
             return {"type": "http.disconnect"}
         if message["type"] != "http.request" or not message.get("more_body", False):
