@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -402,6 +403,40 @@ def test_a_lost_replica_is_announced_once_even_when_a_send_saw_it_first(caplog):
     assert owner.dead == {1, 2}
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forkserver and /proc are Linux's")
+def test_the_worker_forkserver_never_runs_with_sigint_deliverable():
+    """Ctrl-C to the group in the forkserver's first ~50 ms (its interpreter start, before `shield` ignores SIGINT)
+    killed it with a traceback. It now starts with SIGINT blocked: from its first moment SIGINT is blocked or
+    ignored, and once `shield` ran, ignored and no longer blocked (its workers inherit a plain mask)."""
+    from multiprocessing import forkserver
+
+    from basal_local.replicas.start import end_forkserver, start_context
+
+    def masks(pid: int) -> tuple[int, int]:
+        with open(f"/proc/{pid}/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh)
+        return int(fields["SigBlk"], 16), int(fields["SigIgn"], 16)
+
+    bit = 1 << (signal.SIGINT - 1)
+    end_forkserver()
+    start_context()
+    pid = forkserver._forkserver._forkserver_pid
+    try:
+        seen = []
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            blocked, ignored = masks(pid)
+            seen.append((bool(blocked & bit), bool(ignored & bit)))
+            if ignored & bit and not blocked & bit:
+                break
+            time.sleep(0.001)
+        assert all(b or i for b, i in seen), seen
+        assert seen[-1] == (False, True), seen
+    finally:
+        end_forkserver()
+        os.waitpid(pid, 0)
+
+
 def test_ctrl_c_to_the_group_while_the_worker_forkserver_imports_stops_cleanly(tiny_model, tmp_path):
     """Ctrl-C in a terminal reaches the whole process group, the worker forkserver too; while it imported torch
     (before multiprocessing shields it) it died with a traceback and the daemon said "loading failed". Now the
@@ -430,7 +465,7 @@ def test_ctrl_c_to_the_group_while_the_worker_forkserver_imports_stops_cleanly(t
     deadline = time.time() + 60
     while not forkserver_started() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
-    time.sleep(0.5)  # past the forkserver's interpreter start (~50 ms, still exposed), inside its torch import
+    time.sleep(0.5)  # inside its torch import (the interpreter start before it: the test above)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the daemon and every process of its group
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out

@@ -22,8 +22,25 @@ def start_context() -> BaseContext:
     if sys.platform.startswith("linux"):
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
+        _ensure_forkserver()
         return context
     return multiprocessing.get_context("spawn")
+
+
+def _ensure_forkserver() -> None:
+    """Start the forkserver (if none runs) with SIGINT blocked, as CPython starts its resource tracker: a Ctrl-C
+    to the process group in the new interpreter's first ~50 ms, before `shield` runs, stays pending instead of
+    killing it with a traceback; `shield` then ignores SIGINT (which drops the pending one) and unblocks it. The
+    mask is per thread and inherited through fork and exec, so this works from any thread (signal.signal would
+    need the main one). The resource tracker starts first: its own start unblocks SIGINT whatever the mask was."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _forkservers() -> list[int]:
