@@ -61,3 +61,26 @@ def test_the_cache_bench_times_a_hit_that_changes_nothing(tiny_model):
     assert not any("positions" in s for s in said)
     capped = bench_cache(tiny_model, "cpu", "f32", doc_tokens=10**6, documents=1, progress=said.append)
     assert capped["state_tokens"] <= 4096 - 500 and any("holds 4096 positions" in s for s in said)
+
+
+def test_the_mixed_document_stream_reports_hits_and_the_peaks_against_the_budget(tiny_model):
+    """`bench --http URL --documents N`: the requests that read their document from the cache, the cache's
+    high-water mark within its budget, and the device's peak as the daemon's /api/stats lists it per replica
+    (the CPU has none: a backend that reports one is given here)."""
+    from basal_local.commands.benchcache import bench_http_documents
+    from .conftest import InProcessDaemon
+
+    d = InProcessDaemon([tiny_model], prefix_cache="64MB")
+    d.wait_ready()
+    try:
+        backend = next(iter(d.state.engines.values())).backend
+        own = backend.memory
+        backend.memory = lambda: {**own(), "device_peak_bytes": 12345}
+        out = bench_http_documents(d.url, clients=2, documents=2, per_document=3, doc_chars=1500)
+    finally:
+        d.stop()
+    assert out["errors"] == 0 and out["requests"] == 6
+    assert out["document_hits"] >= 1 and out["cache"]["hits"] >= out["document_hits"]
+    cache = out["cache"]
+    assert 0 < cache["bytes"] <= cache["peak_bytes"] <= cache["budget_bytes"] == 64_000_000
+    assert out["peak_memory_bytes"] == 12345

@@ -403,6 +403,10 @@ def test_the_daemon_reports_the_cache_in_headers_stats_and_metrics(tiny_model):
         with urllib.request.urlopen(daemon.url + "/metrics", timeout=30) as resp:
             text = resp.read().decode()
         assert 'basal_prefix_cache_hits_total{model="basal-test-tiny",replica="0"} 1.0' in text
+        # counters as Prometheus types them (rate() warns on a `_total` gauge); memory figures are gauges
+        for name in ("hits", "misses", "hit_tokens", "evictions"):
+            assert f"# TYPE basal_prefix_cache_{name}_total counter" in text
+        assert "# TYPE basal_prefix_cache_peak_bytes gauge" in text and cache["peak_bytes"] >= cache["bytes"]
     finally:
         daemon.stop()
 

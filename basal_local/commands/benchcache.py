@@ -262,7 +262,9 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
         "cache": {key: cache_after.get(key, 0) - (cache_before.get(key, 0) if key in ("hits", "misses",
                                                                                     "hit_tokens", "evictions")
                                                   else 0)
-                  for key in ("hits", "misses", "hit_tokens", "evictions", "bytes", "budget_bytes", "nodes")},
+                  for key in ("hits", "misses", "hit_tokens", "evictions", "bytes", "peak_bytes", "budget_bytes",
+                              "nodes")},
+        # the device's peak (every replica's own, as /api/stats lists them under its model): 0 on the CPU
         "peak_memory_bytes": max((r.get("memory", {}).get("device_peak_bytes", 0)
-                                  for r in after.get("replicas", [])), default=0)})
+                                  for m in after.get("models", []) for r in m.get("replicas", [])), default=0)})
     return result

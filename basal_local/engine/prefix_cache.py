@@ -115,6 +115,7 @@ class PrefixCache:
         self._names = itertools.count(1)
         self.generation = 0  # bumped whenever what a lookup can find changes
         self.stats = {"hits": 0, "misses": 0, "hit_tokens": 0, "evictions": 0}
+        self.peak_tokens = 0  # the most rows ever held at once (the pool never holds more than `capacity`)
         self.on_drop: Callable[[str], None] | None = None  # the backend forgets an entry's name (MLX frees it)
 
     # ---- lookups ---------------------------------------------------------------------------------------------
@@ -308,6 +309,7 @@ class PrefixCache:
                         del self.free[i]
                     else:
                         self.free[i] = (start + n, length - n)
+                    self.peak_tokens = max(self.peak_tokens, self.capacity - sum(ln for _, ln in self.free))
                     return start
             if not evict:
                 return None
@@ -348,7 +350,7 @@ class PrefixCache:
             tokens = sum(e.length for e in self.entries.values())
             return {"enabled": self.enabled, "setting": self.setting,
                     "budget_bytes": self.capacity * self.bytes_per_token, "bytes": tokens * self.bytes_per_token,
-                    "nodes": len(ready), "pinned": sum(e.pinned for e in ready), "tokens": tokens,
+                    "peak_bytes": self.peak_tokens * self.bytes_per_token, "nodes": len(ready), "pinned": sum(e.pinned for e in ready), "tokens": tokens,
                     "capacity_tokens": self.capacity, **self.stats}
 
 

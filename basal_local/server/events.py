@@ -113,8 +113,8 @@ def _replica(described: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-CACHE_SUMS = ("budget_bytes", "bytes", "nodes", "pinned", "tokens", "capacity_tokens", "hits", "misses", "hit_tokens",
-              "evictions")
+CACHE_SUMS = ("budget_bytes", "bytes", "peak_bytes", "nodes", "pinned", "tokens", "capacity_tokens", "hits", "misses",
+              "hit_tokens", "evictions")
 
 
 def cache_totals(replicas: list[dict[str, Any]], setting: str) -> dict[str, Any]:

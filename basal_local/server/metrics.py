@@ -18,6 +18,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .state import AppState
 
@@ -46,16 +47,7 @@ class MetricsRecorder:
                                     "counted per prompt)", ["model"], registry=r)
         self.output_tokens = Counter("basal_output_tokens", "Generated tokens (always 0)", ["model"], registry=r)
         self.questions = Counter("basal_questions", "Questions answered", ["model"], registry=r)
-        # the state cache's own counters, read from the engines at each scrape (monotonic ones as *_total gauges)
-        self.cache_gauges = {key: Gauge(f"basal_prefix_cache_{name}", text, ["model", "replica"], registry=r)
-                             for key, name, text in (
-                                 ("hits", "hits_total", "Requests that continued a cached document"),
-                                 ("misses", "misses_total", "Requests that did not"),
-                                 ("hit_tokens", "hit_tokens_total", "Tokens read from the cache instead of computed"),
-                                 ("evictions", "evictions_total", "Cached prefixes evicted for room"),
-                                 ("bytes", "bytes", "Memory held by cached prefixes"),
-                                 ("budget_bytes", "budget_bytes", "The cache's memory budget (--prefix-cache)"),
-                                 ("nodes", "nodes", "Cached prefixes (templates included)"))}
+        r.register(_CacheCollector(state))
         self.queue = Histogram("basal_queue_duration_seconds", "Arrival to start of batch", ["model", "lane"],
                                buckets=SECONDS, registry=r)
         self.batch = Histogram("basal_batch_duration_seconds", "Batch compute, gate waits included",
@@ -104,11 +96,40 @@ class MetricsRecorder:
         for name, engine in list(self.state.engines.items()):
             replicas = engine.describe()
             self.model_inflight.labels(name).set(sum(r["requests"] for r in replicas))
-            for r in replicas:  # the state cache, per replica (engine/prefix_cache.py)
-                cache, labels = r.get("prefix_cache") or {}, (name, str(r.get("replica", 0)))
-                for key, gauge in self.cache_gauges.items():
-                    gauge.labels(*labels).set(cache.get(key, 0))
         return generate_latest(self.registry)
+
+
+# the state cache's figures per replica (engine/prefix_cache.py): (its key, the metric's name, its help)
+CACHE_COUNTERS = (("hits", "basal_prefix_cache_hits", "Requests that continued a cached document"),
+                  ("misses", "basal_prefix_cache_misses", "Requests that did not"),
+                  ("hit_tokens", "basal_prefix_cache_hit_tokens", "Tokens read from the cache instead of computed"),
+                  ("evictions", "basal_prefix_cache_evictions", "Cached prefixes evicted for room"))
+CACHE_GAUGES = (("bytes", "basal_prefix_cache_bytes", "Memory held by cached prefixes"),
+                ("peak_bytes", "basal_prefix_cache_peak_bytes", "The most memory cached prefixes ever held at once"),
+                ("budget_bytes", "basal_prefix_cache_budget_bytes", "The cache's memory budget (--prefix-cache)"),
+                ("nodes", "basal_prefix_cache_nodes", "Cached prefixes (templates included)"))
+
+
+class _CacheCollector:
+    """The engines' state caches, read at each scrape. Hits, misses, hit tokens and evictions are counters (their
+    `_total` series typed `counter`, so `rate()` works; a reloaded model starts them again at 0, which Prometheus
+    reads as a counter reset), the rest gauges."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def collect(self):
+        families = [(key, CounterMetricFamily(name, text, labels=["model", "replica"]))
+                    for key, name, text in CACHE_COUNTERS]
+        families += [(key, GaugeMetricFamily(name, text, labels=["model", "replica"]))
+                     for key, name, text in CACHE_GAUGES]
+        for model, engine in list(self.state.engines.items()):
+            for r in engine.describe():
+                cache, labels = r.get("prefix_cache") or {}, [model, str(r.get("replica", 0))]
+                for key, family in families:
+                    family.add_metric(labels, cache.get(key, 0))
+        for _, family in families:
+            yield family
 
 
 @get("/metrics")
