@@ -68,6 +68,7 @@ def test_the_mixed_document_stream_reports_hits_and_the_peaks_against_the_budget
     high-water mark within its budget, and the device's peak as the daemon's /api/stats lists it per replica
     (the CPU has none: a backend that reports one is given here)."""
     from basal_local.commands.benchcache import bench_http_documents
+
     from .conftest import InProcessDaemon
 
     d = InProcessDaemon([tiny_model], prefix_cache="64MB")
