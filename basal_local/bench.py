@@ -73,7 +73,8 @@ def _in_process(args: argparse.Namespace) -> dict[str, Any]:
         from .commands.benchcache import bench_cache
 
         return bench_cache(model_dir, args.device, args.dtype, args.doc_tokens, args.documents or 3,
-                           getattr(args, "gpu_memory", None), options, progress=phase)
+                           getattr(args, "gpu_memory", None), options, progress=phase,
+                           backend_name=getattr(args, "backend", "torch"), attention=args.attention)
     result = bench_in_process(model_dir, args.device, args.dtype, args.repeat, args.attention,
                               getattr(args, "backend", "torch"), getattr(args, "decisions", 0),
                               getattr(args, "gpu_memory", None), options)

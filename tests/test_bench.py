@@ -85,3 +85,16 @@ def test_the_mixed_document_stream_reports_hits_and_the_peaks_against_the_budget
     cache = out["cache"]
     assert 0 < cache["bytes"] <= cache["peak_bytes"] <= cache["budget_bytes"] == 64_000_000
     assert out["peak_memory_bytes"] == 12345
+
+
+def test_the_cache_bench_runs_the_backend_asked_for(tiny_model):
+    """`bench --cache --backend mlx` measured torch and did not say so: the figures are now the MLX engine's, and
+    the record names its backend."""
+    pytest.importorskip("mlx.core")
+    from basal_local.commands.benchcache import bench_cache
+
+    out = bench_cache(tiny_model, "cpu", "f32", doc_tokens=1500, documents=1, progress=lambda _: None,
+                      backend_name="mlx")
+    (row,) = out["per_document"]
+    assert out["backend"] == "mlx" and row["cached_tokens"] > out["state_tokens"]
+    assert row["second_max_abs_diff"] <= 1e-6

@@ -46,7 +46,8 @@ def _median(values: list[float]) -> float:
 
 
 def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, documents: int = 3,
-                gpu_memory: str | None = None, torch_options=None, progress=print) -> dict[str, Any]:
+                gpu_memory: str | None = None, torch_options=None, progress=print, backend_name: str = "torch",
+                attention: str = "auto") -> dict[str, Any]:
     """In process: templates-only engine vs cached engine on the same requests (see the module docstring)."""
     # the engine, the backends and torch: only for the in-process cache bench (`bench --http --documents`, the
     # other function of this module, needs none of them)
@@ -70,11 +71,12 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
                  f"{doc_tokens} tokens")
 
     def engine(only: bool) -> ModelEngine:
-        backend = make_backend("torch", device, "auto", memory_limit=gpu_memory, torch_options=torch_options)
         try:
+            backend = make_backend(backend_name, device, attention, memory_limit=gpu_memory,
+                                   torch_options=torch_options)
             backend.load(model.path, dtype)
         except ValueError as exc:  # a dtype it cannot run, weights over --gpu-memory: the user's error
-            raise UserError(f"cannot load {model.name} on {backend.device}: {exc}") from None
+            raise UserError(f"cannot load {model.name} on {device}: {exc}") from None
         # templates only: a pool with room for the templates and nothing more (no batch can store a document)
         cache = templates_only(model, backend) if only else "auto"
         e = ModelEngine(model, backend, DeviceGate(), Telemetry(), EngineSettings(prefix_cache=cache))
@@ -134,7 +136,7 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
             times["cached_engine_fill_ms"], _, _ = run(cached, f"Version {d + 1}.\n" + base, LONG_DOC_QUESTIONS)
             rows.append(times)
         state_tokens = len(model.tokenizer.encode(base))
-        out = {"mode": "cache", "device": cached.backend.device, "state_tokens": state_tokens,
+        out = {"mode": "cache", "backend": cached.backend.name, "device": cached.backend.device, "state_tokens": state_tokens,
                "documents": documents, "per_document": rows,
                "first_ms": {"templates_only": _median([r["before_first_ms"] for r in rows]),
                             "cached": _median([r["cached_first_ms"] for r in rows])},
