@@ -28,7 +28,8 @@ def parse_limit(value: str | float | int, flag: str = "--gpu-memory") -> tuple[s
         raise ValueError(f"{flag} {value!r}: not a memory size; give {HELP}" + (", auto or off" if flag != "--gpu-memory" else ""))
     number, unit = float(match.group(1)), match.group(2)
     if number <= 0:
-        raise ValueError(f"{flag} {value!r}: must be more than 0; give {HELP}")
+        raise ValueError(f"{flag} {value!r}: must be more than 0; give {HELP}"
+                         + (", or off to keep nothing" if flag != "--gpu-memory" else ""))
     if unit == "%":
         if number > 100:
             raise ValueError(f"{flag} {value!r}: a share is at most 100%")
@@ -98,15 +99,17 @@ def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ra
                  replicas: int = 1, weights: int = 0) -> int:
     """`--prefix-cache`: the pool's bytes. `device_memory`: (free, total) of the GPU after the weights (None off a
     GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller one;
-    on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A share is of the GPU's free memory (of
-    the RAM without a GPU). `replicas` of one model on the GPU (each with `weights` bytes of weights): auto gives
-    each the same part of what the GPU holds after all their weights, at most 60 % of what is free, whichever of
-    them opens its pool first (they load side by side; each taking 60 % of what it saw free, two replicas on an
-    H200 took 74 and 29 GB, and two that looked at the same moment would have asked for more than the GPU holds)."""
+    on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A size or a share is per replica; a share
+    is of the GPU's free memory, without a GPU of the memory the system has available now (`ram` in tests), not
+    of all of it, which left nothing for the weights and the rest of the machine. `replicas` of one model on the
+    GPU (each with `weights` bytes of weights): auto gives each the same part of what the GPU holds after all
+    their weights, at most 60 % of what is free, whichever of them opens its pool first (they load side by side;
+    each taking 60 % of what it saw free, two replicas on an H200 took 74 and 29 GB, and two that looked at the
+    same moment would have asked for more than the GPU holds)."""
     text = str(setting).strip().lower()
     if text == "off":
         return 0
-    ram = ram if ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total_ram = ram if ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if text == "auto":
         if device_memory is not None:
             free, total = device_memory
@@ -115,13 +118,31 @@ def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ra
                 room = max(0, total - replicas * (weights + WARM_OVERHEAD))
                 return int(min(max(0, free - WARM_OVERHEAD), room / replicas) * part)
             return int(max(0, free - WARM_OVERHEAD) * part)
-        return int(min(2 ** 31, 0.05 * ram))
+        return int(min(2 ** 31, 0.05 * total_ram))
     kind, number = parse_limit(text, flag="--prefix-cache")
+    room = device_memory[0] if device_memory is not None else (ram if ram is not None else available_ram())
     if kind == "bytes":
-        room = device_memory[0] if device_memory is not None else ram
         if number > room:  # it would fail to allocate (a CPU allocator's paragraph), or take the machine's memory
-            where = "the GPU has free after the weights" if device_memory is not None else "this machine's memory"
+            where = ("the GPU has free after the weights" if device_memory is not None
+                     else "this machine has available")
             raise ValueError(f"--prefix-cache {setting}: more than the {room / 1e9:,.1f} GB {where}; give a "
                              "smaller size, a share such as 0.5, or auto")
         return int(number)
-    return int(number * (device_memory[0] if device_memory is not None else ram))
+    return int(number * room)
+
+
+def available_ram() -> int:
+    """Bytes the system can give without swapping: Linux's MemAvailable; elsewhere (a Mac) the free pages where the
+    system reports them, else all of the RAM."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        return page * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES
+        return page * os.sysconf("SC_PHYS_PAGES")

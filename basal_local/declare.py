@@ -56,6 +56,8 @@ def range_text(spec: Spec) -> str:
         return "one of " + ", ".join(spec.choices)
     if spec.duration:
         return "a duration such as 10m, 1h, 600 (seconds) or forever"
+    if spec.kind is str and spec.metavar and "|" in spec.metavar:  # --prefix-cache's SIZE|SHARE|auto|off
+        return "one of " + spec.metavar.replace("|", ", ")
     noun = {int: "a whole number", float: "a number", bool: "true or false", str: "text",
             list: "a list of names", dict: "a table"}[spec.kind]
     if spec.above is not None:
@@ -111,19 +113,24 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
             if not isinstance(value, dict):
                 raise TypeError
     except (TypeError, ValueError):
-        raise ValueError(f"{key} = {value!r}: must be {wanted}") from None
+        raise ValueError(f"{key} = {_shown(value)}: must be {wanted}") from None
     if spec.validate is not None:
         try:
             VALIDATORS[spec.validate](value)
         except ValueError as exc:
-            raise ValueError(f"{key} = {value!r}: {exc}") from None
+            raise ValueError(f"{key} = {_shown(value)}: {exc}") from None
     bad = (spec.choices is not None and value not in spec.choices
            or spec.minimum is not None and value < spec.minimum
            or spec.maximum is not None and value > spec.maximum
            or spec.above is not None and value <= spec.above)
     if bad:
-        raise ValueError(f"{key} = {value!r}: must be {wanted}")
+        raise ValueError(f"{key} = {_shown(value)}: must be {wanted}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value as its user wrote it in config.toml (true, not Python's True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _cache_size(value: Any) -> None:

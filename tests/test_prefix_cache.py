@@ -7,7 +7,9 @@ count, so answers agree within 1e-6 there (bitwise on CUDA: tests/test_cuda.py).
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 import threading
 import time
 import urllib.request
@@ -141,8 +143,24 @@ def test_budget_forms():
     # more than there is: one sentence naming the room, not an allocator's failure after `serving on`
     with pytest.raises(ValueError, match="--prefix-cache 5TB: more than the 80.0 GB the GPU has free"):
         budget_bytes("5TB", gpu)
-    with pytest.raises(ValueError, match="more than the 17.2 GB this machine's memory"):
+    with pytest.raises(ValueError, match="more than the 17.2 GB this machine has available"):
         budget_bytes("20GB", None, ram=16 * 2 ** 30)
+    with pytest.raises(ValueError, match="must be more than 0; .*, or off to keep nothing"):
+        budget_bytes("0", gpu)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MemAvailable is Linux's")
+def test_a_share_without_a_gpu_is_of_the_memory_available_not_of_all_of_it():
+    """`--prefix-cache 1` on the CPU planned with all of the RAM (MemTotal), nothing left for the weights, the OS
+    or anything else: it is now a share of what the system has available."""
+    from basal_local.backends.memory import available_ram
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with open("/proc/meminfo") as fh:
+        meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
+    assert 0 < budget_bytes(1.0, None) < total
+    assert abs(budget_bytes(0.5, None) - 0.5 * meminfo["MemAvailable"]) < 0.05 * total
+    assert abs(available_ram() - meminfo["MemAvailable"]) < 0.05 * total
 
 
 def test_replicas_on_one_gpu_get_equal_caches_whichever_opens_first():
