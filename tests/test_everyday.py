@@ -223,6 +223,48 @@ def test_make_test_model_names_a_missing_layout_package_before_writing(home, tmp
     assert not out.exists()  # nothing written to convert
 
 
+@pytest.mark.parametrize("fmt, words", [("mlx-8bit", ("groups of 64", "160", "--preset tiny64")),
+                                         ("gguf-q4_k_m", ("rows of 256", "--preset tiny256"))])
+def test_make_test_model_refuses_a_format_the_preset_cannot_take_before_writing(home, tmp_path, fmt, words):
+    """mlx-8bit on `tiny` wrote a whole bf16 model and then failed, leaving it servable as bf16; gguf-q4_k_m on
+    `tiny` wrote every matrix as Q8_0 and labelled the file 4-bit."""
+    pytest.importorskip("mlx.core" if fmt.startswith("mlx") else "gguf")
+    from .test_cli import assert_user_error, cli
+
+    (tmp_path / "work").mkdir()
+    out = tmp_path / "work" / "model"
+    assert_user_error(cli("make-test-model", str(out), "--format", fmt, env=home), *words)
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, ValueError, OSError])
+def test_a_failed_or_interrupted_make_test_model_leaves_what_was_there(home, tmp_path, monkeypatch, failure):
+    """The model is written beside the folder and moved in when complete: an interrupt (or a failed conversion,
+    or a full disk) while the format was written left a servable bf16 model where another format was asked for.
+    Now a new folder is not created, and an earlier test model in it stays as it was."""
+    import basal_local.commands.models as models
+
+    from .test_cli import assert_user_error, cli
+
+    def failing(directory, fmt, **kw):
+        (directory / "half.gguf").write_bytes(b"GGUF")
+        raise failure("disk full") if failure is not KeyboardInterrupt else failure
+
+    monkeypatch.setattr(models, "convert_test_model", failing)
+    tmp_path = tmp_path / "work"  # (the home is in tmp_path too)
+    tmp_path.mkdir()
+    fresh = tmp_path / "fresh"
+    done = cli("make-test-model", str(fresh), "--format", "gguf-q8_0", env=home)
+    assert_user_error(done, "interrupted: nothing was written" if failure is KeyboardInterrupt else "disk full")
+    assert not fresh.exists()
+    earlier = tmp_path / "earlier"
+    assert cli("make-test-model", str(earlier), "--seed", "1", env=home).returncode == 0
+    files = {p.name: p.read_bytes() for p in earlier.iterdir() if p.is_file()}
+    assert_user_error(cli("make-test-model", str(earlier), "--format", "gguf-q8_0", env=home))
+    assert {p.name: p.read_bytes() for p in earlier.iterdir() if p.is_file()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]  # no side folder left
+
+
 def test_bench_checks_its_extras_before_running(home, monkeypatch):
     import importlib.util
 

@@ -32,6 +32,22 @@ def _read_bf16(path: Path) -> dict[str, np.ndarray]:
     return {k: v.float().numpy() for k, v in load_file(str(path)).items()}
 
 
+def check_format(config: dict, fmt: str) -> None:
+    """ValueError before anything is written when a preset's shapes cannot take `fmt` as a shipped port has it:
+    MLX quantizes every projection in groups along its input; Q4_K_M's K-quants need rows of 256 (on a preset
+    with none, every matrix would fall back to Q8_0: an 8-bit file named 4-bit)."""
+    inputs = {config["hidden_size"], config["num_attention_heads"] * config["head_dim"], config["intermediate_size"]}
+    if fmt in MLX_MODES:
+        group = MLX_MODES[fmt][2]
+        if any(n % group for n in inputs):
+            raise ValueError(f"--format {fmt} quantizes in groups of {group}: this preset's projections take "
+                             f"{', '.join(str(n) for n in sorted(inputs))} inputs; use --preset tiny64 or a real "
+                             "preset")
+    if fmt == "gguf-q4_k_m" and any(n % 256 for n in inputs):
+        raise ValueError(f"--format {fmt} needs projections with rows of 256 (its K-quants): this preset's take "
+                         f"{', '.join(str(n) for n in sorted(inputs))}; use --preset tiny256 or a real preset")
+
+
 def convert_test_model(directory: Path, fmt: str, seed: int = 0, device: str = "cpu") -> None:
     if fmt not in PORT_FORMATS:
         raise ValueError(f"unknown format {fmt!r} (choose from bf16, {', '.join(PORT_FORMATS)})")
