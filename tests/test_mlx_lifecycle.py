@@ -83,3 +83,41 @@ def test_quantized_cache_follows_the_content_of_a_model_file_replaced_with_the_s
     assert np.array_equal(after, want)
     monkeypatch.setenv("BASAL_LOCAL_HOME", str(tmp_path / "home"))
     assert len(list(cache_dir().glob("*-q8-g64.safetensors"))) == 2  # one per content
+
+
+def test_a_damaged_or_half_written_quantized_cache_is_converted_again_and_leaves_no_file(tmp_path, monkeypatch):
+    """A cached q8 file cut short failed every later start ("invalid data offsets"); a Ctrl-C while it was written
+    left its temporary file (up to the whole quantized model) for good. Now a damaged file is converted again,
+    an interrupted write removes its file, and files of processes that are gone are removed."""
+    import subprocess
+
+    from basal_local.backends.mlx import quantize
+    from basal_local.model.testmodel import make_test_model
+
+    monkeypatch.setenv("BASAL_LOCAL_HOME", str(tmp_path / "home"))
+    model = make_test_model(tmp_path / "m", preset="tiny64", seed=3)
+    md = load_model_dir(model)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    batch = pack_prompts(random_specs(md, random.Random(3)), prefixes).batches[0]
+    want = load_mlx(model, "q8").forward(batch)
+    (cached,) = quantize.cache_dir().glob("*-q8-g64.safetensors")
+    whole = cached.read_bytes()
+    cached.write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    assert np.array_equal(load_mlx(model, "q8").forward(batch), want)
+    assert cached.read_bytes() == whole  # written again, whole
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = cached.with_name(f"{cached.stem}.{dead.pid}.tmp.safetensors")
+    stale.write_bytes(b"half")
+    cached.unlink()
+    real = mx.save_safetensors
+
+    def interrupted(file, arrays, metadata=None):
+        real(file, arrays, metadata=metadata)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mx, "save_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_mlx(model, "q8")
+    assert list(quantize.cache_dir().glob("*.safetensors")) == []  # neither its own file nor the stale one

@@ -103,15 +103,57 @@ def _fused(weights: dict[str, mx.array], prefix: str, name: str) -> mx.array:
     return mx.concatenate([weights[f"{prefix}{part}.weight"].astype(mx.float32) for part in FUSED[name]], axis=0)
 
 
+def _load_cached(path: Path) -> dict[str, mx.array] | None:
+    """The cached conversion, or None when there is none or it cannot be read (a disk error, a copy cut short):
+    a damaged file is removed, said in the log, and converted again, instead of failing every start."""
+    if not path.exists():
+        return None
+    try:
+        return mx.load(str(path))
+    except Exception as exc:  # mlx raises RuntimeError/ValueError with the reader's own words
+        log.warning("the quantized weights cached at %s cannot be read (%s); converting them again", path,
+                    " ".join(str(exc).split())[:200])
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _save(path: Path, stored: dict[str, mx.array], bits: int) -> None:
+    """Written to a file of this process and renamed into place; a write cut short (Ctrl-C, a full disk) removes
+    its file, and files that stopped processes left (their pid gone) are removed first: each was up to the whole
+    quantized model."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob("*.tmp.safetensors"):
+        pid = stale.name.split(".")[-3]
+        if pid.isdigit() and not _running(int(pid)):
+            stale.unlink(missing_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), stored, metadata={"source_sha256": path.name.split("-")[0],
+                                                        "bits": str(bits), "group_size": str(GROUP_SIZE)})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def quantized_layers(weights_path: Path, weights: dict[str, mx.array], config, bits: int,
                      dtype: mx.Dtype) -> dict[str, Quantized]:
     """{"model.layers.{i}.{qkv|o_proj|gate_up|down_proj}": Quantized} from the cache, converting on a miss.
 
     A matrix whose input size is not a multiple of 64 stays dense (absent here)."""
     path = cache_path(weights_path, bits)
-    if path.exists():
-        stored = mx.load(str(path))
-    else:
+    stored = _load_cached(path)
+    if stored is None:
         stored = {}
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}."
@@ -123,11 +165,7 @@ def quantized_layers(weights_path: Path, weights: dict[str, mx.array], config, b
                 stored.update({f"{prefix}{name}.weight": packed, f"{prefix}{name}.scales": scales,
                                f"{prefix}{name}.biases": biases})
                 mx.eval(packed, scales, biases)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.safetensors")
-        mx.save_safetensors(str(tmp), stored, metadata={"source_sha256": path.name.split("-")[0],
-                                                        "bits": str(bits), "group_size": str(GROUP_SIZE)})
-        os.replace(tmp, path)
+        _save(path, stored, bits)
         log.info("quantized %s to q%d once; cached at %s", weights_path, bits, path)
     out = {}
     for i in range(config.num_hidden_layers):
