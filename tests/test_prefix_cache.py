@@ -670,3 +670,22 @@ def test_a_held_job_is_matched_again_only_once_the_entries_change():
     cache.publish(entry)  # the batch completed: looked at again, no longer held
     assert lane._hold_documents_in_flight([job]) == ([job], [])
     assert len(asked) == 2
+
+
+def test_the_daemons_memory_figures_count_every_replica_and_model(tiny_model, small_model):
+    """/api/stats `memory` gave one replica's weights and cache pool: with 2 replicas of one model and a second
+    model, each with its own 8 MB pool, it said 8 MB and one model's weights."""
+    from .conftest import InProcessDaemon, http
+
+    d = InProcessDaemon([tiny_model, small_model], prefix_cache="8MB", replicas=2)
+    d.wait_ready()
+    try:
+        _, _, stats = http("GET", d.url + "/api/stats")
+    finally:
+        d.stop()
+    replicas = [r["memory"] for m in stats["models"] for r in m["replicas"]]
+    assert len(replicas) == 4
+    pools = [m["prefix_cache"]["budget_bytes"] for m in stats["models"]]
+    assert stats["memory"]["prefix_cache_bytes"] == sum(r["prefix_cache_bytes"] for r in replicas) == sum(pools)
+    assert stats["memory"]["weights_bytes"] == sum(r["weights_bytes"] for r in replicas)
+    assert len({r["weights_bytes"] for r in replicas}) == 2  # two models of different sizes, both counted

@@ -207,7 +207,7 @@ class ModelEngine:
     def cache_snapshot(self) -> dict[str, Any]:
         if self.cache is None:
             return {"enabled": False, "setting": str(self.settings.prefix_cache), "budget_bytes": 0, "bytes": 0,
-                    "nodes": 0, "pinned": 0, "tokens": 0, "capacity_tokens": 0, "hits": 0, "misses": 0,
+                    "peak_bytes": 0, "nodes": 0, "pinned": 0, "tokens": 0, "capacity_tokens": 0, "hits": 0, "misses": 0,
                     "hit_tokens": 0, "evictions": 0}
         return self.cache.snapshot()
 

@@ -138,7 +138,21 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
                  "limits": {"max_inflight": state.max_inflight, "max_body_bytes": MAX_BODY_BYTES},
                  "inflight": state.inflight, "queues": _queues(state, described),
                  "subscribers": state.telemetry.bus.subscribers})
+    _memory_totals(snap, described)
     return snap
+
+
+# memory each replica holds apart (its weights, its state cache's pool, its CUDA graphs): the daemon's figure is
+# their sum over every model and replica, not one replica's; the device figures stay the device's own
+ADDITIVE_MEMORY = ("weights_bytes", "prefix_cache_bytes", "graphs_bytes")
+
+
+def _memory_totals(snap: dict[str, Any], described: dict[str, tuple[Any, list[dict[str, Any]]]]) -> None:
+    memories = [r.get("memory") or {} for _, replicas in described.values() for r in replicas]
+    memory = snap.setdefault("memory", {})
+    for key in ADDITIVE_MEMORY:
+        if any(key in m for m in memories):
+            memory[key] = sum(int(m.get(key, 0)) for m in memories)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
