@@ -98,3 +98,13 @@ def test_the_cache_bench_runs_the_backend_asked_for(tiny_model):
     (row,) = out["per_document"]
     assert out["backend"] == "mlx" and row["cached_tokens"] > out["state_tokens"]
     assert row["second_max_abs_diff"] <= 1e-6
+
+
+def test_the_bench_table_opens_a_list_of_records_into_numbered_rows():
+    """`bench --cache` printed per_document as one JSON blob folded across the table."""
+    from basal_local.commands.benchout import flatten
+
+    rows = dict(flatten({"per_document": [{"ms": 1.5, "split": {"compute": 1.0}}, {"ms": 2.0, "split": {}}],
+                         "ids": [1, 2], "mode": "cache"}))
+    assert rows == {"per_document.1.ms": "1.5", "per_document.1.split.compute": "1.0", "per_document.2.ms": "2.0",
+                    "per_document.2.split": "{}", "ids": "[1, 2]", "mode": "cache"}

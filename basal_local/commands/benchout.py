@@ -13,12 +13,16 @@ from rich.table import Table
 
 
 def flatten(result: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
-    """(dotted name, value) rows; lists and leaves print as they are, dicts open into their keys."""
+    """(dotted name, value) rows; dicts open into their keys, lists of dicts into numbered entries (`bench
+    --cache`'s per_document.1.cached_second_ms), other lists and leaves print as they are."""
     rows: list[tuple[str, str]] = []
     for key, value in result.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
             rows += flatten(value, name + ".")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value, 1):
+                rows += flatten(item, f"{name}.{i}.")
         else:
             rows.append((name, value if isinstance(value, str) else json.dumps(value)))
     return rows
