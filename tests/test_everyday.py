@@ -357,3 +357,28 @@ def test_detach_status_logs_stop(tiny_model, home):
     assert subcli("status", env=home).returncode == 3
     assert subcli("stop", env=home).returncode == 1
     assert subcli("restart", env=home).returncode == 1
+
+
+def test_weights_that_give_nan_name_the_model_and_its_folder(tiny_model, tmp_path):
+    """A damaged weights file said only "loading failed: non-finite letter logit"."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from basal_local.backends.torch import TorchBackend
+    from basal_local.engine.engine import EngineSettings, ModelEngine
+    from basal_local.engine.gate import DeviceGate
+    from basal_local.model import load_model_dir
+    from basal_local.telemetry import Telemetry
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.layers.0.input_layernorm.weight"].fill_(float("nan"))
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    backend = TorchBackend("cpu")
+    backend.load(broken, "f32")
+    with pytest.raises(FloatingPointError, match=f"basal-test-tiny: its first forward gave a non-finite .*{broken}"):
+        ModelEngine(load_model_dir(broken), backend, DeviceGate(), Telemetry(), EngineSettings())
+    assert torch.isnan(weights["model.layers.0.input_layernorm.weight"]).all()

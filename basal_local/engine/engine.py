@@ -87,10 +87,14 @@ class ModelEngine:
         self.batches = 0
         # called by a lane whose batch raised, before its jobs fail; True = the jobs were handed elsewhere
         self.on_batch_failure: Callable[[ModelEngine, Exception, list[Job]], bool] | None = None
-        self.cache, self.prefixes = self._open_cache(model, backend)
-        warmup = getattr(backend, "warmup", None)
-        if warmup is not None:  # e.g. capture CUDA graphs before the first request
-            warmup(self.settings.max_forward_tokens)
+        try:  # the first forwards (the templates, the warm-up): where damaged weights show first
+            self.cache, self.prefixes = self._open_cache(model, backend)
+            warmup = getattr(backend, "warmup", None)
+            if warmup is not None:  # e.g. capture CUDA graphs before the first request
+                warmup(self.settings.max_forward_tokens)
+        except FloatingPointError as exc:
+            raise FloatingPointError(f"{model.name}: its first forward gave a {exc} (NaN or infinity): the "
+                                     f"weights in {model.path} are damaged or were converted wrongly") from None
         self.main = Lane(self, "main", urgent=True)
         self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
         # evidence forwards and the planning of later rounds (engine/requests.py), off the lanes and the caller
