@@ -115,7 +115,7 @@ class PrefixCache:
         self._names = itertools.count(1)
         self.generation = 0  # bumped whenever what a lookup can find changes
         self.stats = {"hits": 0, "misses": 0, "hit_tokens": 0, "evictions": 0}
-        self.peak_tokens = 0  # the most rows ever held at once (the pool never holds more than `capacity`)
+        self.peak_tokens = 0  # the most rows ever held at once (never more than `capacity`)
         self.on_drop: Callable[[str], None] | None = None  # the backend forgets an entry's name (MLX frees it)
 
     # ---- lookups ---------------------------------------------------------------------------------------------
@@ -333,10 +333,8 @@ class PrefixCache:
     def _release_rows(self, start: int, n: int) -> None:
         if n <= 0:
             return
-        self.free.append((start, n))
-        self.free.sort()
         merged: list[tuple[int, int]] = []
-        for s, ln in self.free:
+        for s, ln in sorted(self.free + [(start, n)]):
             if merged and merged[-1][0] + merged[-1][1] == s:
                 merged[-1] = (merged[-1][0], merged[-1][1] + ln)
             else:
