@@ -131,7 +131,7 @@ def split_tiles(plan: TilePlan, n_kv: int, programs: int, cap: int, slot_cap: in
     changes a result (module doc), so any choice here is as exact as any other: this one aims at an even end."""
     tiles = plan.tiles
     n = tiles.shape[0]
-    if n == 0 or n * n_kv >= programs:
+    if n == 0 or n * n_kv >= programs or int(tiles[:, 2].max()) <= chunk:  # (a single decision: no long tile)
         return plan, 0
     n_keys = tiles[:, 2].astype(np.int64)
     chunks = -(-n_keys // chunk)
