@@ -349,6 +349,8 @@ def test_run_jsonl_in_order_with_accuracy(live, home, tmp_path):
 
 
 def test_ps_shows_the_loaded_model(live, home, tiny_model):
+    from basal_local.commands import human_bytes
+
     done = cli("ps", "--url", live.url, "--json", env=home)
     info = json.loads(done.stdout)
     assert info["ready"] and info["version"] == __version__
@@ -358,6 +360,12 @@ def test_ps_shows_the_loaded_model(live, home, tiny_model):
     assert 0.5 * weights < model["weights_bytes"] <= 2.5 * weights  # f32 copy of the stored weights
     text = cli("ps", "--url", live.url, env=home).stdout
     assert "(default)" in text and "cpu" in text
+    # the state cache: what it holds of its budget (a column of its own; /api/ps had no cache figures)
+    cache = model["prefix_cache"]
+    assert cache["enabled"] and 0 < cache["bytes"] <= cache["budget_bytes"] == model["prefix_cache_bytes"]
+    header, row = text.splitlines()[1:3]
+    at = header.index("CACHE")
+    assert row[at:header.index("QUEUE")].strip() == f"{human_bytes(cache['bytes'])}/{human_bytes(cache['budget_bytes'])}"
 
 
 def test_an_option_before_the_command_is_named():

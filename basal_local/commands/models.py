@@ -215,6 +215,13 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds:.0f} s"
 
 
+def _cache_cell(cache: dict | None) -> str:
+    """The state cache as `ps` shows it: what it holds of its budget, or off."""
+    if not cache or not cache.get("enabled"):
+        return "off"
+    return f"{human_bytes(cache.get('bytes', 0))}/{human_bytes(cache.get('budget_bytes', 0))}"
+
+
 def ps(args: argparse.Namespace) -> int:
     url = daemon_url(args)
     info = get_json(url, "/api/ps", api_key=client_key(args))
@@ -225,7 +232,7 @@ def ps(args: argparse.Namespace) -> int:
     rss = info.get("process_rss_bytes")
     print(f"basal-local {info.get('version', '?')} at {url}: {state}, pid {info.get('pid')}, "
           f"process memory {human_bytes(rss) if rss else 'n/a'}, {info.get('inflight', 0)} in flight")
-    table = [("NAME", "STATUS", "DEVICE", "DTYPE", "WEIGHTS", "DEVICE MEM", "QUEUE", "UNLOAD", "PATH")]
+    table = [("NAME", "STATUS", "DEVICE", "DTYPE", "WEIGHTS", "DEVICE MEM", "CACHE", "QUEUE", "UNLOAD", "PATH")]
     replicas = []
     for m in info.get("models", []):
         name = m["name"] + (" (default)" if m.get("default") else "")
@@ -238,7 +245,8 @@ def ps(args: argparse.Namespace) -> int:
             until = "never" if loaded else "-"
         table.append((name, status, m.get("device", "") if loaded else "-", m.get("dtype", "") if loaded else "-",
                       human_bytes(m.get("weights_bytes", 0)) if loaded else "-", dev_mem if loaded else "-",
-                      str(m.get("queue", 0)) if loaded else "-", until, m.get("path", "")))
+                      _cache_cell(m.get("prefix_cache")) if loaded else "-", str(m.get("queue", 0)) if loaded else "-",
+                      until, m.get("path", "")))
         if m.get("error") and status == "failed":
             replicas.append(f"  {m['name']}: {m['error']}")
         shown = m.get("replicas") or []

@@ -20,6 +20,7 @@ from litestar import Request, Response, get
 from .. import __version__
 from ..api.errors import dialect_of, http_error
 from .body import body_timeout
+from .events import ADDITIVE_MEMORY, cache_totals
 from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
 from .responses import client_request_id, json_response
@@ -165,6 +166,9 @@ async def ps(request: Request) -> Response:
         # the first live replica's device, as one engine would show it
         first = next((r for r in described if r["alive"]), described[0]) if described else {}
         memory = dict(first.get("memory") or {})
+        for key in ADDITIVE_MEMORY:  # the model's replicas together (the device figures are the first one's)
+            if key in memory:
+                memory[key] = sum(int((r.get("memory") or {}).get(key, 0)) for r in described)
         devices = sorted({str(r.get("device")) for r in described if r.get("device")})
         entry = states.pop(name, {})
         loaded.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
@@ -172,6 +176,7 @@ async def ps(request: Request) -> Response:
                        "backend": state.backend_name, "device": ",".join(devices) or state.device,
                        "dtype": state.dtype, "aliases": sorted(a for a, t in state.aliases.items() if t == name),
                        "queue": sum(r["requests"] for r in described), **memory,
+                       "prefix_cache": cache_totals(described, str(state.engine_settings.prefix_cache)),
                        "keep_alive_s": entry.get("keep_alive_s"), "expires_in_s": entry.get("expires_in_s"),
                        "replicas": [_replica(r) for r in described]})
     for entry in states.values():  # known, not loaded: loading, unloading, unloaded or failed
