@@ -100,8 +100,9 @@ def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ra
     """`--prefix-cache`: the pool's bytes. `device_memory`: (free, total) of the GPU after the weights (None off a
     GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller one;
     on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A size or a share is per replica; a share
-    is of the GPU's free memory, without a GPU of the memory the system has available now (`ram` in tests), not
-    of all of it, which left nothing for the weights and the rest of the machine. `replicas` of one model on the
+    is of the GPU's free memory, without a GPU of the memory the system has available now (`ram` in tests; on a
+    Mac, which does not report it, all of the RAM), not of all of it, which left nothing for the weights and the
+    rest of the machine. `replicas` of one model on the
     GPU (each with `weights` bytes of weights): auto gives each the same part of what the GPU holds after all
     their weights, at most 60 % of what is free, whichever of them opens its pool first (they load side by side;
     each taking 60 % of what it saw free, two replicas on an H200 took 74 and 29 GB, and two that looked at the
@@ -122,9 +123,12 @@ def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ra
     kind, number = parse_limit(text, flag="--prefix-cache")
     room = device_memory[0] if device_memory is not None else (ram if ram is not None else available_ram())
     if kind == "bytes":
-        if number > room:  # it would fail to allocate (a CPU allocator's paragraph), or take the machine's memory
+        # without a GPU every replica's pool is planned against the same available RAM (pages are taken as the
+        # cache fills): all of them must fit it; on a GPU each pool is allocated whole before the next one looks
+        each = replicas if device_memory is None else 1
+        if number * each > room:  # it would fail to allocate (a CPU allocator's paragraph), or take the machine's
             where = ("the GPU has free after the weights" if device_memory is not None
-                     else "this machine has available")
+                     else "this machine has available" + (f" for {replicas} replicas" if each > 1 else ""))
             raise ValueError(f"--prefix-cache {setting}: more than the {room / 1e9:,.1f} GB {where}; give a "
                              "smaller size, a share such as 0.5, or auto")
         return int(number)

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "fp8"],
                    help="weight layout of a shipped port (default bf16): MLX 8-bit/nvfp4 (mlx-lm layout, needs "
                         "mlx), GGUF Q8_0/Q4_K_M (the gguf package's writer) or NVIDIA ModelOpt FP8")
-    p.set_defaults(func=_lazy("models", "make_test_model"))
+    p.set_defaults(func=_lazy("maketest", "make_test_model"))
 
     p = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumable)")
     p.add_argument("ref", help="mini, 4.5B, max or OWNER/NAME[@REVISION]")

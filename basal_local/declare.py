@@ -98,9 +98,8 @@ def check(key: str, spec: Spec, value: Any, from_text: bool = False) -> Any:
                 raise TypeError
             value = float(value)
         elif kind is str:
-            if spec.number_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
-                return value
-            if not isinstance(value, str):
+            numeric = spec.number_ok and isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not numeric and not isinstance(value, str):  # (a number still goes through the validator)
                 raise TypeError
         elif kind is list:
             if isinstance(value, str):

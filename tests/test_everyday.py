@@ -237,32 +237,69 @@ def test_make_test_model_refuses_a_format_the_preset_cannot_take_before_writing(
     assert list((tmp_path / "work").iterdir()) == []
 
 
-@pytest.mark.parametrize("failure", [KeyboardInterrupt, ValueError, OSError])
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, ValueError, OSError, "a move"])
 def test_a_failed_or_interrupted_make_test_model_leaves_what_was_there(home, tmp_path, monkeypatch, failure):
-    """The model is written beside the folder and moved in when complete: an interrupt (or a failed conversion,
-    or a full disk) while the format was written left a servable bf16 model where another format was asked for.
-    Now a new folder is not created, and an earlier test model in it stays as it was."""
-    import basal_local.commands.models as models
+    """The model is written in a side folder and moved in when complete, the earlier one set aside and put back on
+    any failure: an interrupt (or a failed conversion, a full disk, a move that fails half-way) while the format
+    was written left a servable bf16 model where another format was asked for. Now a new folder is not created,
+    and an earlier test model in it stays as it was."""
+    import errno
+
+    import basal_local.commands.maketest as maketest
 
     from .test_cli import assert_user_error, cli
 
     def failing(directory, fmt, **kw):
         (directory / "half.gguf").write_bytes(b"GGUF")
+        if failure == "a move":
+            return
         raise failure("disk full") if failure is not KeyboardInterrupt else failure
 
-    monkeypatch.setattr(models, "convert_test_model", failing)
+    monkeypatch.setattr(maketest, "convert_test_model", failing)
     tmp_path = tmp_path / "work"  # (the home is in tmp_path too)
     tmp_path.mkdir()
-    fresh = tmp_path / "fresh"
-    done = cli("make-test-model", str(fresh), "--format", "gguf-q8_0", env=home)
-    assert_user_error(done, "interrupted: nothing was written" if failure is KeyboardInterrupt else "disk full")
-    assert not fresh.exists()
     earlier = tmp_path / "earlier"
     assert cli("make-test-model", str(earlier), "--seed", "1", env=home).returncode == 0
-    files = {p.name: p.read_bytes() for p in earlier.iterdir() if p.is_file()}
-    assert_user_error(cli("make-test-model", str(earlier), "--format", "gguf-q8_0", env=home))
-    assert {p.name: p.read_bytes() for p in earlier.iterdir() if p.is_file()} == files
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]  # no side folder left
+    files = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    if failure == "a move":  # the third file moved in fails (a rename across filesystems would)
+        real, moved = Path.rename, []
+
+        def rename(self, target):
+            if self.parent.name.startswith(".making-"):
+                moved.append(self)
+                if sum(m.parent == self.parent for m in moved) == 3:  # the third of each run
+                    raise OSError(errno.EXDEV, "Invalid cross-device link")
+            return real(self, target)
+
+        monkeypatch.setattr(Path, "rename", rename)
+    fresh = tmp_path / "fresh"
+    done = cli("make-test-model", str(fresh), "--format", "gguf-q8_0", env=home)
+    assert_user_error(done, {KeyboardInterrupt: "interrupted: ", "a move": "cross-device"}.get(failure, "disk full"),
+                      "as it was")
+    assert not fresh.exists()
+    assert_user_error(cli("make-test-model", str(earlier), "--format", "gguf-q8_0", env=home), "as it was")
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == files  # no side folder left either
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
+
+
+def test_make_test_model_works_in_its_folder_alone(home, tmp_path):
+    """Written inside the target (a mount point is its own filesystem; its parent may be read-only): a folder whose
+    parent cannot be written takes a test model, and a side folder a killed run left is dropped."""
+    from .test_cli import cli
+
+    parent = tmp_path / "ro"
+    out = parent / "model"
+    out.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / f".making-{dead.pid}").mkdir()
+    parent.chmod(0o555)
+    try:
+        done = cli("make-test-model", str(out), env=home)
+    finally:
+        parent.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    assert (out / "basal.json").exists() and not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
 def test_bench_checks_its_extras_before_running(home, monkeypatch):

@@ -110,6 +110,9 @@ def test_a_damaged_or_half_written_quantized_cache_is_converted_again_and_leaves
     dead.wait()
     stale = cached.with_name(f"{cached.stem}.{dead.pid}.tmp.safetensors")
     stale.write_bytes(b"half")
+    os.utime(stale, (os.stat(stale).st_atime, os.stat(stale).st_mtime - 7200))  # two hours untouched
+    young = cached.with_name(f"other-q8-g64.{dead.pid}.tmp.safetensors")  # a shared home: maybe being written
+    young.write_bytes(b"half")
     cached.unlink()
     real = mx.save_safetensors
 
@@ -120,4 +123,4 @@ def test_a_damaged_or_half_written_quantized_cache_is_converted_again_and_leaves
     monkeypatch.setattr(mx, "save_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         load_mlx(model, "q8")
-    assert list(quantize.cache_dir().glob("*.safetensors")) == []  # neither its own file nor the stale one
+    assert list(quantize.cache_dir().glob("*.safetensors")) == [young]  # neither its own file nor the stale one

@@ -147,6 +147,10 @@ def test_budget_forms():
         budget_bytes("20GB", None, ram=16 * 2 ** 30)
     with pytest.raises(ValueError, match="must be more than 0; .*, or off to keep nothing"):
         budget_bytes("0", gpu)
+    # without a GPU every replica's pool is planned against the same RAM: all of them must fit it
+    assert budget_bytes("6GB", None, ram=16 * 2 ** 30, replicas=2) == 6_000_000_000
+    with pytest.raises(ValueError, match="more than the 17.2 GB this machine has available for 3 replicas"):
+        budget_bytes("6GB", None, ram=16 * 2 ** 30, replicas=3)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MemAvailable is Linux's")
@@ -689,3 +693,16 @@ def test_the_daemons_memory_figures_count_every_replica_and_model(tiny_model, sm
     assert stats["memory"]["prefix_cache_bytes"] == sum(r["prefix_cache_bytes"] for r in replicas) == sum(pools)
     assert stats["memory"]["weights_bytes"] == sum(r["weights_bytes"] for r in replicas)
     assert len({r["weights_bytes"] for r in replicas}) == 2  # two models of different sizes, both counted
+
+
+def test_a_worker_process_that_is_gone_holds_no_memory_in_the_totals():
+    """A dead worker's last report stays in `describe` (for its restart); its memory is freed with its process,
+    while a dead in-process replica still holds its own."""
+    from basal_local.server.events import _memory_totals
+
+    snap: dict = {"memory": {}}
+    replicas = [{"pid": 11, "alive": True, "memory": {"weights_bytes": 5}},
+                {"pid": 12, "alive": False, "memory": {"weights_bytes": 5}},
+                {"alive": False, "memory": {"weights_bytes": 7}}]
+    _memory_totals(snap, {"m": (None, replicas)})
+    assert snap["memory"]["weights_bytes"] == 12

@@ -91,6 +91,7 @@ def test_a_flag_and_the_same_key_in_config_toml_give_the_same_settings(tmp_path)
     ("cuda_graph = false", "", "unknown setting 'cuda_graph' (did you mean 'cuda_graphs'?)"),
     # TOML's spelling of the value, and what the setting takes (it said "prefix_cache = False: must be text")
     ("prefix_cache = false", "", "prefix_cache = false: must be one of SIZE, SHARE, auto, off"),
+    ("prefix_cache = 0", "", "prefix_cache = 0: --prefix-cache '0': must be more than 0"),  # a TOML number too
 ])
 def test_bad_config_values_are_sentences_naming_the_file(tmp_path, text, key, message):
     path = tmp_path / "config.toml"

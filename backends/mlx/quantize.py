@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -119,12 +120,16 @@ def _load_cached(path: Path) -> dict[str, mx.array] | None:
 
 def _save(path: Path, stored: dict[str, mx.array], bits: int) -> None:
     """Written to a file of this process and renamed into place; a write cut short (Ctrl-C, a full disk) removes
-    its file, and files that stopped processes left (their pid gone) are removed first: each was up to the whole
-    quantized model."""
+    its file, and files that stopped processes left (their pid gone, an hour old) are removed first: each was up to
+    the whole quantized model."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob("*.tmp.safetensors"):
         pid = stale.name.split(".")[-3]
-        if pid.isdigit() and not _running(int(pid)):
+        try:  # an hour untouched as well: a pid is this machine's, and a shared home may be written from another
+            old = time.time() - stale.stat().st_mtime > 3600
+        except OSError:
+            continue
+        if old and pid.isdigit() and not _running(int(pid)):
             stale.unlink(missing_ok=True)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.safetensors")
     try:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -17,12 +16,9 @@ from ..model.directory import ModelLoadError, load_model_dir
 from ..model.formats import FormatError, detect_format, port_summary
 from ..model.registry import ModelNotFound, cached_models, find_cached, mac_port_advice, split_ref
 from ..model.registry import pull as hub_pull
-from ..model.testformats import check_format, convert_test_model
-from ..model.testmodel import PRESETS
-from ..model.testmodel import make_test_model as write_model
 from . import UserError, get_json, human_bytes, key_refused, model_path
 from .ask import error_text, post
-from .serving import check_device, client_key, daemon_url
+from .serving import client_key, daemon_url
 
 
 def _offline(exc: BaseException) -> bool:
@@ -336,62 +332,3 @@ def _refused(url: str, key: str | None, status: int, answer: dict[str, Any], err
            "MODEL_LOADING": "wait until `basal-local ps` shows it loaded"}.get(answer.get("code", ""),
                                                                               f"`basal-local {what} -h`")
     raise UserError(f"the daemon answered {status}: {error_text(answer)}", fix, status=1)
-
-
-def make_test_model(args: argparse.Namespace) -> int:
-    out = Path(args.directory).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} is a file", "give make-test-model a new or empty folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "basal.json").exists():
-        raise UserError(f"{out} is not empty and holds no model",
-                        "give make-test-model a new or empty folder (an existing test model is overwritten)")
-    if args.device == "cuda":
-        check_device("cuda")
-    # the package a shipped port's layout is written with, checked before a bf16 model is written to convert
-    needs = "mlx" if args.format.startswith("mlx") else "gguf" if args.format.startswith("gguf") else None
-    if needs and importlib.util.find_spec(needs) is None:
-        raise UserError(f"--format {args.format} is written with the {needs} package, which is not installed",
-                        "pip install 'mlx[cpu]' (Linux; mlx on a Mac)" if needs == "mlx" else "pip install gguf")
-    if args.format != "bf16":
-        try:
-            check_format(PRESETS[args.preset], args.format)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-    # written beside the folder and moved into place when complete: an interrupt or a failed conversion leaves
-    # neither half a model nor a bf16 one where another format was asked for (nor harms a test model there)
-    work = out.resolve().with_name(f".{out.resolve().name}.making")
-    try:
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        if not os.access(work, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as exc:
-        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
-                        "give make-test-model a folder you can write to") from None
-    print(f"basal-local: making the {args.preset} test model in {out}", flush=True)
-    try:
-        write_model(work, preset=args.preset, seed=args.seed, name=args.name, device=args.device,
-                    progress=lambda step: print(f"  {step}...", flush=True), evidence_head=args.evidence_head)
-        if args.format != "bf16":
-            print(f"  writing the {args.format} layout...", flush=True)
-            convert_test_model(work, args.format, seed=args.seed, device=args.device)
-        out.mkdir(parents=True, exist_ok=True)  # the folder itself stays (it may be the shell's current one)
-        for old in out.iterdir():  # an earlier test model (checked above)
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        for new in work.iterdir():
-            new.rename(out / new.name)
-    except KeyboardInterrupt:
-        raise UserError(f"interrupted: nothing was written to {out}", "run the same command again",
-                        status=130) from None
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    except OSError as exc:  # the disk filled up, or a file in the folder could not be replaced
-        raise UserError(f"cannot write the test model to {out} ({exc.strerror or exc})",
-                        "free disk space, or give make-test-model another folder") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"basal-local: wrote {args.preset} test model ({args.format}) to {out}")
-    return 0

@@ -94,7 +94,8 @@ class ModelEngine:
                 warmup(self.settings.max_forward_tokens)
         except FloatingPointError as exc:
             raise FloatingPointError(f"{model.name}: its first forward gave a {exc} (NaN or infinity): the "
-                                     f"weights in {model.path} are damaged or were converted wrongly") from None
+                                     f"weights in {model.path} are damaged or were converted wrongly, or the "
+                                     "dtype overflows (try --dtype bf16 or f32)") from None
         self.main = Lane(self, "main", urgent=True)
         self.long = Lane(self, "long", urgent=False) if self.settings.long_tokens > 0 else None
         # evidence forwards and the planning of later rounds (engine/requests.py), off the lanes and the caller

@@ -258,7 +258,7 @@ class PrefixCache:
             self.entries.clear()
             self.pending.clear()
             self.pending_changes += 1
-            self.free = [(0, self.capacity)] if self.capacity else []
+            self.free, self.peak_tokens = ([(0, self.capacity)] if self.capacity else []), 0
             self.generation += 1
 
     def _settle(self, entry: Entry) -> None:

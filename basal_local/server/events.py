@@ -147,8 +147,14 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
 ADDITIVE_MEMORY = ("weights_bytes", "prefix_cache_bytes", "graphs_bytes")
 
 
+def held_memory(replica: dict[str, Any]) -> dict[str, Any]:
+    """A replica's memory, or nothing for a worker process that is gone (its last report stays in `describe`;
+    a dead in-process replica still holds its memory)."""
+    return {} if "pid" in replica and not replica.get("alive", True) else (replica.get("memory") or {})
+
+
 def _memory_totals(snap: dict[str, Any], described: dict[str, tuple[Any, list[dict[str, Any]]]]) -> None:
-    memories = [r.get("memory") or {} for _, replicas in described.values() for r in replicas]
+    memories = [held_memory(r) for _, replicas in described.values() for r in replicas]
     memory = snap.setdefault("memory", {})
     for key in ADDITIVE_MEMORY:
         if any(key in m for m in memories):

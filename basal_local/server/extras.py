@@ -20,7 +20,7 @@ from litestar import Request, Response, get
 from .. import __version__
 from ..api.errors import dialect_of, http_error
 from .body import body_timeout
-from .events import ADDITIVE_MEMORY, cache_totals
+from .events import ADDITIVE_MEMORY, cache_totals, held_memory
 from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
 from .responses import client_request_id, json_response
@@ -168,7 +168,7 @@ async def ps(request: Request) -> Response:
         memory = dict(first.get("memory") or {})
         for key in ADDITIVE_MEMORY:  # the model's replicas together (the device figures are the first one's)
             if key in memory:
-                memory[key] = sum(int((r.get("memory") or {}).get(key, 0)) for r in described)
+                memory[key] = sum(int(held_memory(r).get(key, 0)) for r in described)
         devices = sorted({str(r.get("device")) for r in described if r.get("device")})
         entry = states.pop(name, {})
         loaded.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,

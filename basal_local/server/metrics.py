@@ -47,7 +47,8 @@ class MetricsRecorder:
                                     "counted per prompt)", ["model"], registry=r)
         self.output_tokens = Counter("basal_output_tokens", "Generated tokens (always 0)", ["model"], registry=r)
         self.questions = Counter("basal_questions", "Questions answered", ["model"], registry=r)
-        r.register(_CacheCollector(state))
+        self.described: list[tuple[str, list]] = []  # each engine described once per scrape (render)
+        r.register(_CacheCollector(self))
         self.queue = Histogram("basal_queue_duration_seconds", "Arrival to start of batch", ["model", "lane"],
                                buckets=SECONDS, registry=r)
         self.batch = Histogram("basal_batch_duration_seconds", "Batch compute, gate waits included",
@@ -93,8 +94,8 @@ class MetricsRecorder:
             self.queue.labels(model, lane).observe(record.get("queue_ms", 0.0) / 1000.0)
 
     def render(self) -> bytes:
-        for name, engine in list(self.state.engines.items()):
-            replicas = engine.describe()
+        self.described = [(name, engine.describe()) for name, engine in list(self.state.engines.items())]
+        for name, replicas in self.described:
             self.model_inflight.labels(name).set(sum(r["requests"] for r in replicas))
         return generate_latest(self.registry)
 
@@ -115,16 +116,16 @@ class _CacheCollector:
     `_total` series typed `counter`, so `rate()` works; a reloaded model starts them again at 0, which Prometheus
     reads as a counter reset), the rest gauges."""
 
-    def __init__(self, state: AppState) -> None:
-        self.state = state
+    def __init__(self, recorder: MetricsRecorder) -> None:
+        self.recorder = recorder
 
     def collect(self):
         families = [(key, CounterMetricFamily(name, text, labels=["model", "replica"]))
                     for key, name, text in CACHE_COUNTERS]
         families += [(key, GaugeMetricFamily(name, text, labels=["model", "replica"]))
                      for key, name, text in CACHE_GAUGES]
-        for model, engine in list(self.state.engines.items()):
-            for r in engine.describe():
+        for model, replicas in self.recorder.described:
+            for r in replicas:
                 cache, labels = r.get("prefix_cache") or {}, [model, str(r.get("replica", 0))]
                 for key, family in families:
                     family.add_metric(labels, cache.get(key, 0))
