@@ -122,14 +122,16 @@ class Backend(Protocol):
 
     # optional: `warmup(max_tokens)` prepares shapes (CUDA graphs) before the first request
     # optional: `launch(batch)` hands the forward to the device without waiting and returns a handle with
-    # `done()`, `result()` (the logits, waiting) and `device_s()` (device seconds, or None); the engine then
-    # overlaps host work with device work (engine/engine.py)
+    # `done()`, `result()` (the logits, waiting), `device_s()` (device seconds, or None) and `kind` (how it ran:
+    # "eager", "graph", "graph captured now"; the batch's record shows it); the engine then overlaps host work
+    # with device work (engine/engine.py)
 
 
 class Ready:
     """A forward that already ran: the `launch` handle of a backend (or a path) that computes at once."""
 
     __slots__ = ("logits",)
+    kind = "eager"
 
     def __init__(self, logits: np.ndarray) -> None:
         self.logits = logits

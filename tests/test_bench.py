@@ -21,7 +21,9 @@ def test_a_bench_batch_is_the_engines_batch_and_answers_as_the_engine_serves(ben
     before = bench.engine.batches
     flight = bench.decide(requests)
     assert bench.engine.batches == before + 1 and len(flight.jobs) == 3
-    assert bench.engine.telemetry.snapshot()["batches"][-1]["requests"] == 3
+    record = bench.engine.telemetry.snapshot()["batches"][-1]
+    assert record["requests"] == 3
+    assert record["forward"] == "eager" and record["device_ms"] is None  # how it ran (CUDA: graph, device time)
     alone = [bench.decide([r]).jobs[0].future.result().outcome for r in requests]
     bench.engine.start()  # the serving path: the lane thread and the Engine protocol's submit, one at a time
     for outcome, request in zip(alone, requests):  # (the CPU reference is exact per batch, not across batches)

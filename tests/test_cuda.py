@@ -102,6 +102,21 @@ def test_cuda_graphs_match_eager(small_model):
         assert worst <= bound
 
 
+def test_cuda_a_graph_captured_on_first_use_says_so(small_model):
+    """A (tokens, readouts) size not captured at warm-up is captured when a batch first needs it (two eager runs
+    and the capture): its launch says so, for the batch's record; the next one of that size replays."""
+    md = load_model_dir(small_model)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    _, backend, _ = loaded(small_model, "cuda", "f16")
+    batch = pack_prompts(random_specs(md, random.Random(0))[:1], prefixes).batches[0]
+    backend.graphs.clear()
+    first = backend.launch(batch)
+    first.result()
+    again = backend.launch(batch)
+    again.result()
+    assert (first.kind, again.kind) == ("graph captured now", "graph") and again.device_s() > 0
+
+
 # ---- issue 9: the Triton kernels against their twins, and bitwise batch invariance --------------------------
 def test_cuda_tree_kernel_matches_twin(small_model):
     from basal_local.cuda_kernels import plan as tplan

@@ -3,6 +3,7 @@
     python tools/gpu.py summary FILE...            one line per `basal-local bench --json` output (in process or HTTP)
     python tools/gpu.py answers URL OUT [CLIENTS]  every sample question through a daemon's /v1/basal, saved
     python tools/gpu.py compare A B                two saved answer sets: bitwise equal, same decision, max |dp|
+    python tools/gpu.py slow EVENTS [N]            the N slowest batches of a saved /api/events stream, how they ran
     python tools/gpu.py unload URL                 5 unload/load cycles: device memory and answers bit for bit
     python tools/gpu.py dashboard URL DEVICE GPUS  NVML telemetry, the memory split, a `device` event, the TUI
     python tools/gpu.py profile MODEL OUT [attention:gemm ...]   kernel time per family (CUDA graphs off)
@@ -70,6 +71,30 @@ def answers(url: str, out: str, clients: str = "64") -> int:
     failed = [f"{status} {body}" for status, body in got if status != 200]
     print(f"{len(got) - len(failed)}/{len(got)} answered -> {out}", *failed[:3], sep="\n")
     return 1 if failed else 0
+
+
+def slow(events_path: str, n: str = "12") -> int:
+    """The slowest batches of a daemon's event stream (`curl -N URL/api/events`): compute and device time, size,
+    and how the forwards ran (a graph captured on first use, an eager forward, a replay)."""
+    batches = []
+    for line in open(events_path, encoding="utf-8", errors="replace"):
+        if line.startswith("data: "):
+            try:
+                event = json.loads(line[6:])
+            except ValueError:  # the stream cut by the kill
+                continue
+            if event.get("kind") == "computed":
+                batches.append(event)
+    print(f"{len(batches)} batches; the {min(int(n), len(batches))} slowest (compute ms, device ms, replica, "
+          "requests, packed tokens, prompts, forward):")
+    for b in sorted(batches, key=lambda b: -b.get("compute_ms", 0))[:int(n)]:
+        print(f"  {b.get('compute_ms')}  {b.get('device_ms')}  r{b.get('replica')}  {b.get('requests')}  "
+              f"{b.get('packed_tokens')}  {b.get('prompts')}  {b.get('forward') or '?'}")
+    kinds: dict[str, int] = {}
+    for b in batches:
+        kinds[b.get("forward") or "?"] = kinds.get(b.get("forward") or "?", 0) + 1
+    print("forwards:", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+    return 0
 
 
 def compare(a_path: str, b_path: str) -> int:
@@ -307,7 +332,7 @@ def closure(root: str) -> int:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:] or ["-h"]
-    commands = {f.__name__: f for f in (summary, answers, compare, unload, dashboard, profile, closure, deps)}
+    commands = {f.__name__: f for f in (summary, answers, compare, slow, unload, dashboard, profile, closure, deps)}
     if command not in commands:
         sys.exit(__doc__)
     sys.exit(commands[command](*args) or 0)

@@ -139,10 +139,13 @@ st_cache() {
 served() {  # NAME "CLIENTS:REQUESTS[:i] ..." SERVE-ARGS...: HTTP runs and the answers of one daemon
   local name=$1 runs=$2 r; shift 2
   model "$M" "$PRESET" && serve "$name" --model "$M" "$@" || return 1
+  # every batch's record while the clients run (/api/stats keeps the last 32): `gpu.py slow` reads them
+  curl -sN "$U/api/events" > "$OUT/events-$name.txt" 2> /dev/null & local events=$!
   for r in $runs; do IFS=: read -r c q i <<< "$r"
     PYTHONPATH=$CLIENT cli bench --http "$U" --json --clients "$c" --requests "$q" ${i:+--invariance 8} \
       > "$OUT/http-$name-c$c.json" || { halt; return 1; }
   done
+  kill $events 2> /dev/null; PYTHONPATH=$CLIENT tool gpu.py slow "$OUT/events-$name.txt" > "$OUT/slow-$name.txt"
   PYTHONPATH=$CLIENT tool gpu.py answers "$U" "$OUT/answers-$name.json" 64; curl -s "$U/api/stats" > "$OUT/stats-$name.json"; halt
   [ "$name" = 1gpu ] || [ ! -f "$OUT/answers-1gpu.json" ] ||
     tool gpu.py compare "$OUT/answers-1gpu.json" "$OUT/answers-$name.json" | tee "$OUT/compare-$name.json"

@@ -42,10 +42,10 @@ class Launched:
     """One graph replay in flight (`Graphs.launch`): its letter logits come back through their own pinned
     buffer; two CUDA events time it on the device."""
 
-    __slots__ = ("host", "rows", "cols", "start", "end")
+    __slots__ = ("host", "rows", "cols", "start", "end", "kind")
 
-    def __init__(self, host: torch.Tensor, rows: int, cols: int, start, end) -> None:
-        self.host, self.rows, self.cols, self.start, self.end = host, rows, cols, start, end
+    def __init__(self, host: torch.Tensor, rows: int, cols: int, start, end, kind: str = "graph") -> None:
+        self.host, self.rows, self.cols, self.start, self.end, self.kind = host, rows, cols, start, end, kind
 
     def done(self) -> bool:
         return bool(self.end.query())
@@ -138,6 +138,7 @@ class Graphs:
         asynchronously; the eager path (no graph fits) runs to the end here."""
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+        graphs = len(self.graphs)
         found = self._graph_for(batch)
         if found is None:
             *_, logits = self.fwd.steps(batch)
@@ -152,7 +153,10 @@ class Graphs:
         host.copy_(entry.logits, non_blocking=True)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        return Launched(host, len(batch.readout_index), len(batch.letter_ids), start, end)
+        # a (tokens, readouts) size not captured at warm-up is captured on its first use (two eager warm-up runs
+        # and the capture): the record says so, as the cause of that batch's time
+        kind = "graph captured now" if len(self.graphs) > graphs else "graph"
+        return Launched(host, len(batch.readout_index), len(batch.letter_ids), start, end, kind)
 
     def _run(self, v: dict) -> torch.Tensor:
         *_, h = self.fwd.layers(v)

@@ -343,7 +343,9 @@ class ModelEngine:
             batch_id, self.model.name, lane.label, len(jobs), sum(len(j.plan.questions) for j in jobs), flight.prompts,
             len(pack.batches), pack.packed_tokens, pack.unpacked_tokens, round(compute_ms, 3), time.time(),
             tree=self.telemetry.lazy_tree(_tree_builder(pack.rows, jobs, flight.owners)),
-            request_ids=[j.request_id for j in jobs], replica=self.replica, device=self.backend.device))
+            request_ids=[j.request_id for j in jobs], replica=self.replica, device=self.backend.device,
+            forward=", ".join(sorted({getattr(f, "kind", "eager") for f in flight.launched})),
+            device_ms=_device_ms(flight.launched)))
         for j, job in enumerate(jobs):
             try:
                 outcome = finish(job.plan, logits[j], self.model.calibration)
@@ -354,3 +356,9 @@ class ModelEngine:
             queue_ms = (started - (job.arrival if job.since is None else job.since)) * 1000.0
             cached = flight.cached[j] if flight.cached else 0
             job.resolve(RoundResult(outcome, queue_ms, compute_ms, len(jobs), batch_id, cached))
+
+
+def _device_ms(launched: list[Any]) -> float | None:
+    """The device's time for a batch's forwards, where every one of them was timed on it."""
+    times = [f.device_s() for f in launched]
+    return None if not times or any(t is None for t in times) else round(sum(times) * 1000.0, 3)

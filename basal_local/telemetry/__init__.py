@@ -99,6 +99,8 @@ class BatchRecord:
     device: str = ""
     request_ids: list[str] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
+    forward: str = ""  # how its forwards ran (a launch handle's `kind`: eager, graph, graph captured now)
+    device_ms: float | None = None  # the device's own time for them, where the backend times it (CUDA graphs)
 
 
 def _fields(record: BatchRecord, build: bool = False) -> dict[str, Any]:
