@@ -71,6 +71,22 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
     `rows`: only these queries (the readout rows of the last layer), one tile each; else every token.
     Built per block in Python and per tile in NumPy (this runs on the host before every forward).
     """
+    blocks = _blocks(positions, token_block, block_parent, block_prefix, prefix_rows)
+    return _tiles(blocks, positions, token_block, block_m, rows)
+
+
+def tile_plans(positions: np.ndarray, token_block: np.ndarray, block_parent: np.ndarray,
+               block_prefix: np.ndarray, prefix_rows: list[tuple[int, int]], block_m: int,
+               rows: np.ndarray) -> tuple[TilePlan, TilePlan]:
+    """`tile_plan` of every token and of `rows` (a forward's layers and its last layer's readouts), the blocks'
+    part of the records built once for both (the host's work before every forward)."""
+    blocks = _blocks(positions, token_block, block_parent, block_prefix, prefix_rows)
+    return (_tiles(blocks, positions, token_block, block_m, None),
+            _tiles(blocks, positions, token_block, block_m, rows))
+
+
+def _blocks(positions, token_block, block_parent, block_prefix, prefix_rows) -> tuple[list, list, list[list[int]]]:
+    """Each block's bounds and the part of its tiles' records that does not depend on the tile."""
     n_blocks = len(block_parent)
     start, end = block_bounds(token_block, n_blocks)
     starts, ends = start.tolist(), end.tolist()
@@ -96,6 +112,15 @@ def tile_plan(positions: np.ndarray, token_block: np.ndarray, block_parent: np.n
             c = max(chain, key=lambda c: ends[c] - starts[c])
             rec[OPEN:OPEN + 3] = first_pos[c], first_pos[c] + ends[c] - starts[c], starts[c] - first_pos[c]
         heads.append(rec)
+    return starts, ends, heads
+
+
+def _tiles(blocks: tuple[list, list, list[list[int]]], positions: np.ndarray, token_block: np.ndarray, block_m: int,
+           rows: np.ndarray | None) -> TilePlan:
+    """The tiles of `blocks` (`_blocks`): of every token, or one per row of `rows`."""
+    starts, ends, heads = blocks
+    n_blocks = len(heads)
+    pos = np.asarray(positions, dtype=np.int64)
     if rows is None:
         tile_block = [b for b in range(n_blocks) for _ in range(starts[b], ends[b], block_m)]
         q_rows = np.arange(starts[0], ends[-1], dtype=np.int64) if n_blocks else np.zeros(0, np.int64)

@@ -102,6 +102,10 @@ def test_tree_attention_twin_is_the_tile_by_tile_attention_bit_for_bit(tiny_mode
         pos = torch.from_numpy(batch.positions)
         args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, block_m)
         full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
+        # the forward builds both at once (the blocks' part of the records once): the very same tables
+        both = tplan.tile_plans(*args, rows=batch.readout_index)
+        assert all(np.array_equal(a.tiles, b.tiles) and np.array_equal(a.q_rows, b.q_rows)
+                   for a, b in zip(both, (full, last)))
         assert torch.equal(twins.tree_attention(q, k, v, pk, pv, pos, full, batch.num_tokens),
                            _tile_by_tile(q, k, v, pk, pv, pos, full, batch.num_tokens))
         n = len(batch.readout_index)

@@ -289,7 +289,7 @@ class Forward:
         if batch.prefix_lengths:  # the rows continue these many tokens of each cached prefix
             rows = [(offset, used) for (offset, _), used in zip(rows, batch.prefix_lengths)]
         args = (batch.positions, batch.token_block, batch.block_parent, batch.block_prefix, rows, self.block_m(size))
-        full, last = tplan.tile_plan(*args), tplan.tile_plan(*args, rows=batch.readout_index)
+        full, last = tplan.tile_plans(*args, rows=batch.readout_index)
         if full.num_tiles > tile_cap or last.num_tiles > r_cap:
             raise OverflowError("plan larger than the graph's tables")
         full = self.split(full, tile_cap, self.tiling_for(size)[0])
