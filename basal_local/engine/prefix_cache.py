@@ -126,7 +126,8 @@ class PrefixCache:
         with self.lock:
             fresh = start is None or start.generation != self.generation
             limit = len(ids) - 1
-            w = self._advance(ids, Walk(self.root, self.generation) if fresh else dataclasses.replace(start), limit)
+            w = start if not fresh and (start.done or start.i >= limit) else \
+                self._advance(ids, Walk(self.root, self.generation) if fresh else dataclasses.replace(start), limit)
             if w.holder is None or w.i <= 0:
                 return None
             if not w.holder.pinned and w.pinned is not None and min(w.i, limit) - w.pinned_at < HIT_MIN_TOKENS:
@@ -179,8 +180,7 @@ class PrefixCache:
             if not pending:
                 return False
             ids = ids if type(ids) is list else list(ids)
-            m = self.match(ids)
-            have = m.length if m else 0
+            have = m.length if (m := self.match(ids)) else 0
             return any(common_prefix_len(e.tokens, ids) - have >= FILL_MIN_TOKENS for e in pending)
 
     def split(self, ids: Sequence[int], lang: str = "", start: Walk | None = None) -> tuple[str | None, int]:
