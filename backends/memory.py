@@ -100,7 +100,7 @@ def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ra
     """`--prefix-cache`: the pool's bytes. `device_memory`: (free, total) of the GPU after the weights (None off a
     GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller one;
     on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A size or a share is per replica; a share
-    is of the GPU's free memory, without a GPU of the memory the system has available now (`ram` in tests; on a
+    is of the GPU's free memory (with `replicas` on it, of each one's equal part, as auto), without a GPU of the memory the system has available now (`ram` in tests; on a
     Mac, which does not report it, all of the RAM), not of all of it, which left nothing for the weights and the
     rest of the machine. `replicas` of one model on the
     GPU (each with `weights` bytes of weights): auto gives each the same part of what the GPU holds after all
@@ -132,6 +132,8 @@ def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ra
             raise ValueError(f"--prefix-cache {setting}: more than the {room / 1e9:,.1f} GB {where}; give a "
                              "smaller size, a share such as 0.5, or auto")
         return int(number)
+    if device_memory is not None and replicas > 1:  # of each replica's equal part, whichever opens its pool first
+        room = min(room, max(0, device_memory[1] - replicas * (weights + WARM_OVERHEAD)) / replicas)
     return int(number * room)
 
 

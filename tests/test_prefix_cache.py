@@ -181,6 +181,11 @@ def test_replicas_on_one_gpu_get_equal_caches_whichever_opens_first():
     assert alone == int((total - weights - WARM_OVERHEAD) * 0.6) > first
     crowded = budget_bytes("auto", (30e9, total), replicas=2, weights=weights)  # another program holds most
     assert crowded == int((30e9 - WARM_OVERHEAD) * 0.6)
+    # a share likewise: of each replica's equal part (the second saw only what the first's pool left)
+    first = budget_bytes("0.5", (total - weights, total), replicas=2, weights=weights)
+    after = budget_bytes("0.5", (total - 2 * weights - first, total), replicas=2, weights=weights)
+    assert first == after == int(0.5 * (total - 2 * (weights + WARM_OVERHEAD)) / 2)
+    assert budget_bytes("0.5", (total - weights, total)) == int(0.5 * (total - weights))  # one replica: of all
 
 
 def test_an_engine_splits_its_gpu_with_the_other_replicas_on_it(tiny_model, monkeypatch):
