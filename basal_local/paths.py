@@ -10,6 +10,18 @@ import platformdirs
 APP = "basal-local"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (another user's counts): the owner of a state file, or of a
+    file a process left half-written in these folders."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def home_dirs() -> dict[str, Path]:
     """Config, cache, logs, state and data (the Batch API's files) folders; BASAL_LOCAL_HOME moves everything."""
     home = os.environ.get("BASAL_LOCAL_HOME")

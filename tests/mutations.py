@@ -281,6 +281,7 @@ MUTATIONS = [
       "        raise",
       "tests/test_everyday.py::test_a_failed_or_interrupted_make_test_model_leaves_what_was_there"),
     m("stats-memory-one-replica", "/api/stats memory sums every model's and replica's weights and pools",
-      "basal_local/server/events.py", "    _memory_totals(snap, described)\n", "",
+      "basal_local/server/events.py",
+      '    snap.setdefault("memory", {}).update(held_totals([r for _, rs in described.values() for r in rs]))\n', "",
       "tests/test_prefix_cache.py::test_the_daemons_memory_figures_count_every_replica_and_model"),
 ]

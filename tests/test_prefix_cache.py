@@ -703,11 +703,9 @@ def test_the_daemons_memory_figures_count_every_replica_and_model(tiny_model, sm
 def test_a_worker_process_that_is_gone_holds_no_memory_in_the_totals():
     """A dead worker's last report stays in `describe` (for its restart); its memory is freed with its process,
     while a dead in-process replica still holds its own."""
-    from basal_local.server.events import _memory_totals
+    from basal_local.server.events import held_totals
 
-    snap: dict = {"memory": {}}
     replicas = [{"pid": 11, "alive": True, "memory": {"weights_bytes": 5}},
                 {"pid": 12, "alive": False, "memory": {"weights_bytes": 5}},
                 {"alive": False, "memory": {"weights_bytes": 7}}]
-    _memory_totals(snap, {"m": (None, replicas)})
-    assert snap["memory"]["weights_bytes"] == 12
+    assert held_totals(replicas)["weights_bytes"] == 12

@@ -122,6 +122,8 @@ def _save(path: Path, stored: dict[str, mx.array], bits: int) -> None:
     """Written to a file of this process and renamed into place; a write cut short (Ctrl-C, a full disk) removes
     its file, and files that stopped processes left (their pid gone, an hour old) are removed first: each was up to
     the whole quantized model."""
+    from basal_local.paths import process_alive
+
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob("*.tmp.safetensors"):
         pid = stale.name.split(".")[-3]
@@ -129,7 +131,7 @@ def _save(path: Path, stored: dict[str, mx.array], bits: int) -> None:
             old = time.time() - stale.stat().st_mtime > 3600
         except OSError:
             continue
-        if old and pid.isdigit() and not _running(int(pid)):
+        if old and pid.isdigit() and not process_alive(int(pid)):
             stale.unlink(missing_ok=True)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.safetensors")
     try:
@@ -139,16 +141,6 @@ def _save(path: Path, stored: dict[str, mx.array], bits: int) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def quantized_layers(weights_path: Path, weights: dict[str, mx.array], config, bits: int,

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..paths import home_dirs
+from ..paths import home_dirs, process_alive
 from . import UserError, bind_ephemeral, get_json, port_free
 
 START_TIMEOUT_S = 600  # loading a large model from a cold disk
@@ -39,21 +39,11 @@ def read_state() -> dict[str, Any] | None:
         return None
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def detach(argv: list[str], host: str, port: int) -> int:
     """Start `serve argv` in the background and wait until it answers /health (or fails)."""
 
     running = read_state()
-    if running and alive(running["pid"]):
+    if running and process_alive(running["pid"]):
         raise UserError(f"a background daemon is already running (pid {running['pid']}, {running['url']})",
                         "stop it with `basal-local stop`, or start this one in the foreground")
     if port == 0:  # the child is told the port, so this command can say it
@@ -94,7 +84,7 @@ def restart_command(args: argparse.Namespace) -> int:
     """Stop the `serve --detach` daemon and start it again with the same arguments and port (a new model file,
     a changed config.toml)."""
     running = read_state()
-    if not running or not alive(running["pid"]):
+    if not running or not process_alive(running["pid"]):
         state_file().unlink(missing_ok=True)
         raise UserError("no background daemon is running", "start one with `basal-local serve --detach ...`", status=1)
     if "argv" not in running:
@@ -110,18 +100,18 @@ def restart_command(args: argparse.Namespace) -> int:
 
 def stop_command(args: argparse.Namespace) -> int:
     running = read_state()
-    if not running or not alive(running["pid"]):
+    if not running or not process_alive(running["pid"]):
         state_file().unlink(missing_ok=True)
         raise UserError("no background daemon is running", "start one with `basal-local serve --detach ...`", status=1)
     os.kill(running["pid"], signal.SIGTERM)  # graceful: requests in flight get the drain time
     deadline = time.time() + args.timeout
-    while alive(running["pid"]) and time.time() < deadline:
+    while process_alive(running["pid"]) and time.time() < deadline:
         time.sleep(0.1)
         try:
             os.waitpid(running["pid"], os.WNOHANG)  # our own child only when started from this process
         except ChildProcessError:
             pass
-    if alive(running["pid"]):
+    if process_alive(running["pid"]):
         raise UserError(f"the daemon (pid {running['pid']}) did not stop within {args.timeout:g} s",
                         f"run `basal-local stop` again, or kill {running['pid']}", status=1)
     state_file().unlink(missing_ok=True)
@@ -131,7 +121,7 @@ def stop_command(args: argparse.Namespace) -> int:
 
 def status_command(args: argparse.Namespace) -> int:
     running = read_state()
-    if not running or not alive(running["pid"]):
+    if not running or not process_alive(running["pid"]):
         print("basal-local: no background daemon is running")
         return 3  # systemctl's "not running"
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..model.testformats import check_format, convert_test_model
 from ..model.testmodel import PRESETS
 from ..model.testmodel import make_test_model as write_model
+from ..paths import process_alive
 from . import UserError
 from .serving import check_device
 
@@ -107,18 +108,8 @@ def _drop_stale_sides(out: Path) -> None:
         return
     for side in out.iterdir():
         pid = side.name.rsplit("-", 1)[-1]
-        if side.name.startswith(SIDE) and pid.isdigit() and not _running(int(pid)):
+        if side.name.startswith(SIDE) and pid.isdigit() and not process_alive(int(pid)):
             _remove(side)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: Path) -> None:

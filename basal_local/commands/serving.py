@@ -12,10 +12,10 @@ from pathlib import Path
 from .. import __version__
 from ..backends.memory import parse_limit
 from ..flags import flag_overrides
-from ..paths import home_dirs
+from ..paths import home_dirs, process_alive
 from ..settings import Settings, config_path
 from . import UserError, bind_ephemeral, check_url, port_free
-from .background import alive, detach, read_state
+from .background import detach, read_state
 
 DEMO_BANNER = """\
 basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
@@ -64,7 +64,7 @@ def daemon_url(args: argparse.Namespace) -> str:
         return check_url(args.url)
     running = read_state()
     if running and isinstance(running.get("pid"), int) and isinstance(running.get("url"), str) \
-            and alive(running["pid"]):
+            and process_alive(running["pid"]):
         return running["url"]
     settings = load_settings(argparse.Namespace())
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host

@@ -138,7 +138,7 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
                  "limits": {"max_inflight": state.max_inflight, "max_body_bytes": MAX_BODY_BYTES},
                  "inflight": state.inflight, "queues": _queues(state, described),
                  "subscribers": state.telemetry.bus.subscribers})
-    _memory_totals(snap, described)
+    snap.setdefault("memory", {}).update(held_totals([r for _, rs in described.values() for r in rs]))
     return snap
 
 
@@ -147,18 +147,12 @@ def stats_snapshot(state: AppState) -> dict[str, Any]:
 ADDITIVE_MEMORY = ("weights_bytes", "prefix_cache_bytes", "graphs_bytes")
 
 
-def held_memory(replica: dict[str, Any]) -> dict[str, Any]:
-    """A replica's memory, or nothing for a worker process that is gone (its last report stays in `describe`;
-    a dead in-process replica still holds its memory)."""
-    return {} if "pid" in replica and not replica.get("alive", True) else (replica.get("memory") or {})
-
-
-def _memory_totals(snap: dict[str, Any], described: dict[str, tuple[Any, list[dict[str, Any]]]]) -> None:
-    memories = [held_memory(r) for _, replicas in described.values() for r in replicas]
-    memory = snap.setdefault("memory", {})
-    for key in ADDITIVE_MEMORY:
-        if any(key in m for m in memories):
-            memory[key] = sum(int(m.get(key, 0)) for m in memories)
+def held_totals(replicas: list[dict[str, Any]]) -> dict[str, int]:
+    """ADDITIVE_MEMORY summed over `replicas` (describe entries), a worker process that is gone left out (its last
+    report stays in `describe`; a dead in-process replica still holds its memory)."""
+    memories = [r.get("memory") or {} for r in replicas if not ("pid" in r and not r.get("alive", True))]
+    return {key: sum(int(m.get(key, 0)) for m in memories) for key in ADDITIVE_MEMORY
+            if any(key in m for m in memories)}
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -20,7 +20,7 @@ from litestar import Request, Response, get
 from .. import __version__
 from ..api.errors import dialect_of, http_error
 from .body import body_timeout
-from .events import ADDITIVE_MEMORY, cache_totals, held_memory
+from .events import cache_totals, held_totals
 from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
 from .responses import client_request_id, json_response
@@ -165,10 +165,8 @@ async def ps(request: Request) -> Response:
         described = engine.describe()
         # the first live replica's device, as one engine would show it
         first = next((r for r in described if r["alive"]), described[0]) if described else {}
-        memory = dict(first.get("memory") or {})
-        for key in ADDITIVE_MEMORY:  # the model's replicas together (the device figures are the first one's)
-            if key in memory:
-                memory[key] = sum(int(held_memory(r).get(key, 0)) for r in described)
+        # the model's replicas together (the device figures are the first one's)
+        memory = {**(first.get("memory") or {}), **held_totals(described)}
         devices = sorted({str(r.get("device")) for r in described if r.get("device")})
         entry = states.pop(name, {})
         loaded.append({"name": name, "path": str(engine.model.path), "version": engine.model.version,
