@@ -28,6 +28,7 @@
 #   kill       tools/loadtest.py --kill-every: worker processes (one per GPU) killed under load
 #   ab         dist/gpu/old against dist/gpu/new: bench pairs (the first with --long-doc --invariance 8), HTTP 1/32
 #              clients and proc2 (each daemon measured by this tree's client), answers compared
+#   abprof     a single decision and 32 of old and new, split: plan, pack, forward (host, device), kernels (tools/abprof.py)
 #   profile    kernel time per family of a single decision and of 32 (tools/gpu.py profile)
 # A stage starts only while BUDGET has its usual need left (NEED below; NEED_STAGE=N for a smaller run of it).
 # PRESET (default 4.5B) is the model of the stages after bench. R (default /tmp/gpu) is the scratch folder: the
@@ -212,6 +213,14 @@ st_ab() {
   tool gpu.py compare "$OUT/answers-ab-old.json" "$OUT/answers-ab-new.json" | tee "$OUT/compare-ab.json"
   say "$(figures "$OUT"/bench-ab-{old,new}.json "$OUT"/http-ab-{old,new}-c32.json); answers $(cat "$OUT/compare-ab.json")"
 }
+st_abprof() {
+  [ "$DEV" = cuda ] || { say "needs CUDA"; return 3; }
+  ls "$D"/old/*.whl > /dev/null 2>&1 || { say "no wheel in $D/old: bash tools/gpu.sh prepare OLD"; return 3; }
+  site old || return 1; model "$M" "$PRESET" || return 1
+  local v; for v in ${ORDER:-old new}; do PYTHONPATH=$R/$v tool abprof.py run "$M" "$OUT/abprof-$v.json" || return 1; done
+  tool abprof.py compare "$OUT"/abprof-{old,new}.json | tee "$OUT/abprof.txt"
+  say "$(grep -m1 -A6 "single decision" "$OUT/abprof.txt" | grep total)"
+}
 st_profile() {
   [ "$DEV" = cuda ] || { say "needs CUDA"; return 3; }
   model "$M" "$PRESET" && tool gpu.py profile "$M" "$OUT/profile.txt" ${PROFILE_CONFIGS:-} || return 1
@@ -219,7 +228,7 @@ st_profile() {
 }
 
 declare -A NEED=([tests]=150 [bench]=240 [cache]=200 [http]=120 [proc2]=90 [fresh]=240 [gpu2]=150 [dashboard]=60 [unload]=90
-                 [kill]=90 [ab]=340 [profile]=60)
+                 [kill]=90 [ab]=340 [profile]=60 [abprof]=150)
 for s in ${STAGES:-tests bench http}; do
   [ -n "${NEED[$s]:-}" ] || { echo "$s: unknown stage (see the header of tools/gpu.sh)"; continue; }
   t=$(date +%s); : > "$R/line"
