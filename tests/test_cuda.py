@@ -117,6 +117,36 @@ def test_cuda_a_graph_captured_on_first_use_says_so(small_model):
     assert (first.kind, again.kind) == ("graph captured now", "graph") and again.device_s() > 0
 
 
+def test_cuda_a_launch_with_pool_copies_does_not_wait_for_the_device(small_model):
+    """Two fills keeping the same tokens (two requests bringing one new document) copy pool rows to pool rows
+    after the forward (forward.py `copy_after`): the launch queues the copies and returns while the device is
+    still busy (the lane launches the next batch meanwhile), and the second fill's rows hold the first's K/V."""
+    import dataclasses
+    import time
+
+    from basal_local.backends.base import Fill
+
+    md = load_model_dir(small_model)
+    prefixes = {lang: md.tokenizer.template_prefix(lang) for lang in ("pl", "en")}
+    _, backend, _ = loaded(small_model, "cuda", "f16")
+    backend.open_cache(8192)
+    batch = pack_prompts(random_specs(md, random.Random(0))[:1], prefixes).batches[0]
+    cap, tokens = backend.fwd.capacity, np.arange(0, 32)
+    fills = [Fill("a", cap - 100, None, 0, tokens), Fill("b", cap - 50, None, 0, tokens)]
+    batch = dataclasses.replace(batch, fills=fills)
+    assert backend.fwd.fill_plan(batch)[1]  # the second fill's rows are copied after the forward
+    backend.launch(batch).result()  # its graph captured
+    torch.cuda._sleep(1 << 30)  # the device busy for a while (~0.5 s) before the launch's work
+    started = time.perf_counter()
+    launched = backend.launch(batch)
+    took = time.perf_counter() - started
+    busy = not launched.done()
+    launched.result()
+    assert launched.kind == "graph" and busy and took < 0.1, took
+    for pool in (*backend.fwd.prefix_k, *backend.fwd.prefix_v):
+        assert torch.equal(pool[cap - 50:cap - 18], pool[cap - 100:cap - 68]) and pool[cap - 100:cap - 68].any()
+
+
 # ---- issue 9: the Triton kernels against their twins, and bitwise batch invariance --------------------------
 def test_cuda_tree_kernel_matches_twin(small_model):
     from basal_local.cuda_kernels import plan as tplan

@@ -260,8 +260,14 @@ class Forward:
 
     def copy_after(self, after: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """The pool-to-pool copies of `fill_plan`, once the forward has stored the sources."""
+        cuda = self.b.device.startswith("cuda")
         for src, dest in after:
-            s, d = (torch.from_numpy(a.astype(np.int64)).to(self.b.device) for a in (src, dest))
+            # from pinned memory without waiting: a copy from pageable memory would hold the host until the
+            # forward before it ended, and the lane could not launch the next batch meanwhile (the caching host
+            # allocator keeps the pinned block until the copy ran)
+            s, d = (torch.from_numpy(a.astype(np.int64)) for a in (src, dest))
+            if cuda:
+                s, d = (t.pin_memory().to(self.b.device, non_blocking=True) for t in (s, d))
             for pool in (*self.prefix_k, *self.prefix_v):
                 pool.index_copy_(0, d, pool.index_select(0, s))
 
