@@ -182,6 +182,9 @@ def test_metrics(served):
     http("POST", served.url + "/v1/systemone", {"model": served.model, "state": "secret text 42",
                                                 "questions": {"q": {"type": "noul", "instructions": "ok?"}}})
     http("POST", served.url + "/v1/systemone", {"model": "secret-model-name", "state": "s", "questions": {}})
+    # a served model's refusal is counted under its name (an operator sees which model gets the errors)
+    bad = http("POST", served.url + "/v1/systemone", {"model": served.model, "state": "s",
+                                                      "questions": {"q": {"type": "noul"}}})
     with urllib.request.urlopen(served.url + "/metrics") as resp:
         text = resp.read().decode()
         # one content type with one charset: Prometheus (Go's mime parser) refuses a repeated parameter
@@ -194,6 +197,9 @@ def test_metrics(served):
         assert name in text, name
     assert f'basal_http_requests_total{{endpoint="/v1/systemone",model="{served.model}",status="200"}}' in text
     assert 'status="400"' in text
+    assert f'basal_http_requests_total{{endpoint="/v1/systemone",model="{served.model}",status="{bad[0]}"}}' in text
+    assert bad[0] in (400, 422)
+    assert 'basal_http_requests_total{endpoint="/v1/systemone",model="",status="400"}' in text  # the unknown model
     assert "secret" not in text  # no request content in labels
 
 

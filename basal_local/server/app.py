@@ -40,7 +40,7 @@ from .events import EVENT_ROUTES, planned_event, request_detail
 from .extras import extra_handlers, stamp_request_id, wrap_asgi
 from .model_routes import MODEL_ROUTES
 from .responses import client_request_id, json_response
-from .state import MAX_BODY_BYTES, AppState
+from .state import MAX_BODY_BYTES, SCOPE_MODEL, AppState
 from .status_routes import STATUS_ROUTES
 
 log = logging.getLogger("basal_local.server")
@@ -284,6 +284,8 @@ async def _decide(request: Request, dialect: str) -> Response:
         return _error(call, _failure(call, exc))
     finally:
         _release(call)
+        if call.model_name in call.state.engines:  # /metrics counts every answer of a served model under its name
+            request.scope[SCOPE_MODEL] = call.model_name  # type: ignore[literal-required]
         call.state.telemetry.request_finished(call.request_id, call.status, call.error)
         if call.state.access_log:
             log.info("[POST] %d /v1/%s %.0f ms%s", call.status, dialect,

@@ -25,7 +25,7 @@ from .metrics import MetricsRecorder, metrics_handler
 from .openapi import DOCS_HTML, openapi_document
 from .responses import client_request_id, json_response
 from .security import send_error
-from .state import AppState
+from .state import SCOPE_MODEL, AppState
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -119,7 +119,7 @@ def wrap_asgi(state: AppState):
             finally:
                 if recorder is not None and decision:
                     recorder.leave(path, seen["status"], b"".join(seen.get("body", [])),
-                                   time.perf_counter() - started)
+                                   time.perf_counter() - started, scope.get(SCOPE_MODEL, ""))
         return middleware
     return factory
 

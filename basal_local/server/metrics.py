@@ -1,8 +1,8 @@
 """Prometheus metrics at /metrics (`serve --metrics`), their names declared below; a per-app registry.
 
 Labels carry only served model names, endpoints, lanes and status codes: never request content. The HTTP counters
-take the model from a 200's body; every other answer (an unknown model's, a 503 while a model loads, a 422) is
-counted under model="".
+name the served model a request was routed to, whatever its status (a 422, a 429, a 200); an answer that never
+reached a served model (an unknown model's, a malformed body, a 503 while loading) is counted under model="".
 """
 
 from __future__ import annotations
@@ -62,15 +62,16 @@ class MetricsRecorder:
     def enter(self, endpoint: str) -> None:
         self.inflight.labels(endpoint).inc()
 
-    def leave(self, endpoint: str, status: int, body: bytes, seconds: float) -> None:
+    def leave(self, endpoint: str, status: int, body: bytes, seconds: float, routed: str = "") -> None:
+        """One decision answered; `routed`: the served model its handler routed it to, if any."""
         self.inflight.labels(endpoint).dec()
-        model = ""
-        if status == 200:
+        name = routed
+        if status == 200 and not name:
             try:
                 name = json.loads(body).get("model", "")
             except (ValueError, AttributeError):
                 name = ""
-            model = name if name in self.state.engines else ""
+        model = name if name in self.state.engines else ""
         code = "cancelled" if status == 499 else str(status)
         self.requests.labels(endpoint, model, code).inc()
         if code != "cancelled":

@@ -18,6 +18,8 @@ from ..telemetry import Telemetry
 from .body import BodyLimits
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# the ASGI scope key under which a decision's handler names the served model it routed to (/metrics labels)
+SCOPE_MODEL = "basal.model"
 
 
 @dataclass
