@@ -65,10 +65,14 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
     from .benchengine import LONG_DOC_QUESTIONS, long_document, templates_only
 
     model = load_model_dir(model_dir)
-    if doc_tokens + 700 > model.config.max_position_embeddings:  # room for the template and the questions
+    clipped = doc_tokens + 700 > model.config.max_position_embeddings  # room for the template and the questions
+    if clipped:
         doc_tokens = model.config.max_position_embeddings - 700
-        progress(f"{model.name} holds {model.config.max_position_embeddings} positions: a document of about "
-                 f"{doc_tokens} tokens")
+    base = long_document(model.tokenizer, doc_tokens)
+    state_tokens = len(model.tokenizer.encode(base))
+    if clipped:  # the count the document has, not the one asked for (its last clause goes past it)
+        progress(f"{model.name} holds {model.config.max_position_embeddings} positions: a document of "
+                 f"{state_tokens} tokens")
 
     def engine(only: bool) -> ModelEngine:
         try:
@@ -87,7 +91,6 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
     before = engine(True)
     progress("loading the engine with the state cache")
     cached = engine(False)
-    base = long_document(model.tokenizer, doc_tokens)
 
     def run(e: ModelEngine, state: str, questions: dict) -> tuple[float, list[float], Any]:
         request = validate_systemone({"model": model.name, "state": state, "questions": questions}, model.name)
@@ -135,7 +138,6 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
                 prefix_cache.FILL_MIN_TOKENS = saved
             times["cached_engine_fill_ms"], _, _ = run(cached, f"Version {d + 1}.\n" + base, LONG_DOC_QUESTIONS)
             rows.append(times)
-        state_tokens = len(model.tokenizer.encode(base))
         out = {"mode": "cache", "backend": cached.backend.name, "device": cached.backend.device, "state_tokens": state_tokens,
                "documents": documents, "per_document": rows,
                "first_ms": {"templates_only": _median([r["before_first_ms"] for r in rows]),
