@@ -19,6 +19,8 @@ out of rotation and `describe` (so /health, /api/ps, /api/stats) says `restartin
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 import weakref
@@ -111,10 +113,11 @@ class ProcessReplicaSet:
             if r.info is None and r.process.is_alive():  # still loading (a restart): nothing of it to drain
                 r.process.kill()
             r.send(wire.Stop())
+            _resume(r.process.pid)
         deadline = time.monotonic() + (30.0 if timeout is None else timeout)
         for r in self.replicas:
             while r.process.is_alive() and time.monotonic() < deadline and not HURRY.is_set():
-                r.process.join(0.1)  # (a hung worker, SIGSTOPped say, takes the whole wait unless hurried)
+                r.process.join(0.1)  # (a hung worker takes the whole wait unless a second signal hurries it)
             if r.process.is_alive():
                 log.warning("replica %d did not stop in time; killing it", r.replica)
                 r.process.kill()
@@ -369,3 +372,13 @@ class ProcessReplicaSet:
                     if not pending.cancel_sent and pending.gone():
                         pending.cancel_sent = True
                         r.send(wire.Cancel(pending.token))
+
+
+def _resume(pid: int | None) -> None:
+    """Continue a worker that was stopped (SIGSTOP, a Ctrl-Z): stopped, it could not drain, and the stop waited
+    its whole 30 s for it. A running worker ignores the signal."""
+    if pid is not None and hasattr(signal, "SIGCONT"):
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:  # gone already
+            pass
