@@ -89,6 +89,12 @@ def test_the_mixed_document_stream_reports_hits_and_the_peaks_against_the_budget
     cache = out["cache"]
     assert 0 < cache["bytes"] <= cache["peak_bytes"] <= cache["budget_bytes"] == 64_000_000
     assert out["peak_memory_bytes"] == 12345
+    # the slowest as the daemon timed them: a document's first sight or a hit, its queue and compute
+    slowest = out["slowest"]
+    assert len(slowest) == 2 and all(s["latency_ms"] > 0 and s["compute_ms"] > 0 and s["queue_ms"] is not None
+                                     and s["batch_requests"] >= 1 and isinstance(s["document_hit"], bool)
+                                     for s in slowest)
+    assert [s["sent_s"] for s in slowest] == sorted(s["sent_s"] for s in slowest)
 
 
 def test_the_cache_bench_runs_the_backend_asked_for(tiny_model):

@@ -201,6 +201,7 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
     before = get_json(url, "/api/stats", timeout=30, flag="--http", api_key=api_key)
     latencies: list[float] = []
     cached: list[int] = []
+    answered: list[tuple] = []  # (sent s, latency ms, queue ms, compute ms, batch requests, cached tokens)
     errors: list[str] = []
     lock = threading.Lock()
     queue = iter(range(len(bodies)))
@@ -230,6 +231,8 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
                 if resp.status == 200:
                     latencies.append((time.perf_counter() - t) * 1000.0)
                     cached.append(int(resp.headers.get("x-basal-cached-tokens", "0")))
+                    answered.append((t - t0, latencies[-1], *(_header_ms(resp, h) for h in ("queue", "compute")),
+                                     int(resp.headers.get("x-basal-batch-requests", "1")), cached[-1]))
                 else:
                     errors.append(f"HTTP {resp.status}")
                 if progress is not None:
@@ -271,4 +274,14 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
         # the device's peak (every replica's own, as /api/stats lists them under its model): 0 on the CPU
         "peak_memory_bytes": max((r.get("memory", {}).get("device_peak_bytes", 0)
                                   for m in after.get("models", []) for r in m.get("replicas", [])), default=0)})
+    # the slowest 1 % (2 at least) as the daemon timed them: first sights of a document that waited, or long batches?
+    slowest = sorted(answered, key=lambda a: -a[1])[:max(2, len(answered) // 100)]
+    result["slowest"] = [{"sent_s": round(a[0], 3), "latency_ms": round(a[1], 2), "queue_ms": a[2],
+                          "compute_ms": a[3], "batch_requests": a[4], "document_hit": a[5] > template}
+                         for a in sorted(slowest)]
     return result
+
+
+def _header_ms(resp, name: str) -> float | None:
+    value = resp.headers.get(f"x-basal-{name}-ms")
+    return float(value) if value else None
