@@ -14,6 +14,7 @@ one with the cache on, on the same machine, for the side by side.
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import random
@@ -58,7 +59,7 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
     from ..api.answers import response_body
     from ..api.systemone import validate_systemone
     from ..engine import prefix_cache
-    from ..engine.engine import EngineSettings, ModelEngine
+    from ..engine.engine import EngineSettings, ModelEngine, freeze_heap
     from ..engine.gate import DeviceGate
     from ..model.directory import load_model_dir
     from ..telemetry import Telemetry
@@ -91,6 +92,7 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
     before = engine(True)
     progress("loading the engine with the state cache")
     cached = engine(False)
+    freeze_heap()  # as the daemon does once loaded: a full collection walking torch's objects is not a request's time
 
     def run(e: ModelEngine, state: str, questions: dict) -> tuple[float, list[float], Any]:
         request = validate_systemone({"model": model.name, "state": state, "questions": questions}, model.name)
@@ -155,6 +157,7 @@ def bench_cache(model_dir, device: str, dtype: str, doc_tokens: int = 17800, doc
     finally:
         before.stop(60)
         cached.stop(60)
+        gc.unfreeze()  # what the engines held may go (a caller's process lives on: the tests')
 
 
 # ---- the mixed stream over HTTP --------------------------------------------------------------------------------
