@@ -53,8 +53,9 @@ def _forward_sizes(model_dir, passes: int = 8) -> list[tuple[int, int]]:
 
 def test_warm_up_captures_every_graph_a_stream_over_the_sample_set_needs(tiny_model):
     """Every forward of the stream fits a graph of `warm_sizes`: no capture while serving. Batches of questions
-    about cached documents have a readout per ~50 tokens (the 1,444-token, 18-readout batches of the H100 run
-    needed the 64-readout graph of 1,536 tokens, which warm-up did not capture)."""
+    about cached documents carry a readout per 74 tokens and more here (the 1,444-token, 18-readout batches of
+    the H100 run needed the 64-readout graph of 1,536 tokens, which warm-up did not capture; the rule before
+    missed (448, 16) in this stream)."""
     captured = set(warm_sizes(EngineSettings().max_forward_tokens))
     sizes = _forward_sizes(tiny_model)
     assert len(sizes) > 50
