@@ -284,4 +284,14 @@ MUTATIONS = [
       "basal_local/server/events.py",
       '    snap.setdefault("memory", {}).update(held_totals([r for _, rs in described.values() for r in rs]))\n', "",
       "tests/test_prefix_cache.py::test_the_daemons_memory_figures_count_every_replica_and_model"),
+    # found on the H100: the 2-process tail, and what the records showed beside it
+    m("warm-readouts-short", "warm-up captures every readout bucket a batch of that many tokens may need",
+      "backends/torch/graphs.py", "            if r_cap >= most:", "            if 2 * r_cap >= most:",
+      "tests/test_graph_sizes.py"),
+    m("metrics-errors-unnamed", "/metrics counts a served model's refusals under its name",
+      "basal_local/server/app.py", "            request.scope[SCOPE_MODEL] = call.model_name", "            pass",
+      "tests/test_clients.py::test_metrics"),
+    m("stopped-worker-waits", "the stop continues a stopped replica worker instead of waiting 30 s for it",
+      "basal_local/replicas/front.py", "            _resume(r.process.pid)\n", "",
+      "tests/test_replicas.py::test_sigterm_stops_a_daemon_whose_worker_is_stopped", timeout=400),
 ]
