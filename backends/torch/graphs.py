@@ -20,8 +20,8 @@ from .forward import LETTER_CAP, READOUT_BUCKETS, TOKEN_BUCKETS, Forward, finite
 
 MAX_GRAPHS = 96
 # a batch reads out at most one row per this many of its tokens: a prompt's own tokens past what it shares (its
-# question after a cached document) are 29 or more in the sample set, ~50 typically (its 18 questions about
-# cached documents made 1,444-token batches of 18 readouts, a 64-readout graph of 1,536 tokens)
+# question after a cached document) are 29 or more in the sample set, ~50 typically (a served stream of it with
+# the state cache made 1,444-token batches of 18 readouts, which need the 64-readout graph of 1,536 tokens)
 MIN_TOKENS_PER_READOUT = 32
 # the eager forward run once at warm-up (`warm_long`): the size of a ~16.5k-token document's forward
 LONG_WARMUP_TOKENS = 17371
