@@ -525,6 +525,43 @@ def test_worker_processes_route_a_request_to_the_worker_that_was_sent_its_docume
         d.stop()
 
 
+def test_a_worker_holding_documents_is_charged_only_their_questions(monkeypatch):
+    """The front charges a worker's queue what a request costs there: a question about a document the worker was
+    sent adds its own tokens, not the document's. Charged the whole document, a worker answering three questions
+    about its documents looked 3 documents busy, and the fourth question went to the idle worker, which computed
+    the document again (`tools/routing.py`: hit rate 0.695 as least-queued routing's 0.70)."""
+    import collections
+    import threading
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from basal_local.replicas.front import ProcessReplicaSet
+    from basal_local.replicas.remote import Pending
+
+    docs = [list(range(1000 * k, 1000 * k + 3000)) for k in range(4)]
+
+    def worker(n):
+        return SimpleNamespace(replica=n, queued=0, pending={}, alive=True, documents=collections.deque(maxlen=64),
+                               send=lambda message: True)
+
+    front = object.__new__(ProcessReplicaSet)
+    holder, idle = worker(0), worker(1)
+    front._lock, front.stopping = threading.Lock(), False
+    monkeypatch.setattr(front, "live", lambda: [holder, idle])
+    holder.documents.extend(docs)  # it answered a question about each before
+    sent = []
+    for k, doc in enumerate(docs):  # a question about each, none answered yet
+        pending = Pending(k, None, Future(), lambda: False, tokens=len(doc) + 80, arrival=0.0, shared=doc)
+        front._dispatch(pending)
+        sent.append(0 if k in holder.pending else 1)
+    assert sent == [0, 0, 0, 0] and holder.queued == 4 * 80 and idle.queued == 0
+    assert front._take(holder, 2).charged == 80 and holder.queued == 3 * 80  # answered: its charge comes off
+    # a new document goes where the queue is shorter, charged whole
+    new = Pending(9, None, Future(), lambda: False, tokens=3080, arrival=0.0, shared=list(range(90000, 93000)))
+    front._dispatch(new)
+    assert 9 in idle.pending and idle.queued == 3080
+
+
 def test_two_fills_of_one_forward_keeping_the_same_tokens_both_get_their_kv(tiny_model):
     """A token two fills of a batch keep (one request's state, another's state and more) is stored by RoPE in
     the first fill's row and copied to the second's after the forward: both entries then hold the K/V a

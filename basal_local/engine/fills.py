@@ -29,6 +29,9 @@ def shared_prefix(specs: Sequence) -> list[int]:
     return ids0[:max(0, shared)]
 
 
+REMEMBERED_DOCUMENTS = 64  # per replica: the documents recently routed to it, which routing looks for
+
+
 def document_overlap(known: Sequence[list[int]], shared: list[int]) -> int:
     """The most tokens `shared` has in common with any of `known` (a replica's recent documents); a quick look at
     the first tokens first (documents after the same template differ early)."""

@@ -204,15 +204,19 @@ class ProcessReplicaSet:
         live = self.live()
         if not live:
             return None
-        shared = pending.shared if pending is not None else None
-        if shared is None or len(live) == 1:
+        if pending is None or pending.shared is None or len(live) == 1:
             return min(live, key=lambda r: (r.queued, r.replica))
+        return min(live, key=lambda r: (r.queued + self._cost(r, pending), r.replica))
 
-        def cost(r: RemoteReplica) -> int:
-            saved = document_overlap(list(r.documents), shared)
-            return r.queued + pending.tokens - (saved if saved >= HIT_MIN_TOKENS else 0)
-
-        return min(live, key=lambda r: (cost(r), r.replica))
+    @staticmethod
+    def _cost(r: RemoteReplica, pending: Pending) -> int:
+        """The request's tokens on worker `r`: less its document where `r` was sent it recently (its cache likely
+        holds it). Its queue is charged this too: a request about a document the worker holds adds its questions'
+        tokens, not the document's, or a worker holding the stream's documents would look busy and lose them."""
+        if pending.shared is None:
+            return pending.tokens
+        saved = document_overlap(list(r.documents), pending.shared)
+        return pending.tokens - (saved if saved >= HIT_MIN_TOKENS else 0)
 
     def _remember(self, r: RemoteReplica, shared: list[int] | None) -> None:
         if shared is None:
@@ -235,7 +239,8 @@ class ProcessReplicaSet:
                 if not target.alive:
                     continue
                 target.pending[pending.token] = pending
-                target.queued += pending.tokens
+                pending.charged = self._cost(target, pending)
+                target.queued += pending.charged
             if target.send(pending.message):
                 self._remember(target, pending.shared)
                 return
@@ -243,7 +248,7 @@ class ProcessReplicaSet:
             with self._lock:
                 if target.pending.pop(pending.token, None) is None:
                     return  # the reader took it already and re-sent it
-                target.queued -= pending.tokens
+                target.queued -= pending.charged
                 target.alive = False
 
     # ---- from the workers (reader threads) ---------------------------------------------------------------
@@ -251,7 +256,7 @@ class ProcessReplicaSet:
         with self._lock:
             pending = r.pending.pop(token, None)
             if pending is not None:
-                r.queued -= pending.tokens
+                r.queued -= pending.charged
         return pending
 
     def handle(self, r: RemoteReplica, message: Any) -> None:

@@ -15,12 +15,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..engine.fills import REMEMBERED_DOCUMENTS
 from . import wire
 from .worker import WorkerSpec, worker_main
 
 log = logging.getLogger("basal_local.replicas.front")  # the front's log, as restarts.py's lines
 
-REMEMBERED_DOCUMENTS = 64  # per worker: the documents routing looks for
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Pending:
     cancel_sent: bool = False
     deaths: int = 0  # workers that died holding this request
     shared: list[int] | None = None  # the request's shared prefix (a document), for cache-aware routing
+    charged: int = 0  # what its worker's queue was charged: its tokens less its document where that worker has it
 
     def gone(self) -> bool:
         if self.future.done():
