@@ -70,7 +70,7 @@ class RemoteReplica:
         child.close()  # else the front would hold the worker's end open and never see it die
         self.send_lock = threading.Lock()
         self.pending: dict[int, Pending] = {}
-        self.queued = 0  # packed tokens sent and not answered: the routing cost
+        self.queued = 0  # what the requests sent and not answered cost here (their `charged`): the routing cost
         # the documents recently sent to this worker (its state cache likely holds them): cache-aware routing
         self.documents: deque[list[int]] = deque(maxlen=REMEMBERED_DOCUMENTS)
         self.alive = False
