@@ -296,6 +296,6 @@ MUTATIONS = [
       "                pending.charged = pending.tokens",
       "tests/test_prefix_cache.py::test_a_worker_holding_documents_is_charged_only_their_questions"),
     m("stopped-worker-waits", "the stop continues a stopped replica worker instead of waiting 30 s for it",
-      "basal_local/replicas/front.py", "            _resume(r.process.pid)\n", "",
+      "basal_local/replicas/front.py", "                _resume(r.process.pid)", "                pass",
       "tests/test_replicas.py::test_sigterm_stops_a_daemon_whose_worker_is_stopped", timeout=400),
 ]

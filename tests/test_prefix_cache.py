@@ -538,7 +538,8 @@ def test_a_worker_holding_documents_is_charged_only_their_questions(monkeypatch)
     from basal_local.replicas.front import ProcessReplicaSet
     from basal_local.replicas.remote import Pending
 
-    docs = [list(range(1000 * k, 1000 * k + 3000)) for k in range(4)]
+    template = list(range(90000, 90060))  # cached on every worker: neither in a request's tokens nor saved
+    docs = [template + list(range(1000 * k, 1000 * k + 3000)) for k in range(4)]
 
     def worker(n):
         return SimpleNamespace(replica=n, queued=0, pending={}, alive=True, documents=collections.deque(maxlen=64),
@@ -551,15 +552,18 @@ def test_a_worker_holding_documents_is_charged_only_their_questions(monkeypatch)
     holder.documents.extend(docs)  # it answered a question about each before
     sent = []
     for k, doc in enumerate(docs):  # a question about each, none answered yet
-        pending = Pending(k, None, Future(), lambda: False, tokens=len(doc) + 80, arrival=0.0, shared=doc)
+        pending = Pending(k, None, Future(), lambda: False, tokens=3000 + 30, arrival=0.0, shared=doc,
+                          template=len(template))
         front._dispatch(pending)
         sent.append(0 if k in holder.pending else 1)
-    assert sent == [0, 0, 0, 0] and holder.queued == 4 * 80 and idle.queued == 0
-    assert front._take(holder, 2).charged == 80 and holder.queued == 3 * 80  # answered: its charge comes off
+    # each charged its 30 tokens of questions (fewer than the template: charged the template off too, it was 0)
+    assert sent == [0, 0, 0, 0] and holder.queued == 4 * 30 and idle.queued == 0
+    assert front._take(holder, 2).charged == 30 and holder.queued == 3 * 30  # answered: its charge comes off
     # a new document goes where the queue is shorter, charged whole
-    new = Pending(9, None, Future(), lambda: False, tokens=3080, arrival=0.0, shared=list(range(90000, 93000)))
+    new = Pending(9, None, Future(), lambda: False, tokens=3030, arrival=0.0,
+                  shared=template + list(range(50000, 53000)), template=len(template))
     front._dispatch(new)
-    assert 9 in idle.pending and idle.queued == 3080
+    assert 9 in idle.pending and idle.queued == 3030
 
 
 def test_two_fills_of_one_forward_keeping_the_same_tokens_both_get_their_kv(tiny_model):

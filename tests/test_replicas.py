@@ -480,12 +480,13 @@ def test_ctrl_c_to_the_group_while_the_worker_forkserver_imports_stops_cleanly(t
         raise AssertionError("processes of the daemon's group outlived it")
 
 
-@pytest.mark.parametrize("sigterms", [1, 2])
-def test_sigterm_stops_a_daemon_whose_worker_is_stopped(tiny_model, tmp_path, sigterms):
+@pytest.mark.parametrize("sigterms, backlog", [(1, 0), (2, 0), (1, 40)])
+def test_sigterm_stops_a_daemon_whose_worker_is_stopped(tiny_model, tmp_path, sigterms, backlog):
     """A worker that does not answer (SIGSTOPped) held the stop for the whole 30 s wait, and a second SIGTERM then
     killed the daemon (-15), leaving the forkserver, the resource tracker and the worker behind. Now the stop
     continues a stopped worker (it drains and ends), and a second signal kills the workers still running: exit 0
-    within seconds either way, nothing alive left in the group."""
+    within seconds either way, nothing alive left in the group. `backlog`: requests about a long document sent to
+    the stopped worker first, until its pipe is full (the stop's own message to it then blocked the stop for good)."""
     import subprocess
     import sys
 
@@ -509,13 +510,28 @@ def test_sigterm_stops_a_daemon_whose_worker_is_stopped(tiny_model, tmp_path, si
         with urllib.request.urlopen(url + "/api/ps", timeout=10) as resp:
             hung = json.load(resp)["models"][0]["replicas"][0]["pid"]
         os.kill(hung, signal.SIGSTOP)
+        if backlog:
+            from .test_prefix_cache import body, document
+
+            data = json.dumps(body(document(7, words=2000), 1)).encode()
+
+            def ask():
+                try:
+                    urllib.request.urlopen(urllib.request.Request(url + "/v1/systemone", data, {
+                        "Content-Type": "application/json"}), timeout=120).read()
+                except OSError:  # answered at the stop, or not at all
+                    pass
+
+            for _ in range(backlog):
+                threading.Thread(target=ask, daemon=True).start()
+            time.sleep(3.0)  # the requests planned and sent: the stopped worker's pipe fills
         started = time.time()
         proc.send_signal(signal.SIGTERM)
         if sigterms == 2:
             time.sleep(1.0)
             proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and time.time() - started < 15, (proc.returncode, out)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0 and time.time() - started < (30 if backlog else 15), (proc.returncode, out)
         assert "Traceback" not in out and "basal-local: stopped" in out, out
     finally:
         if proc.poll() is None:

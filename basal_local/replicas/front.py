@@ -112,8 +112,12 @@ class ProcessReplicaSet:
         for r in self.replicas:
             if r.info is None and r.process.is_alive():  # still loading (a restart): nothing of it to drain
                 r.process.kill()
-            r.send(wire.Stop())
-            _resume(r.process.pid)
+            if r.process.is_alive():  # (a reaped worker's pid may be another process's by now)
+                _resume(r.process.pid)
+            # the Stop from a thread: a worker that reads nothing (hung, its pipe full) would hold this send, and
+            # the stop with it, past the wait below and a second signal; its kill ends the send
+            threading.Thread(target=r.send, args=(wire.Stop(),), name=f"basal-replica-{r.replica}-stop",
+                             daemon=True).start()
         deadline = time.monotonic() + (30.0 if timeout is None else timeout)
         for r in self.replicas:
             while r.process.is_alive() and time.monotonic() < deadline and not HURRY.is_set():
@@ -149,6 +153,8 @@ class ProcessReplicaSet:
         if self.settings.prefix_cache != "off" and len(self.replicas) > 1:
             shared = shared_prefix(plan.prompt_specs())
             pending.shared = shared if len(shared) >= FILL_MIN_TOKENS else None
+            # the template it starts with: cached everywhere, so neither in `tokens` nor saved by a worker
+            pending.template = max((len(ids) for ids in self.prefixes.values() if shared[:len(ids)] == ids), default=0)
         self._dispatch(pending)
         return future
 
@@ -215,8 +221,8 @@ class ProcessReplicaSet:
         tokens, not the document's, or a worker holding the stream's documents would look busy and lose them."""
         if pending.shared is None:
             return pending.tokens
-        saved = document_overlap(list(r.documents), pending.shared)
-        return pending.tokens - (saved if saved >= HIT_MIN_TOKENS else 0)
+        saved = document_overlap(list(r.documents), pending.shared) - pending.template
+        return max(0, pending.tokens - saved) if saved >= HIT_MIN_TOKENS else pending.tokens
 
     def _remember(self, r: RemoteReplica, shared: list[int] | None) -> None:
         if shared is None:

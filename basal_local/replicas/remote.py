@@ -36,6 +36,7 @@ class Pending:
     cancel_sent: bool = False
     deaths: int = 0  # workers that died holding this request
     shared: list[int] | None = None  # the request's shared prefix (a document), for cache-aware routing
+    template: int = 0  # the template tokens `shared` starts with (cached on every worker: not in `tokens`)
     charged: int = 0  # what its worker's queue was charged: its tokens less its document where that worker has it
 
     def gone(self) -> bool:
