@@ -67,19 +67,24 @@ def test_warm_up_captures_every_graph_a_stream_over_the_sample_set_needs(tiny_mo
         assert (size, r_cap) in captured, (tokens, readouts)
 
 
-def test_warm_sizes_cover_a_readout_per_32_tokens_and_no_more():
-    """Per token bucket, every readout bucket up to the first that holds size // 32 readouts; the largest
-    bucket's graphs fit in MAX_GRAPHS."""
-    from basal_local.backends.torch.graphs import MAX_GRAPHS
+def test_warm_sizes_cover_a_readout_per_min_tokens_and_no_more():
+    """Per token bucket, every readout bucket up to the first that holds size // MIN_TOKENS_PER_READOUT readouts
+    (a question asked again about a cached document computes only its prompts' last ~19 tokens with Basal's
+    tokenizer); every bucket a forward of at most max_tokens can take; all of it within MAX_GRAPHS."""
+    from basal_local.backends.torch.graphs import MAX_GRAPHS, MIN_TOKENS_PER_READOUT
 
+    assert MIN_TOKENS_PER_READOUT <= 19
     sizes = warm_sizes(8192)
     by_size: dict[int, list[int]] = {}
     for size, r_cap in sizes:
         by_size.setdefault(size, []).append(r_cap)
     assert sorted(by_size) == list(TOKEN_BUCKETS)
     for size, caps in by_size.items():
+        most = size // MIN_TOKENS_PER_READOUT
         assert caps == list(READOUT_BUCKETS[:len(caps)])  # from the smallest, none skipped
-        assert caps[-1] >= min(size // 32, READOUT_BUCKETS[-1])
-        assert len(caps) == 1 or caps[-2] < size // 32  # no bucket past the one that holds size // 32
+        assert caps[-1] >= min(most, READOUT_BUCKETS[-1])
+        assert len(caps) == 1 or caps[-2] < most  # no bucket past the one that holds size // MIN
     assert len(sizes) <= MAX_GRAPHS
-    assert warm_sizes(300) == [s for s in sizes if s[0] <= 300]  # buckets up to the forward's limit
+    # a forward limit between buckets: the bucket that holds a forward of that size too (1,000 tokens: 1,024)
+    assert warm_sizes(1000) == [s for s in sizes if s[0] <= 1024]
+    assert warm_sizes(300) == [s for s in sizes if s[0] <= 304]

@@ -268,6 +268,8 @@ class Forward:
             s, d = (torch.from_numpy(a.astype(np.int64)) for a in (src, dest))
             if cuda:
                 s, d = (t.pin_memory().to(self.b.device, non_blocking=True) for t in (s, d))
+            elif self.b.device != "cpu":  # (MPS: where the pools are)
+                s, d = s.to(self.b.device), d.to(self.b.device)
             for pool in (*self.prefix_k, *self.prefix_v):
                 pool.index_copy_(0, d, pool.index_select(0, s))
 

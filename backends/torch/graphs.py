@@ -20,9 +20,10 @@ from .forward import LETTER_CAP, READOUT_BUCKETS, TOKEN_BUCKETS, Forward, finite
 
 MAX_GRAPHS = 96
 # a batch reads out at most one row per this many of its tokens: a prompt's own tokens past what it shares (its
-# question after a cached document) are 29 or more in the sample set, ~50 typically (a served stream of it with
-# the state cache made 1,444-token batches of 18 readouts, which need the 64-readout graph of 1,536 tokens)
-MIN_TOKENS_PER_READOUT = 32
+# question asked again about a cached document) are 29 or more in the sample set with the test tokenizer, ~19 with
+# Basal's (~0.65x the tokens); a served stream of the samples with the state cache made 1,444-token batches of 18
+# readouts, which need the 64-readout graph of 1,536 tokens
+MIN_TOKENS_PER_READOUT = 16
 # the eager forward run once at warm-up (`warm_long`): the size of a ~16.5k-token document's forward
 LONG_WARMUP_TOKENS = 17371
 
@@ -211,7 +212,9 @@ def warm_sizes(max_tokens: int, chunk: int = 1) -> list[tuple[int, int]]:
     """The (tokens, readouts) graphs warm-up captures: per token bucket up to `max_tokens`, every readout bucket up
     to the one that holds a readout per MIN_TOKENS_PER_READOUT tokens. A size missing here is captured when a
     batch first needs it, and that capture (two eager runs, ~0.2 s for the 4.5B preset) holds the lane."""
-    sizes = sorted({-(-s // chunk) * chunk for s in TOKEN_BUCKETS if s <= max(max_tokens, TOKEN_BUCKETS[0])})
+    # every bucket a forward of at most `max_tokens` can take: those below it and the one that holds it
+    held = next((s for s in TOKEN_BUCKETS if s >= max_tokens), TOKEN_BUCKETS[-1])
+    sizes = sorted({-(-s // chunk) * chunk for s in TOKEN_BUCKETS if s <= held})
     out = []
     for size in sizes:
         most = max(1, size // MIN_TOKENS_PER_READOUT)
