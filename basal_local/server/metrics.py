@@ -1,8 +1,8 @@
 """Prometheus metrics at /metrics (`serve --metrics`), their names declared below; a per-app registry.
 
 Labels carry only served model names, endpoints, lanes and status codes: never request content. The HTTP counters
-name the served model a request was routed to, whatever its status (a 422, a 429, a 200); an answer that never
-reached a served model (an unknown model's, a malformed body, a 503 while loading) is counted under model="".
+name the served model a request was routed to, whatever its status (a 422, a 499, a 200); an answer that never
+reached a served model (an unknown model's, a malformed body, a 529 or a 503 before routing) is under model="".
 """
 
 from __future__ import annotations
