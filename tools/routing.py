@@ -59,14 +59,16 @@ def _least_queued():
     from basal_local.replicas.front import ProcessReplicaSet
     from basal_local.replicas.inprocess import ReplicaSet
 
-    route, pick = ReplicaSet._route, ProcessReplicaSet._pick
+    def pick(self, pending):  # the least queued worker, charged the whole request
+        return min(self.live(), key=lambda r: (r.queued, r.replica), default=None), pending.tokens
+
+    route, shipped = ReplicaSet._route, ProcessReplicaSet._pick
     ReplicaSet._route = lambda self, plan: (self._pick(), plan.prompt_specs(), None)
-    ProcessReplicaSet._pick = lambda self, pending=None: min(self.live(), key=lambda r: (r.queued, r.replica),
-                                                              default=None)
+    ProcessReplicaSet._pick = pick
     try:
         yield
     finally:
-        ReplicaSet._route, ProcessReplicaSet._pick = route, pick
+        ReplicaSet._route, ProcessReplicaSet._pick = route, shipped
 
 
 def main() -> int:

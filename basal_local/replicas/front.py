@@ -204,15 +204,15 @@ class ProcessReplicaSet:
         return EngineUnavailable(why, self.restarts.retry_after_s(loading))
 
     # ---- routing ------------------------------------------------------------------------------------------
-    def _pick(self, pending: Pending | None = None) -> RemoteReplica | None:
+    def _pick(self, pending: Pending) -> tuple[RemoteReplica | None, int]:
         """The live worker where the request costs least: its queued tokens plus the request's, less what its
-        state cache likely holds of the request's document (the documents recently sent to it)."""
+        state cache likely holds of the request's document (the documents recently sent to it); with that cost."""
         live = self.live()
         if not live:
-            return None
-        if pending is None or pending.shared is None or len(live) == 1:
-            return min(live, key=lambda r: (r.queued, r.replica))
-        return min(live, key=lambda r: (r.queued + self._cost(r, pending), r.replica))
+            return None, 0
+        costs = [self._cost(r, pending) for r in live]
+        best = min(range(len(live)), key=lambda i: (live[i].queued + costs[i], live[i].replica))
+        return live[best], costs[best]
 
     @staticmethod
     def _cost(r: RemoteReplica, pending: Pending) -> int:
@@ -236,7 +236,7 @@ class ProcessReplicaSet:
 
     def _dispatch(self, pending: Pending) -> None:
         while True:
-            target = None if self.stopping else self._pick(pending)
+            target, cost = (None, 0) if self.stopping else self._pick(pending)
             if target is None:
                 fail(pending.future, EngineStopped() if self.stopping else self._unavailable(
                     f"no replica of {self.model.name} is serving: its worker processes died and are restarting"))
@@ -245,8 +245,8 @@ class ProcessReplicaSet:
                 if not target.alive:
                     continue
                 target.pending[pending.token] = pending
-                pending.charged = self._cost(target, pending)
-                target.queued += pending.charged
+                pending.charged = cost
+                target.queued += cost
             if target.send(pending.message):
                 self._remember(target, pending.shared)
                 return
