@@ -100,9 +100,7 @@ class Graphs:
         return self.pool_bytes + sum(g.static.numel() * g.static.element_size() for g in list(self.graphs.values()))
 
     def bucket(self, tokens: int) -> int:
-        """The graph size for a forward of `tokens`: the next bucket, rounded up to whole GEMM chunks."""
-        size = next(s for s in TOKEN_BUCKETS if s >= tokens)
-        return -(-size // self.chunk) * self.chunk
+        return graph_size(tokens, self.chunk)
 
     def _graph_for(self, batch: PackedBatch) -> tuple[_Graph, list] | None:
         """The captured graph a batch fits, with its inputs uploaded (and the pool copies to make after it,
@@ -208,13 +206,19 @@ class Graphs:
                 pass
 
 
+def graph_size(tokens: int, chunk: int = 1) -> int:
+    """The graph size for a forward of `tokens`: the next bucket (the largest past it), rounded up to whole GEMM
+    chunks."""
+    size = next((s for s in TOKEN_BUCKETS if s >= tokens), TOKEN_BUCKETS[-1])
+    return -(-size // chunk) * chunk
+
+
 def warm_sizes(max_tokens: int, chunk: int = 1) -> list[tuple[int, int]]:
     """The (tokens, readouts) graphs warm-up captures: per token bucket up to `max_tokens`, every readout bucket up
     to the one that holds a readout per MIN_TOKENS_PER_READOUT tokens. A size missing here is captured when a
     batch first needs it, and that capture (two eager runs, ~0.2 s for the 4.5B preset) holds the lane."""
     # every bucket a forward of at most `max_tokens` can take: those below it and the one that holds it
-    held = next((s for s in TOKEN_BUCKETS if s >= max_tokens), TOKEN_BUCKETS[-1])
-    sizes = sorted({-(-s // chunk) * chunk for s in TOKEN_BUCKETS if s <= held})
+    sizes = sorted({graph_size(s, chunk) for s in TOKEN_BUCKETS if s <= graph_size(max_tokens)})
     out = []
     for size in sizes:
         most = max(1, size // MIN_TOKENS_PER_READOUT)
