@@ -15,6 +15,8 @@ import sys
 import time
 from collections import defaultdict
 
+from gpu import kernel_times  # (this folder's: the kernels of a profile, as `gpu.py profile` reads them)
+
 DEVICE = os.environ.get("DEV", "cuda")  # cpu: a rehearsal here (no device clock, no kernels)
 
 
@@ -82,12 +84,8 @@ def run(model_dir: str, out: str, repeat: str = "3") -> None:
                                                 torch.profiler.ProfilerActivity.CPU]) as prof:
             for g in groups[:n_prof]:
                 one(g)
-        kernels = []
-        for ev in prof.key_averages():
-            t = (getattr(ev, "device_time_total", 0) or 0) / 1000.0 / n_prof
-            if t and ev.device_type == torch.autograd.DeviceType.CUDA:
-                kernels.append((round(t, 4), round(ev.count / n_prof, 2), ev.key[:100]))
-        kernels.sort(reverse=True)
+        kernels = sorted(((round(t, 4), round(n, 2), name[:100]) for t, n, name in kernel_times(prof, n_prof)),
+                         reverse=True)
         result[label] = {"n": len(phases["total"]),
                          "median_ms": {k: round(statistics.median(v), 4) for k, v in phases.items()},
                          "mean_ms": {k: round(statistics.fmean(v), 4) for k, v in phases.items()},

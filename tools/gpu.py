@@ -265,12 +265,10 @@ def profile(model_dir: str, out: str, *configs: str) -> None:
                     backend.forward(batch)
                 torch.cuda.synchronize()
             fams, kernels = defaultdict(float), []
-            for ev in prof.key_averages():
-                t = (getattr(ev, "device_time_total", 0) or 0) / 5000.0
-                if t and ev.device_type == torch.autograd.DeviceType.CUDA:
-                    fam = next((f for f, keys in families if any(k in ev.key.lower() for k in keys)), "other")
-                    fams[fam] += t
-                    kernels.append((t, ev.count // 5, ev.key[:90]))
+            for t, count, name in kernel_times(prof, 5):
+                fam = next((f for f, keys in families if any(k in name.lower() for k in keys)), "other")
+                fams[fam] += t
+                kernels.append((t, int(count), name[:90]))
             lines.append(f"{attention}/{gemm} {label} ({batch.num_tokens} packed tokens): kernel time "
                          f"{sum(fams.values()):.2f} ms, {sum(k[1] for k in kernels)} kernels per forward")
             lines += [f"    {f:32s} {t:8.2f} ms" for f, t in sorted(fams.items(), key=lambda kv: -kv[1])]
@@ -279,6 +277,14 @@ def profile(model_dir: str, out: str, *configs: str) -> None:
         torch.cuda.empty_cache()
     print("\n".join(lines))
     open(out, "w").write("\n".join(lines) + "\n")
+
+
+def kernel_times(prof, passes: int) -> list[tuple[float, float, str]]:
+    """(device ms, launches, name) per pass of each CUDA kernel a torch.profiler run over `passes` passes saw."""
+    import torch
+
+    return [(ev.device_time_total / 1000.0 / passes, ev.count / passes, ev.key) for ev in prof.key_averages()
+            if getattr(ev, "device_time_total", 0) and ev.device_type == torch.autograd.DeviceType.CUDA]
 
 
 # what the GPU image holds and the carried folder leaves out: the daemon's heavy requirements (every other
