@@ -26,6 +26,7 @@ from importlib import resources
 from typing import Any
 
 from . import UserError, auth_headers, get_json
+from .benchout import answer_timings
 
 # five other questions about the long document of the long-document bench (bench.LONG_DOC_QUESTIONS)
 OTHER_QUESTIONS = {
@@ -202,8 +203,6 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
     model = get_json(url, "/v1/models", timeout=30, flag="--http", api_key=api_key)["models"][0]["name"]
     bodies = documents_stream(model, documents, per_document, doc_chars)
     before = get_json(url, "/api/stats", timeout=30, flag="--http", api_key=api_key)
-    latencies: list[float] = []
-    cached: list[int] = []
     answered: list[tuple] = []  # (sent s, latency ms, queue ms, compute ms, batch requests, cached tokens)
     errors: list[str] = []
     lock = threading.Lock()
@@ -232,14 +231,13 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
                 continue
             with lock:
                 if resp.status == 200:
-                    latencies.append((time.perf_counter() - t) * 1000.0)
-                    cached.append(int(resp.headers.get("x-basal-cached-tokens", "0")))
-                    answered.append((t - t0, latencies[-1], *(_header_ms(resp, h) for h in ("queue", "compute")),
-                                     int(resp.headers.get("x-basal-batch-requests", "1")), cached[-1]))
+                    answered.append((t - t0, (time.perf_counter() - t) * 1000.0, *answer_timings(resp.headers),
+                                     int(resp.headers.get("x-basal-batch-requests", "1")),
+                                     int(resp.headers.get("x-basal-cached-tokens", "0"))))
                 else:
                     errors.append(f"HTTP {resp.status}")
                 if progress is not None:
-                    progress(len(latencies) + len(errors), len(bodies))
+                    progress(len(answered) + len(errors), len(bodies))
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     t0 = time.perf_counter()
@@ -252,6 +250,7 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
     after = get_json(url, "/api/stats", timeout=30, flag="--http", api_key=api_key)
     cache_before = (before.get("models") or [{}])[0].get("prefix_cache", {})
     cache_after = (after.get("models") or [{}])[0].get("prefix_cache", {})
+    latencies, cached = [a[1] for a in answered], [a[5] for a in answered]
     template = min(cached) if cached else 0
     result: dict[str, Any] = {"mode": "http-documents", "url": url, "clients": clients, "documents": documents,
                               "per_document": per_document, "requests": len(latencies), "errors": len(errors)}
@@ -283,8 +282,3 @@ def bench_http_documents(url: str, clients: int, documents: int, per_document: i
                           "compute_ms": a[3], "batch_requests": a[4], "document_hit": a[5] > template}
                          for a in sorted(slowest)]
     return result
-
-
-def _header_ms(resp, name: str) -> float | None:
-    value = resp.headers.get(f"x-basal-{name}-ms")
-    return float(value) if value else None

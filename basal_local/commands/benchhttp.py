@@ -19,7 +19,7 @@ from typing import Any
 from ..samples import single_question_requests
 from . import UserError, auth_headers, get_json
 from .ask import error_text, post
-from .benchout import percentile
+from .benchout import answer_timings, percentile
 
 MAX_RETRIES = 20  # 529s for one request before it counts as failed
 GONE_AFTER = 3  # connection failures in a row that mean the daemon is gone
@@ -81,8 +81,7 @@ class Client:
                 message = ""
             raise Refused(resp.status, f"HTTP {resp.status}" + (f": {str(message)[:80]}" if message else ""),
                           retry_after_s(resp.headers) if resp.status == 529 else 0.0)
-        self.timings = tuple(float(v) if (v := resp.headers.get(f"x-basal-{h}-ms")) else None
-                             for h in ("queue", "compute"))
+        self.timings = answer_timings(resp.headers)
         return body, int(resp.headers.get("x-basal-batch-requests", "1"))
 
 

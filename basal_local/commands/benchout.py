@@ -82,3 +82,9 @@ class Ticker:
             self.last = now
         self.done += 1
         return line
+
+
+def answer_timings(headers) -> tuple[float | None, float | None]:
+    """(queue ms, compute ms) of a decision as the daemon timed it (x-basal-queue-ms, x-basal-compute-ms)."""
+    queue, compute = (headers.get(f"x-basal-{h}-ms") for h in ("queue", "compute"))
+    return (float(queue) if queue else None), (float(compute) if compute else None)
