@@ -110,16 +110,13 @@ def wrap_asgi(state: AppState):
             async def send_wrapped(message):
                 if message["type"] == "http.response.start":
                     seen["status"] = message["status"]
-                elif message["type"] == "http.response.body" and recorder is not None and decision:
-                    seen.setdefault("body", []).append(message.get("body", b""))
                 await send(message)
 
             try:
                 await app(scope, receive, send_wrapped)
             finally:
                 if recorder is not None and decision:
-                    recorder.leave(path, seen["status"], b"".join(seen.get("body", [])),
-                                   time.perf_counter() - started, scope.get(SCOPE_MODEL, ""))
+                    recorder.leave(path, seen["status"], time.perf_counter() - started, scope.get(SCOPE_MODEL, ""))
         return middleware
     return factory
 

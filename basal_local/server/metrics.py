@@ -7,8 +7,6 @@ reached a served model (an unknown model's, a malformed body, a 529 or a 503 bef
 
 from __future__ import annotations
 
-import json
-
 from litestar import Request, Response, get
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -62,16 +60,10 @@ class MetricsRecorder:
     def enter(self, endpoint: str) -> None:
         self.inflight.labels(endpoint).inc()
 
-    def leave(self, endpoint: str, status: int, body: bytes, seconds: float, routed: str = "") -> None:
-        """One decision answered; `routed`: the served model its handler routed it to, if any."""
+    def leave(self, endpoint: str, status: int, seconds: float, routed: str = "") -> None:
+        """One decision answered; `routed`: the served model its handler routed it to ("" when none)."""
         self.inflight.labels(endpoint).dec()
-        name = routed
-        if status == 200 and not name:
-            try:
-                name = json.loads(body).get("model", "")
-            except (ValueError, AttributeError):
-                name = ""
-        model = name if name in self.state.engines else ""
+        model = routed if routed in self.state.engines else ""
         code = "cancelled" if status == 499 else str(status)
         self.requests.labels(endpoint, model, code).inc()
         if code != "cancelled":
