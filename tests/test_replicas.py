@@ -488,7 +488,6 @@ def test_sigterm_stops_a_daemon_whose_worker_is_stopped(tiny_model, tmp_path, si
     within seconds either way, nothing alive left in the group. `backlog`: requests about a long document sent to
     the stopped worker first, until its pipe is full (the stop's own message to it then blocked the stop for good)."""
     import subprocess
-    import sys
 
     from .conftest import free_port
 
