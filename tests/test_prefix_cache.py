@@ -531,7 +531,6 @@ def test_a_worker_holding_documents_is_charged_only_their_questions(monkeypatch)
     about its documents looked 3 documents busy, and the fourth question went to the idle worker, which computed
     the document again (`tools/routing.py`: hit rate 0.695 as least-queued routing's 0.70)."""
     import collections
-    import threading
     from concurrent.futures import Future
     from types import SimpleNamespace
 
