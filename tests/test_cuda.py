@@ -136,8 +136,9 @@ def test_cuda_a_launch_with_pool_copies_does_not_wait_for_the_device(small_model
     batch = dataclasses.replace(batch, fills=fills)
     assert backend.fwd.fill_plan(batch)[1]  # the second fill's rows are copied after the forward
     backend.launch(batch).result()  # its graph captured
-    for pool in (*backend.fwd.prefix_k, *backend.fwd.prefix_v):
-        pool[cap - 50:cap - 18] = 0  # what the copy of the launch below must fill again
+    with torch.inference_mode():  # the pools are inference tensors: written only in inference mode
+        for pool in (*backend.fwd.prefix_k, *backend.fwd.prefix_v):
+            pool[cap - 50:cap - 18] = 0  # what the copy of the launch below must fill again
     torch.cuda._sleep(1 << 30)  # the device busy for a while (~0.5 s) before the launch's work
     started = time.perf_counter()
     launched = backend.launch(batch)

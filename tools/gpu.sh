@@ -27,7 +27,8 @@
 #   unload     5 unload/load cycles, in process and in a worker process: memory back, answers bit for bit
 #   kill       tools/loadtest.py --kill-every: worker processes (one per GPU) killed under load
 #   ab         dist/gpu/old against dist/gpu/new: bench pairs (the first with --long-doc --invariance 8), HTTP 1/32
-#              clients and proc2 (each daemon measured by this tree's client), answers compared
+#              clients and proc2 (each daemon measured by this tree's client), answers compared; AB_PARTS (default
+#              "bench http proc2 bench2") to run some of them, ORDER (default "old new") to run new first
 #   abprof     a single decision and 32 of old and new, split: plan, pack, forward (host, device), kernels (tools/abprof.py)
 #   profile    kernel time per family of a single decision and of 32 (tools/gpu.py profile)
 # A stage starts only while BUDGET has its usual need left (NEED below; NEED_STAGE=N for a smaller run of it).
@@ -103,7 +104,7 @@ figures() { tool gpu.py summary "$@"; }
 st_tests() {
   rm -rf "$R/tests" && cp -r tests "$R/tests"
   local sel=${TESTS:-tests/test_cuda.py tests/test_cuda_kernels.py tests/test_fp8.py}
-  (cd "$R" && T $PY -m pytest -q -p no:cacheprovider -p no:faker $sel) | grep -v "it/s" | tee "$OUT/tests.txt"
+  (cd "$R" && T $PY -m pytest -q -p no:cacheprovider -p no:faker -o "markers=slow: long-running" $sel) | grep -v "it/s" | tee "$OUT/tests.txt"
   local rc=${PIPESTATUS[0]}
   say "$(tail -1 "$OUT/tests.txt")"; return "$rc"
 }
@@ -203,15 +204,22 @@ st_kill() {
 st_ab() {
   ls "$D"/old/*.whl > /dev/null 2>&1 || { say "no wheel in $D/old: bash tools/gpu.sh prepare OLD"; return 3; }
   site old || return 1; model "$M" "$PRESET" || return 1
-  local v order=${ORDER:-old new}; local again; again=$(echo "$order" | awk '{print $2, $1}')
-  for v in $order; do PYTHONPATH=$R/$v bench "ab-$v" "$M" --long-doc --invariance 8 || return 1; done
-  for v in $order; do PYTHONPATH=$R/$v served "ab-$v" "1:268 32:1280" --device "$DEV" || return 1; done
-  for v in $order; do [ "$(left)" -gt 120 ] &&
+  local v order=${ORDER:-old new}; local again parts=" ${AB_PARTS:-bench http proc2 bench2} "
+  again=$(echo "$order" | awk '{print $2, $1}')
+  [[ $parts != *" bench "* ]] || for v in $order; do
+    PYTHONPATH=$R/$v bench "ab-$v" "$M" --long-doc --invariance 8 || return 1; done
+  [[ $parts != *" http "* ]] || for v in $order; do
+    PYTHONPATH=$R/$v served "ab-$v" "1:268 32:1280" --device "$DEV" || return 1; done
+  [[ $parts != *" proc2 "* ]] || for v in $order; do [ "$(left)" -gt 120 ] &&
     { PYTHONPATH=$R/$v served "ab-proc2-$v" "32:1280" --device "$DEV" --replicas 2 --replica-processes || return 1; }
   done
-  for v in $again; do [ "$(left)" -gt 100 ] && { PYTHONPATH=$R/$v bench "ab-$v-2" "$M" || return 1; }; done
-  tool gpu.py compare "$OUT/answers-ab-old.json" "$OUT/answers-ab-new.json" | tee "$OUT/compare-ab.json"
-  say "$(figures "$OUT"/bench-ab-{old,new}.json "$OUT"/http-ab-{old,new}-c32.json); answers $(cat "$OUT/compare-ab.json")"
+  [[ $parts != *" bench2 "* ]] || for v in $again; do [ "$(left)" -gt 100 ] &&
+    { PYTHONPATH=$R/$v bench "ab-$v-2" "$M" || return 1; }; done
+  local pair=ab; [[ $parts == *" http "* ]] || pair=ab-proc2
+  tool gpu.py compare "$OUT/answers-$pair-old.json" "$OUT/answers-$pair-new.json" | tee "$OUT/compare-ab.json"
+  local f figs=(); for f in "$OUT"/bench-ab-{old,new}.json "$OUT"/http-$pair-{old,new}-c32.json; do
+    [ ! -f "$f" ] || figs+=("$f"); done
+  say "$(figures "${figs[@]}"); answers $(cat "$OUT/compare-ab.json")"
 }
 st_abprof() {
   [ "$DEV" = cuda ] || { say "needs CUDA"; return 3; }
