@@ -173,9 +173,8 @@ class Graphs:
             v = self.fwd.views(static, layout)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, cuBLAS handles)
-                for _ in range(2):
-                    self._run(v)
+            with torch.cuda.stream(side):  # one run outside the capture: Triton compiles, cuBLAS makes its handles
+                self._run(v)
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
