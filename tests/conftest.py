@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import os
@@ -257,40 +256,15 @@ class Daemon:
         return self.log
 
 
-class InProcessDaemon:
-    """The daemon's own guarded app (`server/daemon.py` `build`: Host/Origin guard, body limits, drain), its models
-    loading in the background, served by uvicorn in a thread of this process on a free port. For tests that only
-    talk HTTP to a daemon; exit codes, signals, ports and killed processes need `Daemon` (a real process)."""
+def InProcessDaemon(model_dirs: list, **settings):
+    """The daemon's own guarded app (`server/daemon.py` `InThread`: Host/Origin guard, body limits, drain), its
+    models loading in the background, served by uvicorn in a thread of this process on a free port. For tests that
+    only talk HTTP to a daemon; exit codes, signals, ports and killed processes need `Daemon` (a real process)."""
+    from basal_local.server.daemon import InThread
+    from basal_local.settings import Settings
 
-    def __init__(self, model_dirs: list, **settings) -> None:
-        from basal_local.server.daemon import _Server, build, start_loading
-        from basal_local.settings import Settings
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        values = Settings.load({"device": "cpu", **settings, "port": self.port}, config_file=Path("/nonexistent"))
-        self.state, config = build(values, [Path(d) for d in model_dirs], quiet=True)
-        start_loading(self.state, values, [Path(d) for d in model_dirs])
-        self.server = _Server(config, self.state)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), name="test-daemon",
-                                       daemon=True)
-        self.thread.start()
-
-    def wait_ready(self, timeout: float = 240) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline and not self.state.load_error:
-            if self.server.started and self.state.ready:
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the in-process daemon did not get ready: {self.state.load_error or 'timeout'}")
-
-    def stop(self) -> None:
-        from basal_local.server.daemon import shutdown
-
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        shutdown(self.state)
+    values = Settings.load({"device": "cpu", **settings, "port": free_port()}, config_file=Path("/nonexistent"))
+    return InThread(values, [Path(d) for d in model_dirs])
 
 
 @pytest.fixture(scope="module")

@@ -12,45 +12,30 @@ Each daemon runs in this process (uvicorn in a thread, the daemon's own app and 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import socket
 import sys
-import threading
-import time
 from pathlib import Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def _daemon(model: str, **settings):
-    from basal_local.server.daemon import _Server, build, shutdown, start_loading
+    from basal_local.server.daemon import InThread
     from basal_local.settings import Settings
 
-    port = _free_port()
-    values = Settings.load({**settings, "port": port}, config_file=Path("/nonexistent"))
-    state, config = build(values, [Path(model)], quiet=True)
-    start_loading(state, values, [Path(model)])
-    server = _Server(config, state)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = InThread(Settings.load({**settings, "port": port}, config_file=Path("/nonexistent")), [Path(model)])
     try:
-        deadline = time.time() + 600
-        while not (server.started and state.ready):
-            if state.load_error or time.time() > deadline:
-                raise SystemExit(f"the daemon did not get ready: {state.load_error or 'timeout'}")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        daemon.wait_ready(600)
+    except RuntimeError as exc:  # it stopped itself
+        raise SystemExit(str(exc)) from None
+    try:
+        yield daemon.url
     finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        shutdown(state)
+        daemon.stop()
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -288,6 +289,38 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
     if state.load_error or not server.started:
         return 1
     return 0
+
+
+class InThread:
+    """The daemon (`build`'s guarded app, its models loading in the background) served by uvicorn in a thread of
+    this process, for tools and tests that talk HTTP to a daemon and also reach into its engines (measure them,
+    patch their routing). A user's daemon is `serve`, which owns the signals and the process."""
+
+    def __init__(self, settings: Settings, model_dirs: list[Path]) -> None:
+        self.port = settings.port
+        self.url = f"http://{settings.host}:{settings.port}"
+        self.state, config = build(settings, model_dirs, quiet=True)
+        start_loading(self.state, settings, model_dirs)
+        self.server = _Server(config, self.state)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), name="basal-local-in-thread",
+                                       daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """Return once it serves with every model loaded; stop it and raise RuntimeError if a model fails to load
+        or `timeout` passes first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.state.load_error:
+            if self.server.started and self.state.ready:
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the daemon did not get ready: {self.state.load_error or 'timeout'}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout)
+        shutdown(self.state)
 
 
 def hurry_on_signals() -> None:
