@@ -140,6 +140,31 @@ def test_busy_port_exits_before_the_banner(home, tiny_model):
     assert "serving" not in done.stdout
 
 
+@pytest.mark.parametrize(("host", "words"), [("8.8.8.8", ("not an address of this machine", "--host")),
+                                             ("nonexistent.invalid", ("no address of that name", "--host"))])
+def test_a_host_it_cannot_listen_on_is_named_as_such(home, tiny_model, host, words):
+    """Not "port in use": an address of another machine, a name that resolves to nothing (with a key: a host
+    other than the loopback needs one before anything is bound)."""
+    done = cli("serve", "--model", str(tiny_model), "--host", host, "--api-key", "k", "--port", str(free_port()),
+               env=home)
+    assert_user_error(done, *words)
+    assert "in use" not in done.stderr and "serving" not in done.stdout
+
+
+def test_detach_and_tui_are_refused_together_before_anything_starts(home, tiny_model):
+    done = cli("serve", "--model", str(tiny_model), "--detach", "--tui", env=home)
+    assert_user_error(done, "--detach", "--tui")
+    assert done.stdout == ""  # no daemon started in the background
+
+
+def test_urls_of_an_ipv6_daemon_carry_brackets():
+    from basal_local.addresses import http_url, local_url
+
+    assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("[::1]", 80) == "http://[::1]:80"
+    assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000" and local_url("::", 1) == "http://127.0.0.1:1"
+    assert local_url("fe80::1", 9) == "http://[fe80::1]:9" and local_url("0.0.0.0", 8) == "http://127.0.0.1:8"
+
+
 def test_serve_exits_non_zero_when_a_model_fails_to_load(home, tiny_model):
     # two models with the same basal.json name pass the early checks and fail while loading
     done = subcli("serve", "--model", str(tiny_model), "--model", str(tiny_model), "--port", str(free_port()),

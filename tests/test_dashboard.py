@@ -256,8 +256,8 @@ def test_data_rates_and_percentiles_from_event_times():
 
 
 def test_cli_top_and_serve_flags():
+    from basal_local.addresses import local_url
     from basal_local.cli import build_parser, cmd_serve, cmd_top
-    from basal_local.server.tuimode import local_url
 
     args = build_parser().parse_args(["top", "--url", "http://127.0.0.1:9"])
     assert args.func is cmd_top and args.url == "http://127.0.0.1:9"

@@ -43,6 +43,26 @@ def test_requests_cut_by_the_drain_get_a_503_in_the_dialect_shape(tiny_model, pa
 
 
 
+def test_a_second_signal_cuts_the_drain_and_the_log_says_so(tiny_model):
+    daemon = Daemon(["--model", str(tiny_model), "--device", "cpu", "--drain", "60", "--body-timeout", "60"])
+    try:
+        daemon.wait_ready()
+        sock = rawhttp.connect(daemon.port)
+        sock.sendall(rawhttp.request_bytes("POST", "/v1/basal", b'{"model": "', content_length=300))
+        time.sleep(0.3)
+        os.kill(daemon.proc.pid, signal.SIGTERM)
+        time.sleep(0.5)  # draining: the request would have 60 s
+        os.kill(daemon.proc.pid, signal.SIGTERM)
+        status, _, _ = rawhttp.read_response(sock, deadline_s=15)
+        sock.close()
+        assert daemon.proc.wait(timeout=15) == 0
+    finally:
+        output = daemon.stop()
+    assert status == 503, output
+    cut = [line for line in output.splitlines() if "answered 503" in line]
+    assert len(cut) == 1 and "a second signal stopped the daemon at once" in cut[0], output
+
+
 @pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
                                  b"POST /v1/basal HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}"])
 def test_malformed_http_gets_a_json_400(d, raw):  # noqa: F811

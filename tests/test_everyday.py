@@ -52,6 +52,22 @@ def test_ctrl_c_twice_stops_at_once_without_a_traceback(tiny_model, home):
     assert "basal-local: stopped" in log
 
 
+def test_ctrl_c_while_the_models_load_stops_cleanly(tiny_model, home):
+    """Ctrl-C right after the banner, while the models load in the background and before uvicorn serves: a
+    graceful stop, no warning (a KeyboardInterrupt there left uvicorn's serve coroutine never awaited)."""
+    d = Daemon(["--model", str(tiny_model), "--device", "cpu"], env=home)
+    try:
+        deadline = time.time() + 120
+        while "loading models" not in d.log and d.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.002)
+        d.proc.send_signal(signal.SIGINT)
+        assert d.proc.wait(timeout=60) == 0
+    finally:
+        log = d.stop()
+    assert "Traceback" not in log and "Warning" not in log and "never awaited" not in log, log
+    assert "basal-local: stopped" in log
+
+
 def test_sigint_with_an_event_reader_attached_stops_at_once_and_cleanly(tiny_model, home):
     # a drain far longer than the wait below: the stop must not wait for the stream at all
     d = Daemon(["--model", str(tiny_model), "--device", "cpu", "--drain", "60"], env=home)

@@ -125,6 +125,8 @@ def test_run_refuses_its_input_as_output_and_counts_failures_by_reason(live, hom
     assert_user_error(cli("run", "--url", live.url, "--input", str(src), "--output", str(tmp_path / "." / "in.jsonl"),
                           env=home), "is the input file")
     assert src.read_text() == before
+    assert_user_error(cli("run", "--url", live.url, "--input", str(src), "--output", str(tmp_path), env=home),
+                      "is a folder", "answers.jsonl")
     bogus = {"state": "x", "questions": {"q": {"type": "bogus", "instructions": "?"}}}
     items = [{"state": "x", "question": "ok?"}] + [bogus] * 3
     items.append({"model": "nope", "state": "x", "questions": {"q": {"type": "noul", "instructions": "ok?"}}})

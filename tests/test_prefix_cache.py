@@ -444,6 +444,10 @@ def test_a_bad_prefix_cache_value_is_one_sentence(tiny_model):
     run = cli("serve", "--model", str(tiny_model), "--prefix-cache", "plenty")
     assert run.returncode == 2 and "--prefix-cache 'plenty': not a memory size" in run.stderr
     assert "Traceback" not in run.stdout + run.stderr
+    # on the CPU a size over the memory the machine has available is refused before the banner, not while loading
+    run = cli("serve", "--model", str(tiny_model), "--device", "cpu", "--prefix-cache", "5000TB", "--port", "0")
+    assert run.returncode == 2 and "--prefix-cache 5000TB: more than the" in run.stderr, run.stderr
+    assert "serving" not in run.stdout
 
 
 def test_a_known_documents_text_is_not_tokenized_again(tiny_model):

@@ -6,6 +6,7 @@ dispatcher prints it and exits non-zero, so nobody sees a traceback for somethin
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -90,8 +91,9 @@ def get_json(url: str, path: str, timeout: float = 10.0, flag: str = "--url", ap
                         f"start one with `basal-local serve`, or point {flag} at the right address") from None
 
 
-def port_free(host: str, port: int) -> bool:
-    """Whether `host:port` can be bound now (the daemon's own check before it prints its banner)."""
+def listen_error(host: str, port: int) -> UserError | None:
+    """Why the daemon could not listen on `host:port` now, as the error to show; None where it can (the daemon's
+    own check before it prints its banner)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         if os.name != "nt":
@@ -100,9 +102,28 @@ def port_free(host: str, port: int) -> bool:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as exc:
+            return _bind_failure(host, port, exc)
+    return None
+
+
+def port_free(host: str, port: int) -> bool:
+    return listen_error(host, port) is None
+
+
+def _bind_failure(host: str, port: int, exc: OSError) -> UserError:
+    where = "127.0.0.1 (this machine only) or 0.0.0.0 (every network interface)"
+    if isinstance(exc, socket.gaierror):
+        return UserError(f"--host {host}: no address of that name ({exc.strerror or exc})", f"give --host {where}")
+    if exc.errno == errno.EADDRINUSE:
+        return UserError(f"port {port} on {host} is already in use (another program, or a basal-local already "
+                         "running: `basal-local ps`)", f"choose another with --port, e.g. --port {port + 1}")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return UserError(f"--host {host} is not an address of this machine", f"give --host {where}")
+    if exc.errno == errno.EACCES:
+        return UserError(f"not allowed to listen on port {port} on {host} (ports below 1024 need administrator "
+                         "rights)", "choose a port from 1024 up, e.g. --port 8000")
+    return UserError(f"cannot listen on {host} port {port}: {exc.strerror or exc}", "check --host and --port")
 
 
 def human_bytes(n: float) -> str:
@@ -142,6 +163,6 @@ def bind_ephemeral(host: str) -> socket.socket:
         sock.bind((host, 0))
     except OSError as exc:
         sock.close()
-        raise UserError(f"cannot listen on {host}: {exc.strerror or exc}", "check --host") from None
+        raise _bind_failure(host, 0, exc) from None
     sock.listen(2048)
     return sock

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..addresses import local_url
 from ..paths import home_dirs, process_alive
-from . import UserError, bind_ephemeral, get_json, port_free
+from . import UserError, bind_ephemeral, get_json, listen_error, port_free
 
 START_TIMEOUT_S = 600  # loading a large model from a cold disk
 
@@ -49,9 +50,9 @@ def detach(argv: list[str], host: str, port: int) -> int:
     if port == 0:  # the child is told the port, so this command can say it
         with bind_ephemeral(host) as sock:
             port = sock.getsockname()[1]
-    elif not port_free(host, port):
-        raise UserError(f"port {port} on {host} is already in use", f"choose another with --port, e.g. {port + 1}")
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+    elif (problem := listen_error(host, port)) is not None:
+        raise problem
+    url = local_url(host, port)
     log = log_path()
     log.parent.mkdir(parents=True, exist_ok=True)
     state_file().parent.mkdir(parents=True, exist_ok=True)

@@ -10,29 +10,30 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..backends.memory import parse_limit
+from ..addresses import http_url, local_url
+from ..backends.memory import budget_bytes, parse_limit
 from ..flags import flag_overrides
 from ..paths import home_dirs, process_alive
 from ..settings import Settings, config_path
-from . import UserError, bind_ephemeral, check_url, port_free
+from . import UserError, bind_ephemeral, check_url, listen_error
 from .background import detach, read_state
 
 DEMO_BANNER = """\
-basal-local {version} demo: serving the bundled demo model "basal-demo" on http://{host}:{port}
+basal-local {version} demo: serving the bundled demo model "basal-demo" on {url}
   The demo model has RANDOM weights: its answers are random. It shows the API, not a real decision model.
   Get a real model with `basal-local pull mini` and start it with `basal-local serve --model mini`.
 
 Try it:{key_note}
-  curl -s http://{host}:{port}/v1/systemone -H 'content-type: application/json'{key_curl} -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
+  curl -s {url}/v1/systemone -H 'content-type: application/json'{key_curl} -d '{{"model": "basal-demo", "state": "The parcel arrived broken.",
     "questions": {{"urgent": {{"type": "noul", "instructions": "Is this urgent?"}}}}}}'
 
-  basal-local ask --url http://{host}:{port} --state "The parcel arrived broken." --noul "Is this urgent?"
+  basal-local ask --url {url} --state "The parcel arrived broken." --noul "Is this urgent?"
 
   python3 - <<'PY'
 import json, {py_import}urllib.request
 body = {{"model": "basal-demo", "state": "Paczka dotarła uszkodzona.",
         "questions": {{"kind": {{"type": "choice", "criteria": {{"damage": "Uszkodzenie", "late": "Opóźnienie"}}}}}}}}
-req = urllib.request.Request("http://{host}:{port}/v1/systemone", json.dumps(body).encode(){py_headers})
+req = urllib.request.Request("{url}/v1/systemone", json.dumps(body).encode(){py_headers})
 print(json.load(urllib.request.urlopen(req)))
 PY
 Stop with Ctrl-C."""
@@ -67,8 +68,7 @@ def daemon_url(args: argparse.Namespace) -> str:
             and process_alive(running["pid"]):
         return running["url"]
     settings = load_settings(argparse.Namespace())
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    return f"http://{host}:{settings.port}"
+    return local_url(settings.host, settings.port)
 
 
 def client_key(args: argparse.Namespace) -> str | None:
@@ -199,6 +199,10 @@ def serve_command(args: argparse.Namespace) -> int:
     if ephemeral:
         settings.port = 0
     if getattr(args, "detach", False):
+        if getattr(args, "tui", False):
+            raise UserError("--detach and --tui do not go together: --tui shows the dashboard in this terminal, "
+                            "--detach leaves the terminal", "drop one (a detached daemon is watched with "
+                            "`basal-local top`)")
         raw = list(getattr(args, "argv", None) or [])
         argv = [a for a in raw[raw.index("serve") + 1:] if a != "--detach"] if "serve" in raw else []
         return detach(_without_port(argv), settings.host, settings.port)
@@ -225,6 +229,11 @@ def serve_command(args: argparse.Namespace) -> int:
     check_gpu_memory(settings.gpu_memory, settings.device, "" if args.gpu_memory is not None else
                      "BASAL_LOCAL_GPU_MEMORY" if "BASAL_LOCAL_GPU_MEMORY" in os.environ else
                      f"gpu_memory of {args.config or config_path()}")
+    if settings.device == "cpu" and not ray_mode:  # a GPU's room is known only once the weights are on it
+        try:
+            budget_bytes(settings.engine.prefix_cache, None, replicas=settings.replicas)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     dirs: list[Path] = []
     for ref in settings.models:
         try:
@@ -243,10 +252,8 @@ def serve_command(args: argparse.Namespace) -> int:
         if getattr(args, "tui", False):
             sock.close()  # it binds the port itself; the port was free a moment ago
             sock = None
-    elif not port_free(settings.host, settings.port):
-        raise UserError(f"port {settings.port} on {settings.host} is already in use (another program, or a "
-                        "basal-local already running: `basal-local ps`)",
-                        f"choose another with --port, e.g. --port {settings.port + 1}")
+    elif (problem := listen_error(settings.host, settings.port)) is not None:
+        raise problem
     if args.demo:  # with --ray each replica also prepares the demo model on its own node
         dirs.insert(0, demo_model_dir(on_generate=lambda path: print(
             f"basal-local: preparing the demo model in {path} (generated once, a few seconds)...", flush=True)))
@@ -255,14 +262,14 @@ def serve_command(args: argparse.Namespace) -> int:
     log_path = log_file_handler()
     where = "\n".join(f"  model: {d}" for d in dirs)
     footer = f"{where}\n  {cfg_note}" + (f"\n  log: {log_path}" if log_path else "")
-    banner = (f"basal-local {__version__}: serving on http://{settings.host}:{settings.port} "
+    banner = (f"basal-local {__version__}: serving on {http_url(settings.host, settings.port)} "
               f"(loading models...)\n{footer}")
     ready_text = ""
     if args.demo:  # the "try it" text once the demo model answers; a failed start shows only the error
         # with --api-key every call carries it: the hints read it from the environment (the key is never printed)
         keyed = bool(settings.api_key)
         ready_text = DEMO_BANNER.format(
-            host=settings.host, port=settings.port, version=__version__,
+            url=http_url(settings.host, settings.port), version=__version__,
             key_note="  (this daemon wants its API key: export BASAL_LOCAL_API_KEY=YOUR-KEY first)" if keyed else "",
             key_curl=' -H "Authorization: Bearer $BASAL_LOCAL_API_KEY"' if keyed else "",
             py_import="os, " if keyed else "",

@@ -18,6 +18,7 @@ import uvicorn
 
 from basal_local.backends.select import expand_devices, make_backend
 
+from ..addresses import local_url
 from ..api.errors import dialect_of, http_error
 from ..engine.engine import ModelEngine, freeze_heap
 from ..engine.gate import Admission, DeviceGate
@@ -168,6 +169,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit:
             self.force_exit = True
+            if self.state is not None:
+                self.state.stopped_at_once = True
             # stopping at once cancels the app's lifespan task, which uvicorn would log as an error with a traceback
             logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
         else:
@@ -183,9 +186,10 @@ class DrainGuard:
     """When `--drain` runs out, uvicorn cancels the requests still running and would answer each with a plain-text
     500 and a traceback: answer them 503 + Retry-After in the dialect's shape instead, with one log line each."""
 
-    def __init__(self, app: Any, drain_s: float) -> None:
+    def __init__(self, app: Any, drain_s: float, state: AppState | None = None) -> None:
         self.app = app
         self.drain_s = drain_s
+        self.state = state
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -202,8 +206,9 @@ class DrainGuard:
         except asyncio.CancelledError:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
             request_id = client_request_id(headers.get("x-request-id")) or uuid.uuid4().hex
-            log.warning("request %s %s: still running when the drain (%.0f s) ran out, answered 503", request_id,
-                        scope.get("path", ""), self.drain_s)
+            why = ("a second signal stopped the daemon at once" if self.state is not None and
+                   self.state.stopped_at_once else f"the drain ({self.drain_s:.0f} s) ran out")
+            log.warning("request %s %s: still running when %s, answered 503", request_id, scope.get("path", ""), why)
             if started:
                 return  # half an answer is already out: the connection closes
             err = http_error(503, "SHUTTING_DOWN", "the daemon is shutting down; retry (on its next start)",
@@ -227,7 +232,7 @@ def build(settings: Settings, model_dirs: list[Path], quiet: bool = False) -> tu
     state.dashboard_token = write_token(settings.port)
     state.token_port = settings.port
     policy = AccessPolicy.build(settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins)
-    app = DrainGuard(Guard(create_app(state), policy), settings.drain_s)
+    app = DrainGuard(Guard(create_app(state), policy), settings.drain_s, state)
     # INFO: the access log, disconnects mid-body, and the bodies when asked
     logging.getLogger("basal_local.server").setLevel(logging.INFO)
     if settings.insecure_public and not is_loopback(settings.host) and not settings.api_key:
@@ -272,6 +277,11 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
     state, config = build(settings, model_dirs)
     guard_output()  # after build: uvicorn's handlers exist now; a full disk under any output is one warning
     server = _Server(config, state)
+    if threading.current_thread() is threading.main_thread():
+        # from here a Ctrl-C or SIGTERM is a graceful stop, also before uvicorn installs its own handlers (the
+        # KeyboardInterrupt there left its serve coroutine never awaited, which Python warns about)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, server.handle_exit)
 
     def stop() -> None:
         server.should_exit = True
@@ -298,7 +308,7 @@ class InThread:
 
     def __init__(self, settings: Settings, model_dirs: list[Path]) -> None:
         self.port = settings.port
-        self.url = f"http://{settings.host}:{settings.port}"
+        self.url = local_url(settings.host, settings.port)
         self.state, config = build(settings, model_dirs, quiet=True)
         start_loading(self.state, settings, model_dirs)
         self.server = _Server(config, self.state)

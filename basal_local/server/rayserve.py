@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ..addresses import http_url
 from ..engine.protocol import Engine
 from ..model.directory import load_model_dir
 from ..replicas.rayengine import RayEngine
@@ -237,7 +238,7 @@ def serve_ray(settings: Settings, model_dirs: list[Path], options: RayOptions, d
         scale = (f"{options.min_replicas}" if (options.max_replicas or options.min_replicas) == options.min_replicas
                  else f"{options.min_replicas}-{options.max_replicas}")
         print(f"basal-local: ready through Ray Serve: {scale} {kind} replica(s) behind "
-              f"http://{settings.host}:{settings.port}", flush=True)
+              f"{http_url(settings.host, settings.port)}", flush=True)
         return serve(settings, model_dirs, "", ready_text, sock, make_loader=partial(RayLoader, handle),
                      run_time_models=False)
     finally:

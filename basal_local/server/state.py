@@ -43,6 +43,7 @@ class AppState:
     load_error: str | None = None
     stopping: bool = False
     closing: bool = False  # shutdown began: event streams end now (server/events.py close_streams)
+    stopped_at_once: bool = False  # a second Ctrl-C/SIGTERM: requests still running are cut, not drained
     event_streams: set[Callable[[], None]] = field(default_factory=set)  # one wake-up per open /api/events
     access_log: bool = False
     log_bodies: bool = False  # request content goes to the log only when asked (--log-bodies)

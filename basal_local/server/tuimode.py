@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..addresses import local_url
 from .daemon import _Server, build, serve, shutdown, start_loading
 from .demotraffic import demo_traffic
 from .events import BusLogHandler
@@ -39,15 +40,6 @@ def _route_logging(state: AppState) -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
-
-
-def local_url(host: str, port: int) -> str:
-    """Where a client on this machine reaches a daemon bound to host:port."""
-    if host in ("0.0.0.0", "", "::"):
-        host = "127.0.0.1"
-    elif ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 def serve_with_options(settings: Settings, model_dirs: list[Path], banner: str, tui: bool, traffic: bool) -> int:
