@@ -286,10 +286,10 @@ def serve(settings: Settings, model_dirs: list[Path], banner: str = "", ready_te
     def stop() -> None:
         server.should_exit = True
 
+    if banner:  # first: the loader's log lines come after the line that says the models are loading
+        print(banner, flush=True)
     start_loading(state, settings, model_dirs, stop, freeze=True,
                   on_ready=(lambda: print(ready_text, flush=True)) if ready_text else None, **loading)
-    if banner:
-        print(banner, flush=True)
     try:
         server.run(sockets=[sock] if sock is not None else None)
     finally:
