@@ -35,10 +35,11 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
-def stamp_request_id(message: dict, scope: dict) -> None:
+async def stamp_request_id(message: dict, scope: dict) -> None:
     """Litestar `before_send`: the request id headers on every response of the app that has none yet (the
     client's `x-request-id` echoed, else a new one), including the router's 404 and 405, which never reach a
-    route's middleware."""
+    route's middleware. A coroutine: Litestar runs a plain function hook in a worker thread, a hop per ASGI
+    message (two per response) through the thread pool and back."""
     if message["type"] != "http.response.start":
         return
     headers = message.setdefault("headers", [])
