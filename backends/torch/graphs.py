@@ -156,7 +156,7 @@ class Graphs:
         host.copy_(entry.logits, non_blocking=True)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        # a (tokens, readouts) size not captured at warm-up is captured on its first use (two eager warm-up runs
+        # a (tokens, readouts) size not captured at warm-up is captured on its first use (an eager warm-up run
         # and the capture): the record says so, as the cause of that batch's time
         kind = "graph captured now" if len(self.graphs) > graphs else "graph"
         return Launched(host, len(batch.readout_index), len(batch.letter_ids), start, end, kind)
@@ -215,7 +215,7 @@ def graph_size(tokens: int, chunk: int = 1) -> int:
 def warm_sizes(max_tokens: int, chunk: int = 1) -> list[tuple[int, int]]:
     """The (tokens, readouts) graphs warm-up captures: per token bucket up to `max_tokens`, every readout bucket up
     to the one that holds a readout per MIN_TOKENS_PER_READOUT tokens. A size missing here is captured when a
-    batch first needs it, and that capture (two eager runs, ~0.2 s for the 4.5B preset) holds the lane."""
+    batch first needs it, and that capture (an eager run and the capture, ~0.2 s for the 4.5B preset) holds the lane."""
     # every bucket a forward of at most `max_tokens` can take: those below it and the one that holds it
     sizes = sorted({graph_size(s, chunk) for s in TOKEN_BUCKETS if s <= graph_size(max_tokens)})
     out = []
