@@ -98,15 +98,15 @@ def first_sentence(exc: BaseException) -> str:
 def budget_bytes(setting: str | float, device_memory: tuple[int, int] | None, ram: int | None = None,
                  replicas: int = 1, weights: int = 0) -> int:
     """`--prefix-cache`: the pool's bytes. `device_memory`: (free, total) of the GPU after the weights (None off a
-    GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller one;
-    on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A size or a share is per replica; a share
-    is of the GPU's free memory (with `replicas` on it, of each one's equal part, as auto), without a GPU of the memory the system has available now (`ram` in tests; on a
-    Mac, which does not report it, all of the RAM), not of all of it, which left nothing for the weights and the
-    rest of the machine. `replicas` of one model on the
-    GPU (each with `weights` bytes of weights): auto gives each the same part of what the GPU holds after all
-    their weights, at most 60 % of what is free, whichever of them opens its pool first (they load side by side;
-    each taking 60 % of what it saw free, two replicas on an H200 took 74 and 29 GB, and two that looked at the
-    same moment would have asked for more than the GPU holds)."""
+    GPU). auto: on a GPU of 40 GB or more 60 % of what is free after the warm-up's reserve, 25 % on a smaller
+    one; on the CPU or a Mac (unified memory) 5 % of the RAM, at most 2 GiB. A size or a share is per replica; a
+    share is of the GPU's free memory (with `replicas` on it, of each one's equal part, as auto), without a GPU
+    of the memory the system has available now (`ram` in tests; on a Mac, which does not report it, all of the
+    RAM), not of all of it, which left nothing for the weights and the rest of the machine. `replicas` of one
+    model on the GPU (each with `weights` bytes of weights): auto gives each the same part of what the GPU holds
+    after all their weights, at most 60 % of what is free, whichever of them opens its pool first (they load
+    side by side; each taking 60 % of what it saw free, two replicas on an H200 took 74 and 29 GB, and two that
+    looked at the same moment would have asked for more than the GPU holds)."""
     text = str(setting).strip().lower()
     if text == "off":
         return 0

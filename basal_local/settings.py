@@ -41,8 +41,8 @@ class EngineSettings:
     prefix_cache: str = setting("auto", "memory for K/V kept between requests (the templates, and documents, so a new "
                                         "question about a known document computes only its own tokens): a size "
                                         "(8GB) or a share of the free GPU memory (0.5, 50%%; without a GPU of the "
-                                        "available RAM, all of it on a Mac), per replica; auto (most of a large GPU's free memory, "
-                                        "little on the CPU or a Mac) or off", flag="--prefix-cache",
+                                        "available RAM, all of it on a Mac), per replica; auto (most of a large "
+                                        "GPU's free memory, little on the CPU or a Mac) or off", flag="--prefix-cache",
                                 metavar="SIZE|SHARE|auto|off", number_ok=True, validate="prefix_cache")
     # after a batch of n requests, wait up to this long (and at most a quarter of that batch's time) for n/2 to
     # queue before starting a small batch, so closed-loop clients do not alternate full and tiny batches.

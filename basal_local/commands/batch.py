@@ -201,7 +201,8 @@ def run_command(args: argparse.Namespace) -> int:
         raise UserError(f"--output {out_path} is the input file: it would be overwritten",
                         "write the answers to another file, e.g. --output answers.jsonl")
     if out_path.is_dir():
-        raise UserError(f"--output {out_path} is a folder", f"give a file in it, e.g. --output {out_path / 'answers.jsonl'}")
+        raise UserError(f"--output {out_path} is a folder",
+                        f"give a file in it, e.g. --output {out_path / 'answers.jsonl'}")
     items = read_items(in_path)
     if not out_path.parent.is_dir():
         raise UserError(f"--output {out_path}: folder {out_path.parent} does not exist", "create it, or pick another")
